@@ -1,0 +1,83 @@
+"""Attention of packed, ragged queries over a paged KV cache.
+
+Each sequence s contributes query_lens[s] query tokens (a prefill chunk or one decode token), packed
+back to back in `q`. Its keys and values live in the blocks listed in its row of `block_tables`;
+its queries are the last query_lens[s] of its context_lens[s] positions, and attend causally
+(optionally only to the last `window` positions).
+
+`paged_attention_ref` is the pure-torch reference; `paged_attention` dispatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class PagedBatch:
+    """Where each sequence of a micro-batch sits in the packed queries and in the KV cache."""
+
+    query_start: tuple[int, ...]  # [S + 1] offsets of each sequence's queries in the packed tokens
+    context_lens: tuple[int, ...]  # [S] tokens in the cache after this step's writes
+    block_tables: torch.Tensor  # [S, max_blocks] int64 block ids, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64 cache slot (block * block_size + offset) of each new token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+    _check(q, k_cache, v_cache, batch)
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for s in range(batch.num_seqs):
+        q0, q1, ctx = batch.query_start[s], batch.query_start[s + 1], batch.context_lens[s]
+        blocks = batch.block_tables[s, : -(-ctx // block_size)]
+        k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:ctx]
+        q_pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # [q_len, ctx]
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        o = F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )  # [Hq, q_len, D]
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q heads/dim {tuple(q.shape[1:])} do not match cache heads/dim {tuple(k_cache.shape[2:])}")
+    if batch.query_start[-1] != q.shape[0] or len(batch.query_start) != batch.num_seqs + 1:
+        raise ValueError(f"query_start {batch.query_start} does not cover {q.shape[0]} query tokens")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from cache dtype {k_cache.dtype}")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention over the paged cache; the Triton kernel takes over on CUDA once it lands."""
+    return paged_attention_ref(q, k_cache, v_cache, batch, scale, window)

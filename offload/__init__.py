@@ -1,0 +1,1 @@
+"""Memory-tiered offload engine: the Python API and the model runtime."""

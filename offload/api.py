@@ -1,0 +1,261 @@
+"""The Python API: `LLM(model_dir).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload.config import EngineConfig, ModelSpec, SamplingParams
+from offload.engine import Engine
+from offload.errors import OffloadError
+from offload.model.checkpoint import Checkpoint
+from offload.model.loader import load_spec
+from offload.sampling import sample
+from scheduler.batcher import Batcher, BatchLimits
+from scheduler.plan import SeqChunk, StepPlan, pack_micro_batches
+from scheduler.sequence import Sequence
+from tiers.io.pread import PreadReader
+from tiers.kv import BlockPool, BlockTables, KVCache
+from tiers.weights import ResidentWeights
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    prompt: str | None
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (eos or a stop string) or "length"
+
+
+@dataclass(frozen=True, slots=True)
+class RunStats:
+    """What the last `generate` call did, and how fast."""
+
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    steps: int
+    preemptions: int
+    peak_kv_blocks: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens over the whole run (prefill included)."""
+        return self.generated_tokens / max(self.prefill_seconds + self.decode_seconds, 1e-9)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return (self.generated_tokens - self.requests) / max(self.decode_seconds, 1e-9)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the weights and the KV cache live."""
+
+    device: str
+    dtype: str
+    weight_bytes: int
+    kv_bytes: int
+    kv_blocks: int
+    block_size: int
+    checkpoint_bytes_read: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise OffloadError(f"device {name!r}: this machine has no CUDA device")
+    return torch.device(name)
+
+
+def load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase
+    from transformers import AutoTokenizer
+
+    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise OffloadError(f"{model_dir}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise OffloadError(f"{model_dir}: cannot load the tokenizer ({str(exc).splitlines()[0]})") from None
+
+
+def _eos_ids(model_dir: Path, spec: ModelSpec) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json's, else config.json's."""
+    path = model_dir / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    except json.JSONDecodeError as exc:
+        raise OffloadError(f"{path}: not valid JSON ({exc})") from None
+    if eos is not None:
+        return tuple(eos) if isinstance(eos, list) else (eos,)
+    return spec.eos_token_ids
+
+
+class LLM:
+    """A model loaded for generation. `model=None` runs the embedded demo model."""
+
+    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None) -> None:
+        from offload.demo import ensure_demo_model
+
+        config = config or EngineConfig()
+        self.config = config
+        self.model_dir = Path(model).expanduser() if model is not None else ensure_demo_model()
+        self.spec, self.family = load_spec(self.model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = getattr(torch, self.spec.dtype if config.dtype == "auto" else config.dtype)
+        self.eos_ids = _eos_ids(self.model_dir, self.spec)
+        with PreadReader() as reader:
+            self.weights = ResidentWeights(Checkpoint(self.model_dir, reader), self.family, self.spec,
+                                           self.device, self.dtype)
+        self.kv = self._make_kv_cache()
+        self.tables = BlockTables(BlockPool(self.kv.num_blocks), config.block_size)
+        self.max_model_len = min(self.spec.max_position, self.kv.num_blocks * config.block_size)
+        self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype)
+        self.stats: RunStats | None = None
+
+    def _make_kv_cache(self) -> KVCache:
+        s, c = self.spec, self.config
+        geometry = (s.num_layers, c.block_size, s.num_kv_heads, s.head_dim)
+        per_block = KVCache.block_bytes(*geometry, self.dtype)
+        if c.kv_cache_bytes < per_block:
+            raise OffloadError(f"kv cache memory of {c.kv_cache_bytes} bytes holds no block "
+                               f"(one block of {c.block_size} tokens needs {per_block} bytes)")
+        return KVCache(s.num_layers, c.kv_cache_bytes // per_block, c.block_size, s.num_kv_heads, s.head_dim,
+                       self.dtype, self.device)
+
+    @functools.cached_property
+    def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase; loaded when text is first used
+        return load_tokenizer(self.model_dir)
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(
+            device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            weight_bytes=self.weights.stats.resident_bytes, kv_bytes=self.kv.nbytes,
+            kv_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
+            checkpoint_bytes_read=self.weights.stats.bytes_read,
+        )
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def encode(self, prompt: str, index: int = 0) -> list[int]:
+        if not prompt:
+            raise OffloadError(f"prompt {index} is empty")
+        return self._check_ids(self.tokenizer(prompt)["input_ids"], index)
+
+    def encode_chat(self, messages: list[dict], index: int = 0) -> list[int]:
+        if not messages or not all(m.get("content") for m in messages):
+            raise OffloadError(f"conversation {index} is empty or has a message without content")
+        if self.tokenizer.chat_template is None:
+            raise OffloadError(f"{self.model_dir}: the tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return self._check_ids(list(ids), index)
+
+    def _check_ids(self, ids: list[int], index: int) -> list[int]:
+        if not ids:
+            raise OffloadError(f"prompt {index} encodes to no tokens")
+        if len(ids) >= self.max_model_len:
+            raise OffloadError(
+                f"prompt {index} has {len(ids)} tokens; the context window is {self.max_model_len} tokens "
+                f"(max_position_embeddings {self.spec.max_position}, KV cache "
+                f"{self.kv.num_blocks * self.kv.block_size} tokens) and must leave room for one new token"
+            )
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise OffloadError(f"prompt {index}: token id {bad[0]} is outside the vocabulary of {self.spec.vocab_size}")
+        return ids
+
+    def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[Completion]:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = [self.encode(p, i) for i, p in enumerate(prompts)]
+        return self.generate_ids(ids, params, prompts)
+
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[Completion]:
+        ids = [self.encode_chat(c, i) for i, c in enumerate(conversations)]
+        return self.generate_ids(ids, params)
+
+    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams | None = None,
+                     prompts: list[str] | None = None) -> list[Completion]:
+        """Generate for already-tokenized prompts; one Completion per prompt, in order."""
+        params = params or SamplingParams()
+        seqs = [Sequence(i, list(self._check_ids(ids, i)), params) for i, ids in enumerate(prompt_ids)]
+        gens = {s.seq_id: self._generator(params.seed) for s in seqs}
+        batcher = Batcher(self.tables, self._limits(), self.eos_ids)
+        for s in seqs:
+            batcher.add(s)
+        timing = {True: 0.0, False: 0.0}  # is_prefill -> seconds
+        steps = peak = 0
+        while batcher.has_work:
+            plan = batcher.schedule()
+            start = time.perf_counter()
+            out = self.engine.step(plan)
+            tokens = sample(out.logits, [seqs[i].params for i in out.seq_ids], [gens[i] for i in out.seq_ids])
+            timing[plan.is_prefill] += time.perf_counter() - start
+            steps += 1
+            peak = max(peak, self.tables.num_used)
+            batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)))
+            self._check_stop_strings([seqs[i] for i in out.seq_ids], batcher)
+        self.stats = RunStats(
+            requests=len(seqs), prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
+            generated_tokens=sum(len(s.output_ids) for s in seqs), prefill_seconds=timing[True],
+            decode_seconds=timing[False], steps=steps, preemptions=batcher.num_preemptions, peak_kv_blocks=peak,
+        )
+        prompts = prompts or [None] * len(seqs)
+        return [self._completion(s, p) for s, p in zip(seqs, prompts, strict=True)]
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+
+    def _limits(self) -> BatchLimits:
+        c = self.config
+        return BatchLimits(c.max_num_seqs, c.max_step_tokens, c.micro_batch_tokens, self.max_model_len)
+
+    def _check_stop_strings(self, seqs: list[Sequence], batcher: Batcher) -> None:
+        for seq in seqs:
+            stops = seq.params.stop
+            if not stops or seq.finish_reason == "stop":
+                continue
+            # a stop string completed this step lies within the last len(stop) tokens (slack for byte pieces)
+            tail = self.tokenizer.decode(seq.output_ids[-(max(map(len, stops)) + 8):], skip_special_tokens=True)
+            if any(s in tail for s in stops):
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    batcher.finish(seq, "stop")
+
+    def _completion(self, seq: Sequence, prompt: str | None) -> Completion:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text = text[:cut]
+        return Completion(prompt, text, tuple(seq.output_ids), len(seq.prompt_ids), seq.finish_reason or "length")
+
+    def score(self, prompt_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Logits [len(ids), vocab] (float32) at every position of each token list: the prompt's scores."""
+        ids = [self._check_ids(list(t), i) for i, t in enumerate(prompt_ids)]
+        result: list[torch.Tensor] = []
+        pending = list(enumerate(ids))
+        while pending:
+            chunks = []
+            while pending and (table := self.tables.grow(pending[0][0], len(pending[0][1]))) is not None:
+                seq_id, t = pending.pop(0)
+                chunks.append(SeqChunk(seq_id, tuple(t), 0, tuple(table)))
+            if not chunks:
+                raise OffloadError("a prompt does not fit the KV cache")  # _check_ids makes this unreachable
+            plan = StepPlan(pack_micro_batches(chunks, self.config.micro_batch_tokens), True, all_logits=True)
+            logits = self.engine.step(plan).logits
+            result.extend(logits.split([len(c.token_ids) for c in chunks]))
+            for c in chunks:
+                self.tables.free(c.seq_id)
+        return result

@@ -1,0 +1,134 @@
+"""Frozen configuration: the model's shape, the engine's settings and a request's sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from offload.errors import OffloadError
+
+DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """Rotary position embedding parameters, as read from config.json."""
+
+    theta: float = 10000.0
+    kind: str = "default"  # "default", "linear" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer of the Llama family."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    dtype: str  # the checkpoint's declared dtype, one of DTYPES
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # per layer: attend only to the last `window` positions, or None for full causal attention
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise OffloadError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise OffloadError(
+                f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.dtype not in DTYPES:
+            raise OffloadError(f"config.json: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if len(self.sliding_windows) not in (0, self.num_layers):
+            raise OffloadError(f"config.json: {len(self.sliding_windows)} layer types for {self.num_layers} layers")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """Bytes of K and V that one token occupies across all layers."""
+        return 2 * self.num_layers * self.kv_size * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine runs: compute dtype and device, KV cache geometry, batch limits."""
+
+    dtype: str = "auto"  # "auto" = the checkpoint's dtype
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    block_size: int = 16  # tokens per KV block
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64  # sequences in one step
+    max_step_tokens: int = 4096  # tokens computed in one step (prefill)
+    micro_batch_tokens: int = 2048  # tokens per micro-batch inside a step
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise OffloadError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise OffloadError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_step_tokens", "micro_batch_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise OffloadError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request picks its tokens. temperature 0 means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise OffloadError(f"max_new_tokens must be at least 1, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise OffloadError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise OffloadError(f"top_k must be >= 0, got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise OffloadError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise OffloadError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,84 @@
+"""Runs one StepPlan layer-major: each layer's weights are acquired once and serve every micro-batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.paged_attention import PagedBatch
+from offload.config import ModelSpec
+from offload.model.registry import Family, LayerInput
+from offload.model.rope import cos_sin, inverse_frequencies
+from scheduler.plan import MicroBatch, StepPlan
+from tiers.kv import KVCache
+from tiers.weights import ResidentWeights
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    seq_ids: tuple[int, ...]  # chunks that asked for logits, in plan order
+    # [len(seq_ids), vocab] float32; with plan.all_logits, [their tokens, vocab] in packed order
+    logits: torch.Tensor
+
+
+@dataclass(slots=True)
+class _Prepared:
+    token_ids: torch.Tensor  # [tokens]
+    cos: torch.Tensor  # [tokens, head_dim]
+    sin: torch.Tensor
+    batch: PagedBatch
+    logit_rows: torch.Tensor  # [rows] indices into the micro-batch's tokens
+
+
+class Engine:
+    def __init__(self, spec: ModelSpec, family: Family, weights: ResidentWeights, kv: KVCache,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.spec, self.family, self.weights, self.kv = spec, family, weights, kv
+        self.device, self.dtype = device, dtype
+        self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim).to(device)
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepOutput:
+        prepared = [self._prepare(mb, plan.all_logits) for mb in plan.micro_batches]
+        hidden = [self.family.embed(self.weights.embed, p.token_ids) for p in prepared]
+        for layer in range(self.spec.num_layers):
+            w = self.weights.acquire(layer)
+            k_cache, v_cache = self.kv.layer(layer)
+            for i, p in enumerate(prepared):
+                inp = LayerInput(p.cos, p.sin, p.batch, k_cache, v_cache)
+                hidden[i] = self.family.layer(self.spec, layer, w, hidden[i], inp)
+            self.weights.release(layer)
+        rows = torch.cat([h[p.logit_rows] for h, p in zip(hidden, prepared, strict=True)])
+        logits = self.family.head(self.spec, self.weights.head, rows).float()
+        seq_ids = tuple(c.seq_id for c in plan.chunks if c.wants_logits or plan.all_logits)
+        return StepOutput(seq_ids, logits)
+
+    def _prepare(self, mb: MicroBatch, all_logits: bool) -> _Prepared:
+        block_size = self.kv.block_size
+        token_ids, positions, slots, starts, rows = [], [], [], [0], []
+        for c in mb.chunks:
+            pos = range(c.start_pos, c.context_len)
+            token_ids.extend(c.token_ids)
+            positions.extend(pos)
+            slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in pos)
+            if all_logits:
+                rows.extend(range(starts[-1], starts[-1] + len(c.token_ids)))
+            elif c.wants_logits:
+                rows.append(starts[-1] + len(c.token_ids) - 1)
+            starts.append(starts[-1] + len(c.token_ids))
+        width = max(len(c.block_table) for c in mb.chunks)
+        tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in mb.chunks]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        pos_t = tensor(positions)
+        cos, sin = cos_sin(self.inv_freq, pos_t, self.dtype)
+        batch = PagedBatch(
+            query_start=tuple(starts),
+            context_lens=tuple(c.context_len for c in mb.chunks),
+            block_tables=torch.tensor(tables, dtype=torch.int64, device=self.device),
+            slot_mapping=tensor(slots),
+        )
+        return _Prepared(tensor(token_ids), cos, sin, batch, tensor(rows))

@@ -1,0 +1,147 @@
+"""Safetensors checkpoints read tensor by tensor, by file extent; the whole file is never loaded.
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON naming each tensor's
+dtype, shape and [begin, end) byte range relative to the end of the header, then the data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload.errors import OffloadError
+from tiers.io.pread import PreadReader
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+
+# safetensors dtype code -> (torch dtype, bytes per element)
+TORCH_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "F64": (torch.float64, 8),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+}
+FLOAT_CODES = ("F32", "F16", "BF16")
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """Where one tensor's bytes lie in a file."""
+
+    name: str
+    path: Path
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    dtype: str  # safetensors dtype code, e.g. "BF16"
+    shape: tuple[int, ...]
+
+
+def _parse_header(reader: PreadReader, path: Path) -> dict[str, Extent]:
+    file_size = reader.size(path)
+    if file_size < 8:
+        raise OffloadError(f"{path}: truncated: {file_size} bytes, not a safetensors file")
+    (header_len,) = struct.unpack("<Q", reader.read(path, 0, 8))
+    if header_len > min(MAX_HEADER_BYTES, file_size - 8):
+        raise OffloadError(f"{path}: truncated or corrupt: header of {header_len} bytes in a {file_size}-byte file")
+    try:
+        header = json.loads(reader.read(path, 8, header_len))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OffloadError(f"{path}: corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise OffloadError(f"{path}: corrupt safetensors header (not a JSON object)")
+    data_start = 8 + header_len
+    extents = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        extents[name] = _extent(path, name, info, data_start, file_size)
+    return extents
+
+
+def _extent(path: Path, name: str, info: object, data_start: int, file_size: int) -> Extent:
+    try:
+        dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+        raise OffloadError(f"{path}: tensor {name}: malformed header entry {info!r}") from None
+    if dtype not in TORCH_DTYPES:
+        raise OffloadError(f"{path}: tensor {name}: unsupported dtype {dtype!r}")
+    nbytes = math.prod(shape) * TORCH_DTYPES[dtype][1]
+    if end - begin != nbytes or begin < 0:
+        raise OffloadError(f"{path}: tensor {name}: byte range {begin}..{end} does not hold {dtype} {list(shape)}")
+    if data_start + end > file_size:
+        raise OffloadError(
+            f"{path}: truncated: tensor {name} ends at byte {data_start + end}, the file has {file_size}"
+        )
+    return Extent(name, path, data_start + begin, nbytes, dtype, shape)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise OffloadError(f"{index}: not a safetensors index ({exc})") from None
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise OffloadError(f"{f}: weight file listed in {INDEX_FILE} is missing")
+        return files
+    if (model_dir / SINGLE_FILE).exists():
+        return [model_dir / SINGLE_FILE]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise OffloadError(f"{model_dir}: no *.safetensors weight files (only safetensors checkpoints are read)")
+    return files
+
+
+class Checkpoint:
+    """Every tensor of a model directory's safetensors files, by extent; data is read on demand."""
+
+    def __init__(self, model_dir: Path, reader: PreadReader) -> None:
+        self.model_dir = model_dir
+        self.reader = reader
+        self.extents: dict[str, Extent] = {}
+        for path in _weight_files(model_dir):
+            self.extents.update(_parse_header(reader, path))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.extents
+
+    def extent(self, name: str) -> Extent:
+        try:
+            return self.extents[name]
+        except KeyError:
+            raise OffloadError(f"{self.model_dir}: checkpoint has no tensor {name!r}") from None
+
+    def check(self, name: str, shape: tuple[int, ...]) -> Extent:
+        """The extent of `name`, verified to be a float tensor of `shape`."""
+        ext = self.extent(name)
+        if ext.shape != shape:
+            raise OffloadError(f"{ext.path.name}: tensor {name} has shape {list(ext.shape)}, expected {list(shape)}")
+        if ext.dtype not in FLOAT_CODES:
+            raise OffloadError(
+                f"{ext.path.name}: tensor {name} has dtype {ext.dtype}, expected one of {', '.join(FLOAT_CODES)}"
+            )
+        return ext
+
+    def read(self, ext: Extent) -> torch.Tensor:
+        """The tensor at `ext`, in its stored dtype, on the CPU."""
+        buf = self.reader.read(ext.path, ext.offset, ext.nbytes)
+        dtype = TORCH_DTYPES[ext.dtype][0]
+        if ext.nbytes == 0:
+            return torch.empty(ext.shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(ext.shape)

@@ -1,0 +1,71 @@
+"""Architecture registry: the `architectures` name in config.json -> the module that runs that family.
+
+A new family is a new module exposing `FAMILY` (a `Family`) plus one line in `ARCHITECTURES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from offload.config import ModelSpec
+from offload.errors import OffloadError
+from kernels.paged_attention import PagedBatch
+
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "offload.model.llama",
+    "MistralForCausalLM": "offload.model.llama",
+    "Qwen2ForCausalLM": "offload.model.llama",
+    "Qwen3ForCausalLM": "offload.model.llama",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A checkpoint tensor a family needs: its name in the checkpoint and the shape it must have."""
+
+    name: str
+    shape: tuple[int, ...]
+
+
+Weights = dict[str, torch.Tensor]  # short name (e.g. "q_proj") -> tensor on the compute device
+
+
+@dataclass(slots=True)
+class LayerInput:
+    """What every layer of one micro-batch shares: rotary tables, the paged-cache view, the layer's KV."""
+
+    cos: torch.Tensor  # [tokens, head_dim]
+    sin: torch.Tensor  # [tokens, head_dim]
+    batch: PagedBatch
+    k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] of this layer
+    v_cache: torch.Tensor
+
+
+class Family(Protocol):
+    """The functional forward of one model family; weights arrive as arguments, never read from files."""
+
+    def spec_from_config(self, config: dict, source: str) -> ModelSpec: ...
+
+    def embed_tensors(self, spec: ModelSpec) -> dict[str, TensorSpec]: ...
+
+    def layer_tensors(self, spec: ModelSpec, layer: int) -> dict[str, TensorSpec]: ...
+
+    def head_tensors(self, spec: ModelSpec) -> dict[str, TensorSpec]: ...
+
+    def embed(self, w: Weights, token_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def layer(self, spec: ModelSpec, layer: int, w: Weights, hidden: torch.Tensor, inp: LayerInput) -> torch.Tensor: ...
+
+    def head(self, spec: ModelSpec, w: Weights, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def get_family(architecture: str, source: str = "config.json") -> Family:
+    module = ARCHITECTURES.get(architecture)
+    if module is None:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise OffloadError(f"{source}: unknown architecture {architecture!r} (supported: {known})")
+    return importlib.import_module(module).FAMILY

@@ -1,0 +1,37 @@
+"""Pick the next token from logits: greedy, or temperature / top-k / top-p sampling with per-request seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from offload.config import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [vocab] float32 scaled by temperature, with tokens outside top-k and top-p set to -inf."""
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token once the tokens ranked above it already hold top_p of the mass; the first stays
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """One token per row of logits [rows, vocab] (float32)."""
+    greedy = logits.argmax(-1).tolist()
+    tokens = []
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if p.greedy:
+            tokens.append(greedy[row])
+            continue
+        probs = filter_logits(logits[row], p).softmax(-1)
+        tokens.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+    return tokens

@@ -1,0 +1,38 @@
+"""Memory sizes as users write them: "8GiB", "500MB", "1.5G", or a plain number of bytes."""
+
+from __future__ import annotations
+
+import re
+
+from offload.errors import OffloadError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """Bytes in `text`. Decimal units (MB, GB) are powers of 10, binary ones (MiB, GiB, and bare G) of 2."""
+    if isinstance(text, int):
+        if text < 0:
+            raise OffloadError(f"{what}: {text} is negative")
+        return text
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise OffloadError(f"{what}: cannot read {text!r} as a size (examples: 512MiB, 8GiB, 2GB)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(nbytes: int) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 TINY = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
 )
 
@@ -31,6 +31,27 @@ def family_config(family: str):
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: bos 1 and eos 2 as in TINY
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer without merges: 3 special tokens, then the 256 bytes (ids 3..258)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(SPECIALS)} | {c: i + 3 for i, c in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(path)
 
 
 def make_checkpoint(path: Path, family: str, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -45,7 +66,7 @@ def make_checkpoint(path: Path, family: str, dtype: torch.dtype = torch.float32,
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, 0.5 if "embed" in name else 0.15)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
             else:
@@ -53,6 +74,7 @@ def make_checkpoint(path: Path, family: str, dtype: torch.dtype = torch.float32,
     model = model.to(dtype).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
+    save_byte_tokenizer(path)
     return model
 
 

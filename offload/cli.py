@@ -1,0 +1,114 @@
+"""`offload` command line: `offload generate` (more subcommands arrive with their features)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+from offload.errors import OffloadError
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete prompts with a model (default: the embedded demo model)",
+                       description="Complete prompts. Without --model, runs the embedded demo model "
+                                   "(built once, locally, in your cache directory) on a few prompts.")
+    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for a batch")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = no limit")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string; repeatable")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--kv-cache-memory", default="1GiB", metavar="SIZE", help="KV cache size, e.g. 512MiB")
+    p.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences per step")
+    p.add_argument("--json", action="store_true", help="print one JSON object per completion, then the stats")
+    p.set_defaults(run=_generate)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from offload.api import LLM
+    from offload.config import EngineConfig, SamplingParams
+    from offload.demo import DEMO_PROMPTS
+    from tiers.budget import parse_size
+
+    config = EngineConfig(
+        dtype=args.dtype, device=args.device, block_size=args.block_size,
+        kv_cache_bytes=parse_size(args.kv_cache_memory, "--kv-cache-memory"), max_num_seqs=args.max_num_seqs,
+    )
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt if args.prompt is not None else list(DEMO_PROMPTS if args.model is None else [])
+    if not prompts:
+        raise OffloadError("--prompt is required with --model")
+    llm = LLM(args.model, config)
+    if args.chat:
+        completions = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        completions = llm.generate(prompts, params)
+    if args.json:
+        for p, c in zip(prompts, completions, strict=True):
+            print(json.dumps({"prompt": p, "text": c.text, "finish_reason": c.finish_reason,
+                              "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids)}))
+    else:
+        for p, c in zip(prompts, completions, strict=True):
+            print(f"\033[1m{p}\033[0m{c.text}" if sys.stdout.isatty() else f"{p}{c.text}")
+            print()
+    print(_summary(llm, completions), file=sys.stderr if args.json else sys.stdout)
+
+
+def _summary(llm, completions) -> str:
+    from tiers.budget import format_size
+
+    s, pl = llm.stats, llm.placement
+    reasons = ", ".join(f"{n} {r}" for r, n in sorted(Counter(c.finish_reason for c in completions).items()))
+    kv_used = s.peak_kv_blocks * pl.block_size
+    lines = [
+        f"model      {llm.model_dir}",
+        f"requests   {s.requests}: {s.prompt_tokens} prompt tokens, {s.generated_tokens} generated ({reasons})",
+        f"time       prefill {s.prefill_seconds:.3f} s, decode {s.decode_seconds:.3f} s in {s.steps} steps"
+        + (f", {s.preemptions} preemptions" if s.preemptions else ""),
+        f"speed      {s.tokens_per_second:.1f} tokens/s overall, {s.decode_tokens_per_second:.1f} tokens/s decoding",
+        f"weights    {format_size(pl.weight_bytes)} {pl.dtype}, all resident on {pl.device} "
+        f"(read {format_size(pl.checkpoint_bytes_read)} from the checkpoint)",
+        f"kv cache   {format_size(pl.kv_bytes)} on {pl.device}: {pl.kv_blocks} blocks of {pl.block_size} tokens, "
+        f"peak {s.peak_kv_blocks} blocks ({kv_used} token slots)",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload", description="Run language models larger than your "
+                                     "accelerator's memory by streaming weights and KV across tiers.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except OffloadError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

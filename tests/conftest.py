@@ -58,7 +58,9 @@ def make_checkpoint(path: Path, family: str, dtype: torch.dtype = torch.float32,
                     max_shard_size: str | None = None):
     """Save a random `family` model to `path`; returns the transformers model (eval mode)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()
     torch.manual_seed(seed)
     config = family_config(family)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,0 +1,140 @@
+"""Generation semantics: batching, eos, stop strings, limits, seeds, preemption, chat."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import make_checkpoint
+from offload.api import LLM
+from offload.config import EngineConfig, SamplingParams
+
+PROMPTS = ["Hello there", "The cat", "zzz", "A much longer prompt than the others, to make the batch ragged"]
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint(path, "llama")
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
+
+
+@pytest.fixture(scope="module")
+def greedy_alone(llm):
+    return [llm.generate(p, GREEDY)[0] for p in PROMPTS]
+
+
+def test_batched_greedy_equals_one_at_a_time(llm, greedy_alone):
+    batched = llm.generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in batched] == [c.token_ids for c in greedy_alone]
+    assert all(len(c.token_ids) == 24 and c.finish_reason == "length" for c in batched)
+    assert llm.stats.requests == 4 and llm.stats.generated_tokens == 96
+    assert llm.stats.steps == 24  # one prefill step, then 23 decode steps
+    llm.tables.check_integrity()
+    assert llm.tables.num_used == 0
+
+
+def test_micro_batches_do_not_change_results(model_dir, greedy_alone):
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4, micro_batch_tokens=8))
+    assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == [c.token_ids for c in greedy_alone]
+
+
+def test_preemption_when_kv_runs_out_recomputes_and_loses_nothing(model_dir, greedy_alone):
+    # 3 layers * 2 * 2 kv heads * 16 dims * 4 bytes = 768 bytes/token; 72 KiB = 96 tokens = 24 blocks of 4,
+    # enough for the longest request alone (63 + 24 tokens), not for all four (about 190)
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=72 << 10, block_size=4))
+    assert llm.kv.num_blocks == 24
+    got = llm.generate(PROMPTS, GREEDY)
+    assert llm.stats.preemptions > 0
+    assert llm.stats.peak_kv_blocks <= 24
+    assert [c.token_ids for c in got] == [c.token_ids for c in greedy_alone]
+    llm.tables.check_integrity()
+
+
+def test_max_num_seqs_limits_the_running_set(model_dir, greedy_alone):
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, max_num_seqs=2))
+    got = llm.generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in got] == [c.token_ids for c in greedy_alone]
+    assert llm.stats.steps > 24  # the last two prompts joined when the first two finished
+
+
+def test_eos_stops_a_sequence(model_dir, greedy_alone, tmp_path):
+    tokens = greedy_alone[0].token_ids
+    eos = tokens[5]
+    first = tokens.index(eos)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 2]}))
+    try:
+        llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22))
+        (c,) = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=24))
+    finally:
+        (model_dir / "generation_config.json").unlink()
+    assert c.token_ids == tokens[: first + 1]
+    assert c.finish_reason == "stop"
+
+
+def test_max_new_tokens(llm, greedy_alone):
+    (c,) = llm.generate(PROMPTS[1], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert c.token_ids == greedy_alone[1].token_ids[:5]
+    assert c.finish_reason == "length"
+
+
+def test_stop_string_ends_and_trims_the_text(llm, greedy_alone):
+    text = greedy_alone[0].text
+    match = re.search(r"[A-Za-z0-9_]{2}", text[3:])
+    assert match, f"no ASCII pair to stop on in {text!r}"
+    stop = match.group(0)
+    (c,) = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop, "never")))
+    assert c.finish_reason == "stop"
+    assert c.text == text[: text.index(stop)]
+    assert len(c.token_ids) < 24
+
+
+def test_context_window_ends_generation(model_dir):
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=768 * 32, block_size=4))  # a 32-token window
+    assert llm.max_model_len == 32
+    (c,) = llm.generate("0123456789", SamplingParams(max_new_tokens=100, ignore_eos=True))
+    assert c.prompt_tokens == 11 and len(c.token_ids) == 21 and c.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    first = llm.generate(PROMPTS, params)
+    again = llm.generate(PROMPTS, params)
+    alone = llm.generate(PROMPTS[2], params)
+    other = llm.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=8,
+                                                 ignore_eos=True))
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert alone[0].token_ids == first[2].token_ids  # a request's draws do not depend on its batch
+    assert [c.token_ids for c in other] != [c.token_ids for c in first]
+
+
+def test_top_k_one_is_greedy(llm, greedy_alone):
+    params = SamplingParams(max_new_tokens=24, temperature=0.8, top_k=1, seed=1, ignore_eos=True)
+    assert llm.generate(PROMPTS[3], params)[0].token_ids == greedy_alone[3].token_ids
+
+
+def test_chat_applies_the_template(llm):
+    conv = [{"role": "user", "content": "hi"}]
+    (c,) = llm.chat([conv], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    expected = llm.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert c.prompt_tokens == len(llm.tokenizer(expected, add_special_tokens=False)["input_ids"])
+    assert len(c.token_ids) == 4
+
+
+def test_stats_and_placement(llm):
+    llm.generate(PROMPTS, GREEDY)
+    s, p = llm.stats, llm.placement
+    assert s.prompt_tokens == sum(len(llm.encode(x)) for x in PROMPTS)
+    assert s.prefill_seconds > 0 and s.decode_seconds > 0 and s.tokens_per_second > 0
+    assert p.device == "cpu" and p.dtype == "float32"
+    params = sum(t.numel() for t in llm.weights.embed.values())  # embed + head + layers, counted once
+    assert p.weight_bytes >= params * 4
+    assert p.kv_bytes == p.kv_blocks * llm.kv.bytes_per_block

@@ -53,8 +53,12 @@ def paged_attention_ref(
         if window is not None:
             mask &= k_pos > q_pos - window
         o = F.scaled_dot_product_attention(
-            q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=scale, enable_gqa=True,
+            q[q0:q1].transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
         )  # [Hq, q_len, D]
         out[q0:q1] = o.transpose(0, 1)
     return out

@@ -114,8 +114,9 @@ class LLM:
         self.dtype = getattr(torch, self.spec.dtype if config.dtype == "auto" else config.dtype)
         self.eos_ids = _eos_ids(self.model_dir, self.spec)
         with PreadReader() as reader:
-            self.weights = ResidentWeights(Checkpoint(self.model_dir, reader), self.family, self.spec,
-                                           self.device, self.dtype)
+            self.weights = ResidentWeights(
+                Checkpoint(self.model_dir, reader), self.family, self.spec, self.device, self.dtype
+            )
         self.kv = self._make_kv_cache()
         self.tables = BlockTables(BlockPool(self.kv.num_blocks), config.block_size)
         self.max_model_len = min(self.spec.max_position, self.kv.num_blocks * config.block_size)
@@ -127,10 +128,19 @@ class LLM:
         geometry = (s.num_layers, c.block_size, s.num_kv_heads, s.head_dim)
         per_block = KVCache.block_bytes(*geometry, self.dtype)
         if c.kv_cache_bytes < per_block:
-            raise OffloadError(f"kv cache memory of {c.kv_cache_bytes} bytes holds no block "
-                               f"(one block of {c.block_size} tokens needs {per_block} bytes)")
-        return KVCache(s.num_layers, c.kv_cache_bytes // per_block, c.block_size, s.num_kv_heads, s.head_dim,
-                       self.dtype, self.device)
+            raise OffloadError(
+                f"kv cache memory of {c.kv_cache_bytes} bytes holds no block "
+                f"(one block of {c.block_size} tokens needs {per_block} bytes)"
+            )
+        return KVCache(
+            s.num_layers,
+            c.kv_cache_bytes // per_block,
+            c.block_size,
+            s.num_kv_heads,
+            s.head_dim,
+            self.dtype,
+            self.device,
+        )
 
     @functools.cached_property
     def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase; loaded when text is first used
@@ -139,9 +149,12 @@ class LLM:
     @property
     def placement(self) -> Placement:
         return Placement(
-            device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            weight_bytes=self.weights.stats.resident_bytes, kv_bytes=self.kv.nbytes,
-            kv_blocks=self.kv.num_blocks, block_size=self.kv.block_size,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            weight_bytes=self.weights.stats.resident_bytes,
+            kv_bytes=self.kv.nbytes,
+            kv_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size,
             checkpoint_bytes_read=self.weights.stats.bytes_read,
         )
 
@@ -185,8 +198,12 @@ class LLM:
         ids = [self.encode_chat(c, i) for i, c in enumerate(conversations)]
         return self.generate_ids(ids, params)
 
-    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams | None = None,
-                     prompts: list[str] | None = None) -> list[Completion]:
+    def generate_ids(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams | None = None,
+        prompts: list[str] | None = None,
+    ) -> list[Completion]:
         """Generate for already-tokenized prompts; one Completion per prompt, in order."""
         params = params or SamplingParams()
         seqs = [Sequence(i, list(self._check_ids(ids, i)), params) for i, ids in enumerate(prompt_ids)]
@@ -207,9 +224,14 @@ class LLM:
             batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)))
             self._check_stop_strings([seqs[i] for i in out.seq_ids], batcher)
         self.stats = RunStats(
-            requests=len(seqs), prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
-            generated_tokens=sum(len(s.output_ids) for s in seqs), prefill_seconds=timing[True],
-            decode_seconds=timing[False], steps=steps, preemptions=batcher.num_preemptions, peak_kv_blocks=peak,
+            requests=len(seqs),
+            prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
+            generated_tokens=sum(len(s.output_ids) for s in seqs),
+            prefill_seconds=timing[True],
+            decode_seconds=timing[False],
+            steps=steps,
+            preemptions=batcher.num_preemptions,
+            peak_kv_blocks=peak,
         )
         prompts = prompts or [None] * len(seqs)
         return [self._completion(s, p) for s, p in zip(seqs, prompts, strict=True)]
@@ -227,7 +249,7 @@ class LLM:
             if not stops or seq.finish_reason == "stop":
                 continue
             # a stop string completed this step lies within the last len(stop) tokens (slack for byte pieces)
-            tail = self.tokenizer.decode(seq.output_ids[-(max(map(len, stops)) + 8):], skip_special_tokens=True)
+            tail = self.tokenizer.decode(seq.output_ids[-(max(map(len, stops)) + 8) :], skip_special_tokens=True)
             if any(s in tail for s in stops):
                 if seq.is_finished:
                     seq.finish_reason = "stop"

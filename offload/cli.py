@@ -11,10 +11,15 @@ from offload.errors import OffloadError
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="complete prompts with a model (default: the embedded demo model)",
-                       description="Complete prompts. Without --model, runs the embedded demo model "
-                                   "(built once, locally, in your cache directory) on a few prompts.")
-    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    p = sub.add_parser(
+        "generate",
+        help="complete prompts with a model (default: the embedded demo model)",
+        description="Complete prompts. Without --model, runs the embedded demo model "
+        "(built once, locally, in your cache directory) on a few prompts.",
+    )
+    p.add_argument(
+        "--model", metavar="DIR", help="Hugging Face model directory (config.json, *.safetensors, tokenizer)"
+    )
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for a batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the chat template")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
@@ -40,12 +45,20 @@ def _generate(args: argparse.Namespace) -> None:
     from tiers.budget import parse_size
 
     config = EngineConfig(
-        dtype=args.dtype, device=args.device, block_size=args.block_size,
-        kv_cache_bytes=parse_size(args.kv_cache_memory, "--kv-cache-memory"), max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_bytes=parse_size(args.kv_cache_memory, "--kv-cache-memory"),
+        max_num_seqs=args.max_num_seqs,
     )
     params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
     )
     prompts = args.prompt if args.prompt is not None else list(DEMO_PROMPTS if args.model is None else [])
     if not prompts:
@@ -57,8 +70,17 @@ def _generate(args: argparse.Namespace) -> None:
         completions = llm.generate(prompts, params)
     if args.json:
         for p, c in zip(prompts, completions, strict=True):
-            print(json.dumps({"prompt": p, "text": c.text, "finish_reason": c.finish_reason,
-                              "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids)}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": p,
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                        "prompt_tokens": c.prompt_tokens,
+                        "completion_tokens": len(c.token_ids),
+                    }
+                )
+            )
     else:
         for p, c in zip(prompts, completions, strict=True):
             print(f"\033[1m{p}\033[0m{c.text}" if sys.stdout.isatty() else f"{p}{c.text}")
@@ -87,8 +109,11 @@ def _summary(llm, completions) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="offload", description="Run language models larger than your "
-                                     "accelerator's memory by streaming weights and KV across tiers.")
+    parser = argparse.ArgumentParser(
+        prog="offload",
+        description="Run language models larger than your "
+        "accelerator's memory by streaming weights and KV across tiers.",
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)

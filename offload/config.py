@@ -49,8 +49,16 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise OffloadError(f"config.json: {name} must be a positive integer, got {value!r}")

@@ -32,8 +32,15 @@ class _Prepared:
 
 
 class Engine:
-    def __init__(self, spec: ModelSpec, family: Family, weights: ResidentWeights, kv: KVCache,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        family: Family,
+        weights: ResidentWeights,
+        kv: KVCache,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.spec, self.family, self.weights, self.kv = spec, family, weights, kv
         self.device, self.dtype = device, dtype
         self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim).to(device)

@@ -22,9 +22,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of logits [rows, vocab] (float32)."""
     greedy = logits.argmax(-1).tolist()
     tokens = []

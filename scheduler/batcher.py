@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from scheduler.plan import SeqChunk, StepPlan, pack_micro_batches
-from scheduler.sequence import Sequence, SeqState
+from scheduler.sequence import SeqState, Sequence
 from tiers.kv import BlockTables
 
 
@@ -37,8 +37,9 @@ class Batcher:
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens >= self.limits.max_model_len:
-            raise ValueError(f"sequence {seq.seq_id} has {seq.num_tokens} tokens, max_model_len is "
-                             f"{self.limits.max_model_len}")
+            raise ValueError(
+                f"sequence {seq.seq_id} has {seq.num_tokens} tokens, max_model_len is {self.limits.max_model_len}"
+            )
         self.waiting.append(seq)
 
     @property

@@ -8,8 +8,16 @@ import pytest
 import torch
 
 TINY = dict(
-    vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 
@@ -18,9 +26,17 @@ def family_config(family: str):
     import transformers as tf
 
     if family == "llama":  # Llama 3 rope scaling, untied head
-        return tf.LlamaConfig(**TINY, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        return tf.LlamaConfig(
+            **TINY,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
     if family == "mistral":  # sliding window shorter than the prompts
         return tf.MistralConfig(**TINY, sliding_window=7)
     if family == "qwen2":  # qkv bias, tied head
@@ -54,8 +70,13 @@ def save_byte_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def make_checkpoint(path: Path, family: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    max_shard_size: str | None = None):
+def make_checkpoint(
+    path: Path,
+    family: str,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+):
     """Save a random `family` model to `path`; returns the transformers model (eval mode)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging

@@ -95,8 +95,14 @@ class KVCache:
     """K and V tensors per layer, [num_blocks, block_size, kv_heads, head_dim] each, on one device."""
 
     def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
         # torch.empty: pages are committed only as blocks are first written

@@ -26,8 +26,14 @@ class WeightStats:
 class ResidentWeights:
     """Reads every tensor once, by extent, converts it to the compute dtype and keeps it on the device."""
 
-    def __init__(self, checkpoint: Checkpoint, family: Family, spec: ModelSpec,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        family: Family,
+        spec: ModelSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.device, self.dtype = device, dtype
         start = time.perf_counter()
         groups = [family.embed_tensors(spec), family.head_tensors(spec)]

@@ -16,8 +16,16 @@ from offload.errors import OffloadError
 from offload.model.registry import LayerInput, TensorSpec, Weights
 from offload.model.rope import apply_rope
 
-_CONFIG_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "fp32": "float32",
-                  "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}
+_CONFIG_DTYPES = {
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "half": "float16",
+    "float": "float32",
+}
 
 
 def _require(config: dict, key: str, source: str) -> object:
@@ -39,7 +47,9 @@ def _rope(config: dict, source: str) -> RopeSpec:
     if kind == "llama3":
         try:
             return RopeSpec(
-                theta=theta, kind="llama3", factor=float(params["factor"]),
+                theta=theta,
+                kind="llama3",
+                factor=float(params["factor"]),
                 low_freq_factor=float(params["low_freq_factor"]),
                 high_freq_factor=float(params["high_freq_factor"]),
                 original_max_position=int(params["original_max_position_embeddings"]),

@@ -11,9 +11,9 @@ from typing import Protocol
 
 import torch
 
+from kernels.paged_attention import PagedBatch
 from offload.config import ModelSpec
 from offload.errors import OffloadError
-from kernels.paged_attention import PagedBatch
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "offload.model.llama",

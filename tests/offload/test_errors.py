@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import make_checkpoint
+
 from offload.cli import main
 
 
@@ -45,10 +45,10 @@ def rewrite_header(path: Path, edit) -> None:
     """Apply `edit` to the JSON header of a safetensors file, keeping the data section."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     edit(header)
     new = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
 def test_valid_checkpoint_runs(capsys, model_dir):
@@ -90,7 +90,9 @@ def test_unknown_architecture(capsys, model_dir):
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (model_dir / "config.json").write_text(json.dumps(config))
     assert_one_line_error(
-        *run_cli(capsys, "--model", str(model_dir), "--prompt", "hi"), "GPTNeoXForCausalLM", "LlamaForCausalLM"
+        *run_cli(capsys, "--model", str(model_dir), "--prompt", "hi"),
+        "GPTNeoXForCausalLM",
+        "LlamaForCausalLM",
     )
 
 
@@ -137,7 +139,9 @@ def test_corrupt_header(capsys, model_dir):
 
 
 def test_empty_prompt(capsys, good_dir):
-    assert_one_line_error(*run_cli(capsys, "--model", str(good_dir), "--prompt", "ok", "--prompt", ""), "prompt 1", "empty")
+    assert_one_line_error(
+        *run_cli(capsys, "--model", str(good_dir), "--prompt", "ok", "--prompt", ""), "prompt 1", "empty"
+    )
 
 
 def test_prompt_longer_than_context_window(capsys, good_dir):
@@ -181,8 +185,11 @@ def test_console_entry_point_exit_status(tmp_path):
     """The real process: exit 2 and a single stderr line."""
     proc = subprocess.run(
         [sys.executable, "-m", "offload", "generate", "--model", str(tmp_path), "--prompt", "hi"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'config.json'}: not found "
-                                                "(a model directory holds config.json and *.safetensors)"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'config.json'}: not found (a model directory holds config.json and *.safetensors)"
+    ]

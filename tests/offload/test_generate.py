@@ -6,8 +6,8 @@ import json
 import re
 
 import pytest
-
 from conftest import make_checkpoint
+
 from offload.api import LLM
 from offload.config import EngineConfig, SamplingParams
 
@@ -109,8 +109,9 @@ def test_seeded_sampling_is_reproducible(llm):
     first = llm.generate(PROMPTS, params)
     again = llm.generate(PROMPTS, params)
     alone = llm.generate(PROMPTS[2], params)
-    other = llm.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=8,
-                                                 ignore_eos=True))
+    other = llm.generate(
+        PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=8, ignore_eos=True)
+    )
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
     assert alone[0].token_ids == first[2].token_ids  # a request's draws do not depend on its batch
     assert [c.token_ids for c in other] != [c.token_ids for c in first]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_checkpoint
+
 from offload.api import LLM
 from offload.config import EngineConfig, SamplingParams
 from scheduler.plan import SeqChunk, StepPlan, pack_micro_batches
@@ -72,7 +72,7 @@ def test_greedy_tokens_match_transformers_generate(family_checkpoint):
     for ids in batch:
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
-        expected.append(out[0, len(ids):].tolist())
+        expected.append(out[0, len(ids) :].tolist())
     llm = LLM(path, EngineConfig(kv_cache_bytes=1 << 22, block_size=8))
     got = llm.generate_ids(batch, SamplingParams(max_new_tokens=32, ignore_eos=True))
     assert [list(c.token_ids) for c in got] == expected

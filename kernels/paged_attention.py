@@ -69,10 +69,17 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         raise ValueError(f"shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q heads/dim {tuple(q.shape[1:])} do not match cache heads/dim {tuple(k_cache.shape[2:])}")
-    if batch.query_start[-1] != q.shape[0] or len(batch.query_start) != batch.num_seqs + 1:
-        raise ValueError(f"query_start {batch.query_start} does not cover {q.shape[0]} query tokens")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from cache dtype {k_cache.dtype}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    starts = batch.query_start
+    if len(starts) != batch.num_seqs + 1 or starts[0] != 0 or starts[-1] != q.shape[0]:
+        raise ValueError(f"query_start {starts} does not cover {q.shape[0]} query tokens from 0")
+    capacity = batch.block_tables.shape[1] * k_cache.shape[1]  # tokens a block-table row can address
+    for s, ctx in enumerate(batch.context_lens):
+        if not 0 <= starts[s + 1] - starts[s] <= ctx <= capacity:
+            raise ValueError(
+                f"sequence {s}: {starts[s + 1] - starts[s]} queries, context {ctx}, block table holds {capacity}"
+            )
 
 
 def paged_attention(

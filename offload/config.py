@@ -126,7 +126,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise OffloadError(f"max_new_tokens must be at least 1, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also rejects NaN
             raise OffloadError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_k < 0:
             raise OffloadError(f"top_k must be >= 0, got {self.top_k!r}")

@@ -120,7 +120,8 @@ class Batcher:
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` now (eos, length, or a stop string the caller found) and free its blocks."""
         self.tables.free(seq.seq_id)
-        if seq in self.running:
-            self.running.remove(seq)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
         seq.state = SeqState.FINISHED
         seq.finish_reason = reason

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from offload.errors import OffloadError
 
@@ -35,14 +36,14 @@ def parse_size(text: str | int, what: str = "size") -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise OffloadError(f"{what}: cannot read {text!r} as a size (examples: 512MiB, 8GiB, 2GB)")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(Decimal(match.group(1)) * _UNITS[unit])  # Decimal: "4.1GB" is exactly 4100000000
 
 
 def format_size(nbytes: int) -> str:
     """Human-readable binary size: 1536 -> '1.5 KiB'."""
     size = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
+        if round(size, 1) < 1024 or unit == "TiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")

@@ -70,12 +70,10 @@ class BlockTables:
         """Extend the table of `seq_id` to hold `num_tokens` tokens; None (nothing taken) if it does not fit."""
         table = self._tables.setdefault(seq_id, [])
         extra = self.pool.allocate(max(0, self.blocks_for(num_tokens) - len(table)))
-        if extra is None:
-            if not table:
-                del self._tables[seq_id]
-            return None
-        table.extend(extra)
-        return table
+        table.extend(extra or [])
+        if not table:
+            del self._tables[seq_id]
+        return None if extra is None else table
 
     def free(self, seq_id: int) -> None:
         self.pool.free(self._tables.pop(seq_id, []))

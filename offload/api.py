@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from offload.config import EngineConfig, ModelSpec, SamplingParams
+from offload.config import EngineConfig, ModelSpec, Policy, SamplingParams
 from offload.engine import Engine
 from offload.errors import OffloadError
 from offload.model.checkpoint import Checkpoint
@@ -19,9 +19,13 @@ from offload.sampling import sample
 from scheduler.batcher import Batcher, BatchLimits
 from scheduler.plan import SeqChunk, StepPlan, pack_micro_batches
 from scheduler.sequence import Sequence
+from tiers.device import DeviceTier
+from tiers.host import HostTier
+from tiers.io.base import make_backend
 from tiers.io.pread import PreadReader
 from tiers.kv import BlockPool, BlockTables, KVCache
-from tiers.weights import ResidentWeights
+from tiers.placement import plan_policy
+from tiers.weights import ModelLayout, WeightStore, group_cost, model_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +117,15 @@ class LLM:
         self.device = resolve_device(config.device)
         self.dtype = getattr(torch, self.spec.dtype if config.dtype == "auto" else config.dtype)
         self.eos_ids = _eos_ids(self.model_dir, self.spec)
-        with PreadReader() as reader:
-            self.weights = ResidentWeights(
-                Checkpoint(self.model_dir, reader), self.family, self.spec, self.device, self.dtype
-            )
+        self.device_tier = DeviceTier(config.device_memory, self.device)
+        # on CUDA the host tier also holds pinned staging buffers, which the host budget does not cover yet
+        self.host_tier = HostTier(config.host_memory if self.device.type == "cpu" else None)
         self.kv = self._make_kv_cache()
+        with PreadReader() as reader:  # headers only; tensor data goes through the NVMe backend
+            layout = model_layout(Checkpoint(self.model_dir, reader), self.family, self.spec)
+        self.policy = self._plan(layout)
+        self.backend = make_backend(config.io_backend)
+        self.weights = WeightStore(layout, self.backend, self.policy, self.device_tier, self.host_tier, self.dtype)
         self.tables = BlockTables(BlockPool(self.kv.num_blocks), config.block_size)
         self.max_model_len = min(self.spec.max_position, self.kv.num_blocks * config.block_size)
         self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype)
@@ -132,15 +140,22 @@ class LLM:
                 f"kv cache memory of {c.kv_cache_bytes} bytes holds no block "
                 f"(one block of {c.block_size} tokens needs {per_block} bytes)"
             )
-        return KVCache(
-            s.num_layers,
-            c.kv_cache_bytes // per_block,
-            c.block_size,
-            s.num_kv_heads,
-            s.head_dim,
-            self.dtype,
-            self.device,
-        )
+        blocks = c.kv_cache_bytes // per_block
+        kv = KVCache(s.num_layers, blocks, c.block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+        if not self.device_tier.adopt(kv.storage):
+            raise OffloadError(
+                f"--kv-cache-memory ({c.kv_cache_bytes} bytes) does not fit --device-memory ({c.device_memory} bytes)"
+            )
+        return kv
+
+    def _plan(self, layout: ModelLayout) -> Policy:
+        """Place the layers in what the device budget leaves after the KV cache, the embedding and the head."""
+        cost = functools.partial(group_cost, dtype=self.dtype, device=self.device)
+        free = self.device_tier.num_free
+        if free is not None:
+            free -= cost(layout.embed) + cost(layout.head)
+        layer_costs = [cost(g) for g in layout.layers]
+        return plan_policy(layer_costs, max(layer_costs), free, self.config.host_memory, self.config.ring_slots)
 
     @functools.cached_property
     def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase; loaded when text is first used

@@ -88,6 +88,28 @@ class ModelSpec:
         return 2 * self.num_layers * self.kv_size * DTYPE_BYTES[dtype]
 
 
+TIERS = ("device", "host", "nvme")
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Where each decoder layer's weights live. Placement is data; tiers/weights.py moves bytes to match it."""
+
+    layer_tiers: tuple[str, ...]  # per layer: "device" (resident), "host" (RAM copy), "nvme" (streamed)
+    ring_slots: int = 0  # device buffers that streamed layers pass through; 0 when nothing streams
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.layer_tiers if t not in TIERS]
+        if bad:
+            raise OffloadError(f"policy: tier {bad[0]!r} is not one of {', '.join(TIERS)}")
+        if "nvme" in self.layer_tiers and self.ring_slots < 2:
+            raise OffloadError(f"policy: streamed layers need at least 2 ring slots, got {self.ring_slots}")
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_tiers) if t == "nvme")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How the engine runs: compute dtype and device, KV cache geometry, batch limits."""
@@ -99,12 +121,21 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_step_tokens: int = 4096  # tokens computed in one step (prefill)
     micro_batch_tokens: int = 2048  # tokens per micro-batch inside a step
+    device_memory: int | None = None  # bytes for weights + KV cache on the compute device; None = no budget
+    host_memory: int = 0  # bytes of host RAM that may hold layers read once (not streamed)
+    io_backend: str = "pread"  # NVMe reads: "pread" (O_DIRECT thread pool), "aio" (DeepSpeed AsyncIO) or "auto"
+    ring_slots: int = 3  # device buffers for streamed layers: one computing, the rest reading ahead
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise OffloadError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise OffloadError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.ring_slots < 2:
+            raise OffloadError(f"ring_slots must be at least 2, got {self.ring_slots!r}")
+        for name, value in (("device_memory", self.device_memory), ("host_memory", self.host_memory)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise OffloadError(f"{name} must be a non-negative number of bytes, got {value!r}")
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_step_tokens", "micro_batch_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

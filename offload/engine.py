@@ -12,7 +12,7 @@ from offload.model.registry import Family, LayerInput
 from offload.model.rope import cos_sin, inverse_frequencies
 from scheduler.plan import MicroBatch, StepPlan
 from tiers.kv import KVCache
-from tiers.weights import ResidentWeights
+from tiers.weights import WeightStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,7 @@ class Engine:
         self,
         spec: ModelSpec,
         family: Family,
-        weights: ResidentWeights,
+        weights: WeightStore,
         kv: KVCache,
         device: torch.device,
         dtype: torch.dtype,

@@ -21,13 +21,15 @@ TINY = dict(
 )
 
 
-def family_config(family: str):
+def family_config(family: str, **overrides):
     """A tiny transformers config exercising what sets `family` apart."""
     import transformers as tf
 
+    tiny = TINY | overrides
+
     if family == "llama":  # Llama 3 rope scaling, untied head
         return tf.LlamaConfig(
-            **TINY,
+            **tiny,
             rope_parameters={
                 "rope_type": "llama3",
                 "rope_theta": 500000.0,
@@ -38,11 +40,11 @@ def family_config(family: str):
             },
         )
     if family == "mistral":  # sliding window shorter than the prompts
-        return tf.MistralConfig(**TINY, sliding_window=7)
+        return tf.MistralConfig(**tiny, sliding_window=7)
     if family == "qwen2":  # qkv bias, tied head
-        return tf.Qwen2Config(**TINY, tie_word_embeddings=True)
+        return tf.Qwen2Config(**tiny, tie_word_embeddings=True)
     if family == "qwen3":  # q/k norm, head_dim decoupled from hidden_size / heads
-        return tf.Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=False)
+        return tf.Qwen3Config(**tiny, head_dim=24, tie_word_embeddings=False)
     raise ValueError(family)
 
 
@@ -76,6 +78,7 @@ def make_checkpoint(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     max_shard_size: str | None = None,
+    **overrides,
 ):
     """Save a random `family` model to `path`; returns the transformers model (eval mode)."""
     from transformers import AutoModelForCausalLM
@@ -83,7 +86,7 @@ def make_checkpoint(
 
     logging.disable_progress_bar()
     torch.manual_seed(seed)
-    config = family_config(family)
+    config = family_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # wider weights than the default init make the logits decisive, so greedy paths do not hinge on ties
     with torch.no_grad():

@@ -113,6 +113,11 @@ class KVCache:
         """Bytes of one block: K and V of `block_size` tokens in every layer."""
         return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
+    @property
+    def storage(self) -> torch.Tensor:
+        """The one tensor holding every block of every layer."""
+        return self._data
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._data[layer, 0], self._data[layer, 1]
 

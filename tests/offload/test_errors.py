@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_checkpoint
 
+from conftest import make_checkpoint
 from offload.cli import main
 
 

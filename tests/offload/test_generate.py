@@ -6,8 +6,8 @@ import json
 import re
 
 import pytest
-from conftest import make_checkpoint
 
+from conftest import make_checkpoint
 from offload.api import LLM
 from offload.config import EngineConfig, SamplingParams
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_checkpoint
 
+from conftest import make_checkpoint
 from offload.api import LLM
 from offload.config import EngineConfig, SamplingParams
 from scheduler.plan import SeqChunk, StepPlan, pack_micro_batches
@@ -101,4 +101,5 @@ def test_sharded_checkpoint_with_index(tmp_path):
     ids = prompts((11,))[0]
     torch.testing.assert_close(llm.score([ids])[0], reference_logits(model, ids), atol=ATOL, rtol=0)
     total = sum(p.stat().st_size for p in tmp_path.glob("model-*.safetensors"))
-    assert 0.9 * total < llm.placement.checkpoint_bytes_read <= total
+    groups = llm.spec.num_layers + 2  # each group's reads are 4 KiB-aligned: at most a page of slack per end
+    assert 0.9 * total < llm.placement.checkpoint_bytes_read <= total + groups * 2 * 4096

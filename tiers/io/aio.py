@@ -1,0 +1,147 @@
+"""Reads through DeepSpeed's AsyncIO op (libaio, O_DIRECT), the NVMe path of ZeRO-Inference.
+
+What the op (DeepSpeed 0.19) does and does not do, and how this backend fits around it:
+- `async_pread(buffer, filename, file_offset)` reads buffer.nbytes() bytes at file_offset, split evenly across
+  the handle's threads, each in block_size iocbs. It opens the file by name with O_DIRECT on every call, asserts
+  (aborting the process) that the read ends inside the file, and ignores per-iocb errors and short reads.
+  So the op only ever gets the aligned bulk of a span that lies inside the file and divides into equal aligned
+  shares; the remainder (the last partial page, at most threads * ALIGN bytes) goes to the preadv pool.
+- `wait()` reaps every op in flight on the handle, not one: requests carry a ticket, and the first wait()
+  covering a ticket reaps all outstanding ops. Destroying a handle with ops in flight aborts, hence `close()`.
+- A buffer that is not page-locked (torch-pinned or the op's own) is read through a bounce buffer the op
+  allocates and mlocks per read, then copied: correct, slower, and bounded by RLIMIT_MEMLOCK (checked here,
+  since a failed mlock aborts inside the op).
+Files on filesystems without O_DIRECT are read by the preadv pool, buffered; `is_direct(path)` says which.
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from offload.errors import OffloadError
+from tiers.io.base import ALIGN, OpenFile, _check_unchanged
+from tiers.io.direct import PreadBackend
+
+
+@functools.cache
+def _load_op() -> ModuleType | str:
+    """DeepSpeed's async_io op, or one line saying why not. The first call in a fresh environment JIT-builds it
+    (minutes; cached under ~/.cache/torch_extensions), later calls and processes load the cached build."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except Exception as exc:  # ImportError, or deepspeed failing its own import
+        return f"deepspeed is not importable ({exc}); install it with `pip install --no-deps deepspeed`"
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible():
+        return "libaio is missing (apt-get install libaio-dev)"
+    try:
+        return builder.load(verbose=False)
+    except Exception as exc:
+        return f"building DeepSpeed's async_io op failed ({str(exc).splitlines()[0] if str(exc) else exc!r})"
+
+
+def aio_unavailable() -> str | None:
+    """None when the aio backend can run here, else why not (loading, and if needed building, the op)."""
+    op = _load_op()
+    return op if isinstance(op, str) else None
+
+
+class AioBackend(PreadBackend):
+    """libaio reads through a DeepSpeed aio_handle; the preadv pool takes partial tails and non-O_DIRECT files."""
+
+    name = "aio"
+
+    def __init__(
+        self,
+        block_size: int = 4 << 20,
+        queue_depth: int = 32,
+        aio_threads: int = 1,
+        threads: int = 4,
+        chunk_bytes: int = 8 << 20,
+    ) -> None:
+        op = _load_op()
+        if isinstance(op, str):
+            raise OffloadError(f"I/O backend 'aio': {op}")
+        if block_size < ALIGN or block_size % ALIGN:
+            raise ValueError(f"block_size must be a positive multiple of {ALIGN}, got {block_size}")
+        if aio_threads < 1:
+            raise ValueError(f"aio_threads must be >= 1, got {aio_threads}")
+        super().__init__(threads, chunk_bytes)
+        # block_size: bytes per iocb; queue_depth: iocbs in flight per handle thread
+        self._handle = op.aio_handle(block_size, queue_depth, False, True, aio_threads)
+        self._share = aio_threads * ALIGN  # bytes; the op's reads divide into aio_threads aligned shares
+        self._lock_limit = _memlock_limit()  # bytes the op may mlock for bounce buffers
+        self._aio_lock = threading.Lock()  # serializes submit and reap on the handle
+        self._pending: list[tuple[int, bool]] = []  # (bytes, bounced) of each op submitted and not yet reaped
+        self._submitted = 0  # tickets handed out; op k is reaped once _reaped >= k
+        self._reaped = 0
+
+    def _start(self, file: OpenFile, start: int, region: torch.Tensor) -> Callable[[], int]:
+        if not file.direct:
+            return super()._start(file, start, region)
+        inside = min(region.numel(), file.size - start)  # bytes of the span inside the file
+        bulk = inside - inside % self._share
+        tail = super()._start(file, start + bulk, region[bulk:]) if bulk < region.numel() else (lambda: 0)
+        if bulk == 0:
+            return tail
+        bounced = not region.is_pinned()
+        with self._aio_lock:
+            if bounced:
+                locked = sum(n for n, b in self._pending if b)
+                if locked + bulk > self._lock_limit:
+                    tail()
+                    raise OffloadError(
+                        f"{file.path}: aio read of {bulk} bytes into an unpinned buffer needs a page-locked bounce "
+                        f"buffer beyond RLIMIT_MEMLOCK ({self._lock_limit} bytes, {locked} in use); pass a pinned "
+                        "buffer, raise `ulimit -l`, or use the pread backend"
+                    )
+            self._io_begin()
+            if self._handle.async_pread(region[:bulk], str(file.path), start) != 0:
+                self._io_end(0)
+                tail()
+                raise OffloadError(f"{file.path}: aio read of bytes {start}..{start + bulk} did not start")
+            self._pending.append((bulk, bounced))
+            self._submitted += 1
+            ticket = self._submitted
+
+        def reap() -> int:
+            self._reap(ticket)
+            _check_unchanged(file)  # the op reports no short reads: a file that shrank under it must not pass
+            return bulk + tail()
+
+        return reap
+
+    def _reap(self, ticket: int) -> None:
+        """Block until op `ticket` is complete, reaping every op in flight with it."""
+        with self._aio_lock:
+            if self._reaped >= ticket:
+                return
+            self._handle.wait()
+            for nbytes, _ in self._pending:
+                self._io_end(nbytes)
+            self._pending.clear()
+            self._reaped = self._submitted
+
+    def close(self) -> None:
+        self._reap(self._submitted)
+        super().close()
+
+
+CAP_IPC_LOCK = 14  # capability bit: mlock without limit
+
+
+def _memlock_limit() -> float:
+    """Bytes this process may mlock: unlimited with CAP_IPC_LOCK or an infinite RLIMIT_MEMLOCK."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    status = Path("/proc/self/status")
+    caps = next((line.split()[1] for line in status.read_text().splitlines() if line.startswith("CapEff:")), "0")
+    if soft == resource.RLIM_INFINITY or int(caps, 16) >> CAP_IPC_LOCK & 1:
+        return float("inf")
+    return float(soft)

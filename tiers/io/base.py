@@ -1,0 +1,242 @@
+"""The NVMe read interface: asynchronous reads of byte extents into aligned buffers, backends chosen by name.
+
+A backend reads the ALIGN-aligned superset of the requested extent into the start of the caller's aligned
+buffer, with O_DIRECT wherever the filesystem accepts it, so the page cache holds none of the checkpoint and
+the bandwidth measured is the device's. `ReadRequest.wait()` hands back exactly the requested bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from offload.errors import OffloadError
+
+ALIGN = 4096  # bytes; O_DIRECT alignment of file offsets, lengths and buffer addresses (>= the logical block size)
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has no O_DIRECT: every file then reads buffered
+BACKENDS = ("auto", "pread", "aio")
+
+
+class Span(NamedTuple):
+    """An ALIGN-aligned extent of a file."""
+
+    start: int  # bytes, a multiple of ALIGN
+    length: int  # bytes, a multiple of ALIGN
+
+
+def aligned_span(offset: int, nbytes: int) -> Span:
+    """The smallest aligned extent covering bytes [offset, offset + nbytes)."""
+    start = offset - offset % ALIGN
+    end = -(-(offset + nbytes) // ALIGN) * ALIGN
+    return Span(start, end - start)
+
+
+def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` rounded up to ALIGN, starting on an ALIGN boundary.
+
+    pin=True page-locks it when CUDA is available (what the copy engine reads from); elsewhere it is ignored.
+    """
+    length = aligned_span(0, nbytes).length
+    raw = torch.empty(length + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip : skip + length]
+
+
+@dataclass(slots=True)
+class OpenFile:
+    """A file a backend holds open, with the identity it had at first open."""
+
+    path: Path
+    fd: int
+    ino: int
+    size: int  # bytes
+    mtime_ns: int
+    direct: bool  # opened with O_DIRECT; False where the filesystem refused it (EINVAL)
+
+
+class ReadRequest:
+    """One read in flight. `wait()` blocks until the requested bytes are in the buffer and returns a view of them."""
+
+    __slots__ = ("_path", "_offset", "_nbytes", "_start", "_view", "_reap", "_error")
+
+    def __init__(self, path: Path, offset: int, nbytes: int, start: int, view: torch.Tensor, reap: Callable[[], int]):
+        self._path = path
+        self._offset = offset
+        self._nbytes = nbytes
+        self._start = start  # file offset of the buffer's first byte
+        self._view = view  # [nbytes] uint8, inside the caller's buffer
+        self._reap: Callable[[], int] | None = reap  # blocks; returns the bytes that landed from `start` on
+        self._error: OffloadError | None = None  # once set, every wait() raises it
+
+    def wait(self) -> torch.Tensor:
+        """The requested bytes: a uint8 view into the buffer given to `submit`. Waiting twice is harmless."""
+        if self._reap is not None:
+            reap, self._reap = self._reap, None
+            try:
+                landed = reap()
+            except OffloadError as exc:
+                self._error = exc
+            else:
+                if self._nbytes and self._start + landed < self._offset + self._nbytes:
+                    self._error = OffloadError(
+                        f"{self._path}: truncated: wanted bytes {self._offset}..{self._offset + self._nbytes}, "
+                        f"file ends at {self._start + landed}"
+                    )
+        if self._error is not None:
+            raise self._error
+        return self._view
+
+
+class ReadBackend(ABC):
+    """Asynchronous aligned reads from files that stay open until `close()`.
+
+    Invariants: `submit` reads the aligned span of [offset, offset + nbytes) into buf[:span.length] and never
+    writes past it; bytes outside the file's end are left as they were. `bytes_read` counts bytes transferred from
+    storage (aligned lengths, short only at end of file); `read_seconds` is the wall time during which at least one
+    read was in flight, so bytes_read / read_seconds is the achieved bandwidth. A file's inode, size and mtime are
+    taken at its first open, and a later `submit` that finds them changed raises, so a checkpoint rewritten during
+    a run is never read half old, half new.
+    """
+
+    name: str
+
+    def __init__(self) -> None:
+        self.bytes_read = 0  # bytes
+        self.read_seconds = 0.0
+        self._files: dict[Path, OpenFile] = {}
+        self._lock = threading.Lock()  # guards _files and the counters
+        self._in_flight = 0  # reads begun and not yet ended (see _io_begin)
+        self._busy_since = 0.0
+
+    @abstractmethod
+    def _start(self, file: OpenFile, start: int, region: torch.Tensor) -> Callable[[], int]:
+        """Begin reading file bytes from `start` into `region` ([aligned length] uint8, aligned, not past the span).
+
+        Returns a function that blocks until the read is done and returns how many bytes landed from `start` on
+        (fewer than len(region) only at end of file).
+        """
+
+    def submit(self, path: Path, offset: int, nbytes: int, buf: torch.Tensor) -> ReadRequest:
+        """Start reading bytes [offset, offset + nbytes) of `path`; `buf` receives their aligned span at its start."""
+        if offset < 0 or nbytes < 0:
+            raise ValueError(f"offset and nbytes must be >= 0, got offset={offset} nbytes={nbytes}")
+        span = aligned_span(offset, nbytes)
+        _check_buffer(buf, span.length)
+        file = self._open(path)
+        _check_unchanged(file)
+        if offset + nbytes > file.size:
+            raise OffloadError(f"{path}: truncated: wanted bytes {offset}..{offset + nbytes}, file ends at {file.size}")
+        region = buf[: span.length]
+        view = buf[offset - span.start : offset - span.start + nbytes]
+        reap = self._start(file, span.start, region) if nbytes else lambda: 0
+        return ReadRequest(path, offset, nbytes, span.start, view, reap)
+
+    def file_size(self, path: Path) -> int:
+        """Size of `path` in bytes, as at its first open."""
+        return self._open(path).size
+
+    def is_direct(self, path: Path) -> bool:
+        """Whether reads of `path` bypass the page cache (its descriptor really carries O_DIRECT)."""
+        return bool(O_DIRECT) and bool(fcntl.fcntl(self._open(path).fd, fcntl.F_GETFL) & O_DIRECT)
+
+    def close(self) -> None:
+        """Close every file; subclasses first wait for their reads in flight. The backend stays usable."""
+        with self._lock:
+            for file in self._files.values():
+                os.close(file.fd)
+            self._files.clear()
+
+    def __enter__(self) -> ReadBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self, path: Path) -> OpenFile:
+        path = Path(path)
+        with self._lock:
+            file = self._files.get(path)
+            if file is None:
+                file = self._files[path] = _open_file(path)
+            return file
+
+    def _io_begin(self) -> None:
+        """A read starts: the busy clock runs while at least one read is in flight."""
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = time.perf_counter()
+            self._in_flight += 1
+
+    def _io_end(self, nbytes: int) -> None:
+        """A read that began with `_io_begin` ended, having transferred `nbytes` from storage."""
+        with self._lock:
+            self.bytes_read += nbytes
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.read_seconds += time.perf_counter() - self._busy_since
+
+
+def make_backend(name: str = "auto", threads: int = 8) -> ReadBackend:
+    """The backend called `name`: "pread" (O_DIRECT preadv on a thread pool), "aio" (DeepSpeed's AsyncIO op,
+    libaio) or "auto" (aio when its op loads, else pread). `threads` sizes the pread pool."""
+    from tiers.io.aio import AioBackend, aio_unavailable
+    from tiers.io.direct import PreadBackend
+
+    if name == "pread":
+        return PreadBackend(threads=threads)
+    if name == "aio":
+        return AioBackend()
+    if name == "auto":
+        return PreadBackend(threads=threads) if aio_unavailable() else AioBackend()
+    raise OffloadError(f"I/O backend {name!r}: unknown; choose one of {', '.join(BACKENDS)}")
+
+
+def _open_file(path: Path) -> OpenFile:
+    try:
+        try:
+            fd = os.open(path, os.O_RDONLY | O_DIRECT)
+            direct = bool(O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: this filesystem does not do O_DIRECT (e.g. some FUSE mounts)
+                raise
+            fd = os.open(path, os.O_RDONLY)
+            direct = False
+    except FileNotFoundError:
+        raise OffloadError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise OffloadError(f"{path}: cannot open ({exc.strerror})") from None
+    st = os.fstat(fd)
+    return OpenFile(path, fd, st.st_ino, st.st_size, st.st_mtime_ns, direct)
+
+
+def _check_unchanged(file: OpenFile) -> None:
+    """Raise if the file at `file.path` is no longer the one first opened (stat by name: a rename counts)."""
+    try:
+        st = os.stat(file.path)
+    except FileNotFoundError:
+        raise OffloadError(f"{file.path}: removed during the run") from None
+    if st.st_ino != file.ino:
+        raise OffloadError(f"{file.path}: replaced by another file during the run")
+    if st.st_size != file.size:
+        raise OffloadError(f"{file.path}: changed size during the run (was {file.size}, now {st.st_size})")
+    if st.st_mtime_ns != file.mtime_ns:
+        raise OffloadError(f"{file.path}: modified during the run (mtime was {file.mtime_ns} ns, now {st.st_mtime_ns})")
+
+
+def _check_buffer(buf: torch.Tensor, length: int) -> None:
+    if buf.dtype != torch.uint8 or buf.device.type != "cpu" or not buf.is_contiguous():
+        raise ValueError(f"read buffer must be a contiguous uint8 CPU tensor, got {buf.dtype} on {buf.device}")
+    if buf.data_ptr() % ALIGN:
+        raise ValueError(f"read buffer must start on a {ALIGN}-byte boundary (address {buf.data_ptr():#x})")
+    if buf.numel() < length:
+        raise ValueError(f"read buffer holds {buf.numel()} bytes, the aligned span needs {length}")

@@ -1,0 +1,89 @@
+"""Read plans: how to fetch a group of checkpoint tensors (one layer) with few large aligned reads.
+
+Tensors of one group that lie close together in one file are read as one run; each run's aligned span gets
+its own ALIGN-aligned region of a slot buffer, and each tensor is a view into that region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload.model.checkpoint import TORCH_DTYPES, Extent
+from tiers.io.base import aligned_span
+
+MERGE_GAP = 1 << 20  # bytes; tensors closer than this are read in one run (the gap is read and discarded)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One read: bytes [offset, offset + nbytes) of `path`, landing (aligned) at slot_offset in the slot."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    slot_offset: int  # bytes, a multiple of ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class TensorAt:
+    short: str  # the family's name for the tensor ("q_proj")
+    slot_offset: int  # bytes from the start of the slot
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLayout:
+    runs: tuple[Run, ...]
+    tensors: tuple[TensorAt, ...]
+    slot_bytes: int  # bytes a slot needs to hold every run's aligned span
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes transferred from storage: the runs' aligned spans."""
+        return sum(aligned_span(r.offset, r.nbytes).length for r in self.runs)
+
+    def views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each tensor as a typed view into `slot` (the buffer the runs were read into)."""
+        out = {}
+        for t in self.tensors:
+            raw = slot[t.slot_offset : t.slot_offset + t.nbytes]
+            dtype = TORCH_DTYPES[t.dtype][0]
+            if t.slot_offset % dtype.itemsize:  # a file offset that is not a multiple of the element size
+                raw = raw.clone()
+            out[t.short] = raw.view(dtype).reshape(t.shape)
+        return out
+
+
+def plan_group(extents: dict[str, Extent]) -> GroupLayout:
+    """The read plan for tensors {short name: extent}; tied duplicates (same extent) are read once."""
+    by_file: dict[Path, list[tuple[str, Extent]]] = {}
+    for short, ext in extents.items():
+        by_file.setdefault(ext.path, []).append((short, ext))
+    runs: list[Run] = []
+    tensors: list[TensorAt] = []
+    slot = 0
+    for path, items in sorted(by_file.items()):
+        items.sort(key=lambda item: item[1].offset)
+        i = 0
+        while i < len(items):
+            j, end = i + 1, items[i][1].offset + items[i][1].nbytes
+            while j < len(items) and items[j][1].offset - end <= MERGE_GAP:
+                end = max(end, items[j][1].offset + items[j][1].nbytes)
+                j += 1
+            start = items[i][1].offset
+            span = aligned_span(start, end - start)
+            runs.append(Run(path, start, end - start, slot))
+            for short, ext in items[i:j]:
+                tensors.append(TensorAt(short, slot + ext.offset - span.start, ext.dtype, ext.shape, ext.nbytes))
+            slot += span.length
+            i = j
+    return GroupLayout(tuple(runs), tuple(tensors), slot)

@@ -49,6 +49,27 @@ class RunStats:
     steps: int
     preemptions: int
     peak_kv_blocks: int
+    bytes_read: int  # weight bytes read from storage during the run
+    read_seconds: float  # wall time with at least one weight read in flight
+    stall_seconds: float  # time the engine waited for weight reads
+
+    @property
+    def wall_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def compute_seconds(self) -> float:
+        """Wall time not spent waiting for reads."""
+        return max(self.wall_seconds - self.stall_seconds, 0.0)
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / max(self.read_seconds, 1e-9) / 1e9
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """max(io, compute) / wall: 1.0 when reads hide entirely behind compute or the reverse."""
+        return max(self.read_seconds, self.compute_seconds) / max(self.wall_seconds, 1e-9)
 
     @property
     def tokens_per_second(self) -> float:
@@ -66,7 +87,12 @@ class Placement:
 
     device: str
     dtype: str
-    weight_bytes: int
+    weight_bytes: int  # resident on the device
+    host_weight_bytes: int  # kept in host RAM
+    streamed_bytes_per_pass: int  # read from storage on every step
+    device_peak: int  # bytes, everything charged to the device budget
+    device_budget: int | None
+    host_peak: int
     kv_bytes: int
     kv_blocks: int
     block_size: int
@@ -167,6 +193,11 @@ class LLM:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             weight_bytes=self.weights.stats.resident_bytes,
+            host_weight_bytes=self.weights.stats.host_bytes,
+            streamed_bytes_per_pass=self.weights.stats.streamed_bytes_per_pass,
+            device_peak=self.device_tier.peak,
+            device_budget=self.device_tier.capacity,
+            host_peak=self.host_tier.peak,
             kv_bytes=self.kv.nbytes,
             kv_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size,
@@ -227,6 +258,7 @@ class LLM:
         for s in seqs:
             batcher.add(s)
         timing = {True: 0.0, False: 0.0}  # is_prefill -> seconds
+        io_before = self.weights.stats
         steps = peak = 0
         while batcher.has_work:
             plan = batcher.schedule()
@@ -247,6 +279,9 @@ class LLM:
             steps=steps,
             preemptions=batcher.num_preemptions,
             peak_kv_blocks=peak,
+            bytes_read=self.weights.stats.bytes_read - io_before.bytes_read,
+            read_seconds=self.weights.stats.read_seconds - io_before.read_seconds,
+            stall_seconds=self.weights.stats.stall_seconds - io_before.stall_seconds,
         )
         prompts = prompts or [None] * len(seqs)
         return [self._completion(s, p) for s, p in zip(seqs, prompts, strict=True)]

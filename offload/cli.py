@@ -32,6 +32,25 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--kv-cache-memory", default="1GiB", metavar="SIZE", help="KV cache size, e.g. 512MiB")
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="budget for weights + KV cache on the compute device (e.g. 600MB); layers that do not fit "
+        "are streamed from the checkpoint",
+    )
+    p.add_argument(
+        "--host-memory",
+        default="0",
+        metavar="SIZE",
+        help="host RAM that may keep layers read once instead of streaming them (default 0)",
+    )
+    p.add_argument(
+        "--io-backend",
+        default="pread",
+        choices=["pread", "aio", "auto"],
+        help="NVMe reads: O_DIRECT thread pool (pread) or DeepSpeed's AsyncIO op (aio)",
+    )
+    p.add_argument("--show-placement", action="store_true", help="print each layer's tier and size before running")
     p.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences per step")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion, then the stats")
@@ -49,6 +68,9 @@ def _generate(args: argparse.Namespace) -> None:
         device=args.device,
         block_size=args.block_size,
         kv_cache_bytes=parse_size(args.kv_cache_memory, "--kv-cache-memory"),
+        device_memory=None if args.device_memory is None else parse_size(args.device_memory, "--device-memory"),
+        host_memory=parse_size(args.host_memory, "--host-memory"),
+        io_backend=args.io_backend,
         max_num_seqs=args.max_num_seqs,
     )
     params = SamplingParams(
@@ -64,6 +86,8 @@ def _generate(args: argparse.Namespace) -> None:
     if not prompts:
         raise OffloadError("--prompt is required with --model")
     llm = LLM(args.model, config)
+    if args.show_placement:
+        print(_placement_table(llm), file=sys.stderr if args.json else sys.stdout)
     if args.chat:
         completions = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
@@ -100,12 +124,33 @@ def _summary(llm, completions) -> str:
         f"time       prefill {s.prefill_seconds:.3f} s, decode {s.decode_seconds:.3f} s in {s.steps} steps"
         + (f", {s.preemptions} preemptions" if s.preemptions else ""),
         f"speed      {s.tokens_per_second:.1f} tokens/s overall, {s.decode_tokens_per_second:.1f} tokens/s decoding",
-        f"weights    {format_size(pl.weight_bytes)} {pl.dtype}, all resident on {pl.device} "
-        f"(read {format_size(pl.checkpoint_bytes_read)} from the checkpoint)",
+        f"weights    {pl.dtype}: {format_size(pl.weight_bytes)} resident on {pl.device}, "
+        f"{format_size(pl.host_weight_bytes)} in host RAM, {format_size(pl.streamed_bytes_per_pass)} streamed "
+        f"from the checkpoint per step ({format_size(pl.checkpoint_bytes_read)} read in all)",
+        f"memory     device peak {format_size(pl.device_peak)}"
+        + (f" of a {format_size(pl.device_budget)} budget" if pl.device_budget is not None else " (no budget)")
+        + f", host peak {format_size(pl.host_peak)}",
         f"kv cache   {format_size(pl.kv_bytes)} on {pl.device}: {pl.kv_blocks} blocks of {pl.block_size} tokens, "
         f"peak {s.peak_kv_blocks} blocks ({kv_used} token slots)",
     ]
+    if s.bytes_read:
+        lines.append(
+            f"i/o        {format_size(s.bytes_read)} read at {s.read_gbps:.2f} GB/s; "
+            f"compute {s.compute_seconds:.3f} s, "
+            f"stalled on reads {s.stall_seconds:.3f} s, overlap efficiency {s.overlap_efficiency:.2f}"
+        )
     return "\n".join(lines)
+
+
+def _placement_table(llm) -> str:
+    from tiers.budget import format_size
+
+    rows = [f"{'layer':>6}  {'bytes':>10}  tier"]
+    for i, (tier, layout) in enumerate(zip(llm.policy.layer_tiers, llm.weights.layouts, strict=True)):
+        rows.append(f"{i:>6}  {format_size(layout.tensor_bytes):>10}  {tier}")
+    counts = Counter(llm.policy.layer_tiers)
+    rows.append(", ".join(f"{n} {t}" for t, n in counts.items()) + f"; ring of {llm.policy.ring_slots} slots")
+    return "\n".join(rows)
 
 
 def build_parser() -> argparse.ArgumentParser:

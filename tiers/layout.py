@@ -14,7 +14,7 @@ import torch
 from offload.model.checkpoint import TORCH_DTYPES, Extent
 from tiers.io.base import aligned_span
 
-MERGE_GAP = 1 << 20  # bytes; tensors closer than this are read in one run (the gap is read and discarded)
+MERGE_GAP = 64 << 10  # bytes; tensors closer than this are read in one run (the gap is read and discarded)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,8 @@ What the op (DeepSpeed 0.19) does and does not do, and how this backend fits aro
 - `async_pread(buffer, filename, file_offset)` reads buffer.nbytes() bytes at file_offset, split evenly across
   the handle's threads, each in block_size iocbs. It opens the file by name with O_DIRECT on every call, asserts
   (aborting the process) that the read ends inside the file, and ignores per-iocb errors and short reads.
-  So the op only ever gets the aligned bulk of a span that lies inside the file and divides into equal aligned
-  shares; the remainder (the last partial page, at most threads * ALIGN bytes) goes to the preadv pool.
+  So the op only ever gets the part of a span that lies inside the file and divides into aio_threads aligned
+  shares; the remainder (under aio_threads * ALIGN bytes, with the file's partial last page) goes to the pool.
 - `wait()` reaps every op in flight on the handle, not one: requests carry a ticket, and the first wait()
   covering a ticket reaps all outstanding ops. Destroying a handle with ops in flight aborts, hence `close()`.
 - A buffer that is not page-locked (torch-pinned or the op's own) is read through a bounce buffer the op
@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 from offload.errors import OffloadError
-from tiers.io.base import ALIGN, OpenFile, _check_unchanged
+from tiers.io.base import ALIGN, OpenFile
 from tiers.io.direct import PreadBackend
 
 
@@ -77,7 +77,7 @@ class AioBackend(PreadBackend):
         # block_size: bytes per iocb; queue_depth: iocbs in flight per handle thread
         self._handle = op.aio_handle(block_size, queue_depth, False, True, aio_threads)
         self._share = aio_threads * ALIGN  # bytes; the op's reads divide into aio_threads aligned shares
-        self._lock_limit = _memlock_limit()  # bytes the op may mlock for bounce buffers
+        self._lock_limit = _memlock_limit()  # bytes the op may mlock for bounce buffers; None: no limit
         self._aio_lock = threading.Lock()  # serializes submit and reap on the handle
         self._pending: list[tuple[int, bool]] = []  # (bytes, bounced) of each op submitted and not yet reaped
         self._submitted = 0  # tickets handed out; op k is reaped once _reaped >= k
@@ -95,7 +95,7 @@ class AioBackend(PreadBackend):
         with self._aio_lock:
             if bounced:
                 locked = sum(n for n, b in self._pending if b)
-                if locked + bulk > self._lock_limit:
+                if self._lock_limit is not None and locked + bulk > self._lock_limit:
                     tail()
                     raise OffloadError(
                         f"{file.path}: aio read of {bulk} bytes into an unpinned buffer needs a page-locked bounce "
@@ -113,7 +113,7 @@ class AioBackend(PreadBackend):
 
         def reap() -> int:
             self._reap(ticket)
-            _check_unchanged(file)  # the op reports no short reads: a file that shrank under it must not pass
+            self._check_unchanged(file)  # the op reports no short reads: a file that shrank under it must not pass
             return bulk + tail()
 
         return reap
@@ -137,11 +137,11 @@ class AioBackend(PreadBackend):
 CAP_IPC_LOCK = 14  # capability bit: mlock without limit
 
 
-def _memlock_limit() -> float:
-    """Bytes this process may mlock: unlimited with CAP_IPC_LOCK or an infinite RLIMIT_MEMLOCK."""
+def _memlock_limit() -> int | None:
+    """Bytes this process may mlock; None with CAP_IPC_LOCK or an infinite RLIMIT_MEMLOCK."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     status = Path("/proc/self/status")
     caps = next((line.split()[1] for line in status.read_text().splitlines() if line.startswith("CapEff:")), "0")
     if soft == resource.RLIM_INFINITY or int(caps, 16) >> CAP_IPC_LOCK & 1:
-        return float("inf")
-    return float(soft)
+        return None
+    return soft

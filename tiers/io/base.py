@@ -133,7 +133,7 @@ class ReadBackend(ABC):
         span = aligned_span(offset, nbytes)
         _check_buffer(buf, span.length)
         file = self._open(path)
-        _check_unchanged(file)
+        self._check_unchanged(file)
         if offset + nbytes > file.size:
             raise OffloadError(f"{path}: truncated: wanted bytes {offset}..{offset + nbytes}, file ends at {file.size}")
         region = buf[: span.length]
@@ -170,6 +170,22 @@ class ReadBackend(ABC):
                 file = self._files[path] = _open_file(path)
             return file
 
+    @staticmethod
+    def _check_unchanged(file: OpenFile) -> None:
+        """Raise if the file at `file.path` is no longer the one first opened (stat by name: a rename counts)."""
+        try:
+            st = os.stat(file.path)
+        except FileNotFoundError:
+            raise OffloadError(f"{file.path}: removed during the run") from None
+        if st.st_ino != file.ino:
+            raise OffloadError(f"{file.path}: replaced by another file during the run")
+        if st.st_size != file.size:
+            raise OffloadError(f"{file.path}: changed size during the run (was {file.size}, now {st.st_size})")
+        if st.st_mtime_ns != file.mtime_ns:
+            raise OffloadError(
+                f"{file.path}: modified during the run (mtime was {file.mtime_ns} ns, now {st.st_mtime_ns})"
+            )
+
     def _io_begin(self) -> None:
         """A read starts: the busy clock runs while at least one read is in flight."""
         with self._lock:
@@ -188,7 +204,11 @@ class ReadBackend(ABC):
 
 def make_backend(name: str = "auto", threads: int = 8) -> ReadBackend:
     """The backend called `name`: "pread" (O_DIRECT preadv on a thread pool), "aio" (DeepSpeed's AsyncIO op,
-    libaio) or "auto" (aio when its op loads, else pread). `threads` sizes the pread pool."""
+    libaio) or "auto". `threads` sizes the pread pool.
+
+    "auto" takes aio only on CUDA machines, where buffers are page-locked: on a CPU-only machine the op
+    locks and copies through a bounce buffer per read, and measured slower than pread
+    (benchmarks/results/io_bandwidth.json)."""
     from tiers.io.aio import AioBackend, aio_unavailable
     from tiers.io.direct import PreadBackend
 
@@ -197,7 +217,8 @@ def make_backend(name: str = "auto", threads: int = 8) -> ReadBackend:
     if name == "aio":
         return AioBackend()
     if name == "auto":
-        return PreadBackend(threads=threads) if aio_unavailable() else AioBackend()
+        use_aio = torch.cuda.is_available() and aio_unavailable() is None
+        return AioBackend() if use_aio else PreadBackend(threads=threads)
     raise OffloadError(f"I/O backend {name!r}: unknown; choose one of {', '.join(BACKENDS)}")
 
 
@@ -217,20 +238,6 @@ def _open_file(path: Path) -> OpenFile:
         raise OffloadError(f"{path}: cannot open ({exc.strerror})") from None
     st = os.fstat(fd)
     return OpenFile(path, fd, st.st_ino, st.st_size, st.st_mtime_ns, direct)
-
-
-def _check_unchanged(file: OpenFile) -> None:
-    """Raise if the file at `file.path` is no longer the one first opened (stat by name: a rename counts)."""
-    try:
-        st = os.stat(file.path)
-    except FileNotFoundError:
-        raise OffloadError(f"{file.path}: removed during the run") from None
-    if st.st_ino != file.ino:
-        raise OffloadError(f"{file.path}: replaced by another file during the run")
-    if st.st_size != file.size:
-        raise OffloadError(f"{file.path}: changed size during the run (was {file.size}, now {st.st_size})")
-    if st.st_mtime_ns != file.mtime_ns:
-        raise OffloadError(f"{file.path}: modified during the run (mtime was {file.mtime_ns} ns, now {st.st_mtime_ns})")
 
 
 def _check_buffer(buf: torch.Tensor, length: int) -> None:

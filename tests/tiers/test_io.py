@@ -1,0 +1,298 @@
+"""The NVMe read backends: exact bytes for awkward extents, O_DIRECT really used, and every error path."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload.errors import OffloadError
+from tiers.io import base
+from tiers.io.aio import AioBackend, aio_unavailable
+from tiers.io.base import ALIGN, ReadBackend, aligned_buffer, aligned_span, make_backend
+from tiers.io.direct import PreadBackend
+
+SIZE = 3 * (1 << 20) + 1234  # bytes; the last page is partial
+EXTENTS = [  # (offset, nbytes)
+    (0, 1),
+    (1, 1),
+    (4095, 1),
+    (4095, 2),
+    (0, 4095),
+    (1, 4095),
+    (0, 4096),
+    (0, 4097),
+    (4095, 4097),
+    (8191, 3 * 4096 + 2),
+    (12345, 1_000_000),  # crosses many pages and several chunks / iocbs
+    (0, SIZE),  # the whole file
+    (SIZE - 100, 100),  # ends exactly at end of file
+    (SIZE - 5000, 5000),
+    (SIZE - 1, 1),
+    (SIZE - 1200, 1000),  # ends inside the last, partial page
+    (SIZE - 1234 - 1, 2),  # straddles the start of the last page
+    (SIZE, 0),
+]
+# small chunks, blocks and an odd thread count, so every split and remainder path runs on a few MiB
+CONFIGS = {
+    "pread": lambda: PreadBackend(threads=4, chunk_bytes=64 << 10),
+    "aio": lambda: AioBackend(block_size=64 << 10, queue_depth=4, aio_threads=3, threads=2, chunk_bytes=64 << 10),
+}
+
+
+def aio_skip_reason() -> str | None:
+    reason = aio_unavailable()
+    return None if reason is None else f"aio backend unavailable here: {reason}"
+
+
+def open_backend(name: str) -> ReadBackend:
+    if name == "aio" and (reason := aio_skip_reason()):
+        pytest.skip(reason)
+    return CONFIGS[name]()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, bytes]:
+    """A file of SIZE random bytes on the real disk (tmp_path: ext4 here, where O_DIRECT works), not cached."""
+    path = tmp_path_factory.mktemp("io") / "data.bin"
+    payload = random.Random(0).randbytes(SIZE)
+    path.write_bytes(payload)
+    evict(path)
+    return path, payload
+
+
+@pytest.fixture(params=list(CONFIGS))
+def backend(request) -> ReadBackend:
+    backend = open_backend(request.param)
+    yield backend
+    backend.close()
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of `path` in the page cache, by mincore over a private mapping of it."""
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        anchor = ctypes.c_char.from_buffer(m)
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), pages)
+        del anchor
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(p & 1 for p in pages) * mmap.PAGESIZE
+
+
+def direct_supported(path: Path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+def read(backend: ReadBackend, path: Path, offset: int, nbytes: int) -> bytes:
+    buf = aligned_buffer(aligned_span(offset, nbytes).length)
+    return backend.submit(path, offset, nbytes, buf).wait().numpy().tobytes()
+
+
+def test_aligned_span_and_buffer():
+    assert aligned_span(0, 0) == (0, 0)
+    assert aligned_span(0, 1) == (0, ALIGN)
+    assert aligned_span(4095, 2) == (0, 2 * ALIGN)
+    assert aligned_span(4096, 4096) == (4096, 4096)
+    assert aligned_span(5000, 10_000) == (4096, 3 * ALIGN)  # bytes 5000..15000 lie in pages 1..3
+    for nbytes in (0, 1, 4096, 10_000):
+        buf = aligned_buffer(nbytes)
+        assert buf.dtype == torch.uint8 and buf.data_ptr() % ALIGN == 0
+        assert buf.numel() == aligned_span(0, nbytes).length
+
+
+def test_extents_match_python_read(backend, data):
+    path, payload = data
+    for offset, nbytes in EXTENTS:
+        assert read(backend, path, offset, nbytes) == payload[offset : offset + nbytes], (offset, nbytes)
+
+
+def test_many_requests_in_flight(backend, data):
+    path, payload = data
+    rng = random.Random(1)
+    extents = EXTENTS + [(o, rng.randrange(1, SIZE - o + 1)) for o in rng.sample(range(SIZE), 30)]
+    requests = []
+    for offset, nbytes in extents:
+        buf = aligned_buffer(aligned_span(offset, nbytes).length + ALIGN)
+        buf.fill_(0xAB)
+        requests.append((offset, nbytes, buf, backend.submit(path, offset, nbytes, buf)))
+    for offset, nbytes, buf, request in reversed(requests):  # reap out of order
+        assert request.wait().numpy().tobytes() == payload[offset : offset + nbytes], (offset, nbytes)
+        if nbytes:  # a view into the caller's buffer (an empty tensor has no address)
+            assert request.wait().data_ptr() == buf.data_ptr() + offset % ALIGN
+        beyond = buf[aligned_span(offset, nbytes).length :]
+        assert bool((beyond == 0xAB).all()), "wrote past the aligned span"
+
+
+def test_submit_from_several_threads(backend, data):
+    path, payload = data
+    failures: list[tuple[int, int]] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(25):
+            offset = rng.randrange(SIZE)
+            nbytes = rng.randrange(1, min(SIZE - offset, 300_000) + 1)
+            if read(backend, path, offset, nbytes) != payload[offset : offset + nbytes]:
+                failures.append((offset, nbytes))
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
+def test_backends_return_identical_bytes(data):
+    path, payload = data
+    rng = random.Random(2)
+    extents = EXTENTS + [(o, rng.randrange(1, SIZE - o + 1)) for o in rng.sample(range(SIZE), 20)]
+    results = {}
+    for name in CONFIGS:
+        with open_backend(name) as backend:
+            results[name] = [read(backend, path, offset, nbytes) for offset, nbytes in extents]
+    assert results["pread"] == results["aio"]
+    assert results["pread"][-1] == payload[extents[-1][0] : sum(extents[-1])]
+
+
+def test_direct_io_bypasses_page_cache(backend, data):
+    path, payload = data
+    assert direct_supported(path), "the test file should sit on a filesystem with O_DIRECT (ext4/xfs), not tmpfs"
+    assert backend.is_direct(path)
+    evict(path)
+    assert resident_bytes(path) == 0
+    assert read(backend, path, 0, SIZE) == payload
+    assert resident_bytes(path) == 0  # every byte came from the device
+    with open(path, "rb") as f:  # the probe can see a cached file: a buffered read fills the cache
+        f.read()
+    assert resident_bytes(path) == aligned_span(0, SIZE).length
+    evict(path)
+
+
+def test_counters_count_aligned_bytes(backend, data):
+    path, _ = data
+    read(backend, path, 1, 4095)
+    assert backend.bytes_read == ALIGN
+    read(backend, path, SIZE - 10, 10)  # the partial last page: only the bytes the file has
+    assert backend.bytes_read == ALIGN + SIZE % ALIGN
+    read(backend, path, 5000, 100_000)
+    assert backend.bytes_read == ALIGN + SIZE % ALIGN + aligned_span(5000, 100_000).length
+    assert backend.read_seconds > 0
+    assert backend.file_size(path) == SIZE
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_filesystem_without_o_direct_falls_back_to_buffered(name, data, monkeypatch):
+    path, payload = data
+    real_open = os.open
+
+    def refuse_direct(p, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(base.os, "open", refuse_direct)
+    with open_backend(name) as backend:
+        assert not backend.is_direct(path)
+        for offset, nbytes in EXTENTS:
+            assert read(backend, path, offset, nbytes) == payload[offset : offset + nbytes]
+
+
+def test_read_past_end_of_file(backend, data):
+    path, _ = data
+    with pytest.raises(OffloadError, match=rf"data.bin: truncated: wanted bytes {SIZE - 10}..{SIZE + 1}, file ends"):
+        read(backend, path, SIZE - 10, 11)
+    with pytest.raises(OffloadError, match=f"file ends at {SIZE}"):
+        read(backend, path, SIZE + 4096, 1)
+
+
+def test_missing_file(backend, tmp_path):
+    with pytest.raises(OffloadError, match="nope.bin: file not found"):
+        read(backend, tmp_path / "nope.bin", 0, 1)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda p: p.open("ab").write(b"x" * 10), "changed size during the run \\(was 20000, now 20010\\)"),
+        (lambda p: os.truncate(p, 5000), "changed size during the run \\(was 20000, now 5000\\)"),
+        (lambda p: os.utime(p, ns=(1, 1)), "modified during the run"),
+        (lambda p: os.replace(p.with_suffix(".new"), p), "replaced by another file during the run"),
+        (lambda p: p.unlink(), "removed during the run"),
+    ],
+    ids=["grew", "shrank", "touched", "replaced", "removed"],
+)
+def test_file_changed_after_first_open(backend, tmp_path, change, message):
+    path = tmp_path / "ckpt.bin"
+    path.write_bytes(bytes(20000))
+    path.with_suffix(".new").write_bytes(bytes(20000))
+    assert read(backend, path, 100, 100) == bytes(100)
+    change(path)
+    with pytest.raises(OffloadError, match=f"ckpt.bin: {message}"):
+        read(backend, path, 100, 100)
+
+
+def test_bad_buffers(backend, data):
+    path, _ = data
+    with pytest.raises(ValueError, match="4096-byte boundary"):
+        backend.submit(path, 0, 10, aligned_buffer(2 * ALIGN)[1:])
+    with pytest.raises(ValueError, match="holds 4096 bytes, the aligned span needs 8192"):
+        backend.submit(path, 4095, 2, aligned_buffer(ALIGN))
+    with pytest.raises(ValueError, match="contiguous uint8 CPU tensor"):
+        backend.submit(path, 0, 10, torch.zeros(ALIGN, dtype=torch.float32))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        backend.submit(path, -1, 10, aligned_buffer(ALIGN))
+
+
+def test_make_backend_by_name(monkeypatch):
+    with make_backend("pread") as backend:
+        assert isinstance(backend, PreadBackend) and backend.name == "pread"
+    with pytest.raises(OffloadError, match="I/O backend 'nvme-magic': unknown; choose one of auto, pread, aio"):
+        make_backend("nvme-magic")
+    if aio_skip_reason() is None:
+        with make_backend("auto") as backend:  # aio only where buffers can be page-locked
+            assert backend.name == ("aio" if torch.cuda.is_available() else "pread")
+    from tiers.io import aio
+
+    monkeypatch.setattr(aio, "_load_op", lambda: "libaio is missing (apt-get install libaio-dev)")
+    with pytest.raises(OffloadError, match="I/O backend 'aio': libaio is missing"):
+        make_backend("aio")
+    with make_backend("auto") as backend:
+        assert backend.name == "pread"
+
+
+def test_aio_refuses_a_bounce_buffer_beyond_the_mlock_limit(data, monkeypatch):
+    """The op mlocks a bounce buffer for an unpinned one and aborts the process if mlock fails: refuse first."""
+    if reason := aio_skip_reason():
+        pytest.skip(reason)
+    from tiers.io import aio
+
+    path, payload = data
+    monkeypatch.setattr(aio, "_memlock_limit", lambda: 64 << 10)
+    with AioBackend(aio_threads=1) as backend:
+        assert read(backend, path, 0, 64 << 10) == payload[: 64 << 10]
+        with pytest.raises(OffloadError, match="data.bin: aio read of 131072 bytes into an unpinned buffer"):
+            read(backend, path, 0, 128 << 10)

@@ -26,6 +26,7 @@ from types import ModuleType
 import torch
 
 from offload.errors import OffloadError
+from offload.quiet import quiet_deepspeed_import
 from tiers.io.base import ALIGN, OpenFile
 from tiers.io.direct import PreadBackend
 
@@ -35,7 +36,8 @@ def _load_op() -> ModuleType | str:
     """DeepSpeed's async_io op, or one line saying why not. The first call in a fresh environment JIT-builds it
     (minutes; cached under ~/.cache/torch_extensions), later calls and processes load the cached build."""
     try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+        with quiet_deepspeed_import():
+            from deepspeed.ops.op_builder import AsyncIOBuilder
     except Exception as exc:  # ImportError, or deepspeed failing its own import
         return f"deepspeed is not importable ({exc}); install it with `pip install --no-deps deepspeed`"
     builder = AsyncIOBuilder()

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tiers.io.aio import AioBackend, aio_unavailable
-from tiers.io.base import ReadBackend, aligned_buffer
+from tiers.io.base import ReadBackend, aligned_buffer, evict_page_cache
 from tiers.io.direct import PreadBackend
 
 RESULTS = Path(__file__).parent / "results" / "io_bandwidth.json"
@@ -38,15 +38,6 @@ def ensure_file(path: Path, nbytes: int) -> None:
             f.write(os.urandom(min(64 * MiB, nbytes - f.tell())))
         f.flush()
         os.fsync(f.fileno())
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def read_buffered(path: Path, request: int, depth: int) -> int:
@@ -95,7 +86,7 @@ def read_aio_op(path: Path, request: int, depth: int) -> int:
 def measure(path: Path, read: Callable[[], int], repeats: int) -> list[float]:
     rates = []  # GB/s
     for _ in range(repeats):
-        evict(path)
+        evict_page_cache(path)
         start = time.perf_counter()
         nbytes = read()
         rates.append(nbytes / (time.perf_counter() - start) / 1e9)

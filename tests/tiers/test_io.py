@@ -16,7 +16,7 @@ import torch
 from offload.errors import OffloadError
 from tiers.io import base
 from tiers.io.aio import AioBackend, aio_unavailable
-from tiers.io.base import ALIGN, ReadBackend, aligned_buffer, aligned_span, make_backend
+from tiers.io.base import ALIGN, ReadBackend, aligned_buffer, aligned_span, evict_page_cache, make_backend
 from tiers.io.direct import PreadBackend
 
 SIZE = 3 * (1 << 20) + 1234  # bytes; the last page is partial
@@ -64,7 +64,7 @@ def data(tmp_path_factory) -> tuple[Path, bytes]:
     path = tmp_path_factory.mktemp("io") / "data.bin"
     payload = random.Random(0).randbytes(SIZE)
     path.write_bytes(payload)
-    evict(path)
+    evict_page_cache(path)
     return path, payload
 
 
@@ -73,15 +73,6 @@ def backend(request) -> ReadBackend:
     backend = open_backend(request.param)
     yield backend
     backend.close()
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def resident_bytes(path: Path) -> int:
@@ -182,14 +173,14 @@ def test_direct_io_bypasses_page_cache(backend, data):
     path, payload = data
     assert direct_supported(path), "the test file should sit on a filesystem with O_DIRECT (ext4/xfs), not tmpfs"
     assert backend.is_direct(path)
-    evict(path)
+    evict_page_cache(path)
     assert resident_bytes(path) == 0
     assert read(backend, path, 0, SIZE) == payload
     assert resident_bytes(path) == 0  # every byte came from the device
     with open(path, "rb") as f:  # the probe can see a cached file: a buffered read fills the cache
         f.read()
     assert resident_bytes(path) == aligned_span(0, SIZE).length
-    evict(path)
+    evict_page_cache(path)
 
 
 def test_counters_count_aligned_bytes(backend, data):

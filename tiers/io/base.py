@@ -202,6 +202,16 @@ class ReadBackend(ABC):
                 self.read_seconds += time.perf_counter() - self._busy_since
 
 
+def evict_page_cache(path: Path) -> None:
+    """Write back and drop `path`'s pages from the page cache, so the next buffered read comes from storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def make_backend(name: str = "auto", threads: int = 8) -> ReadBackend:
     """The backend called `name`: "pread" (O_DIRECT preadv on a thread pool), "aio" (DeepSpeed's AsyncIO op,
     libaio) or "auto". `threads` sizes the pread pool.

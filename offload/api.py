@@ -183,6 +183,17 @@ class LLM:
         layer_costs = [cost(g) for g in layout.layers]
         return plan_policy(layer_costs, max(layer_costs), free, self.config.host_memory, self.config.ring_slots)
 
+    def close(self) -> None:
+        """Let reads in flight land and close the checkpoint files. The object is not usable afterwards."""
+        self.weights.close()
+        self.backend.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @functools.cached_property
     def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase; loaded when text is first used
         return load_tokenizer(self.model_dir)

@@ -144,3 +144,11 @@ def test_streaming_reads_bypass_the_page_cache(model_dir, resident):
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0)))
     path = model_dir / "model.safetensors"
     assert llm.backend.is_direct(path)  # pytest's tmp_path is on the machine's disk (ext4 here)
+
+
+def test_close_waits_for_reads_in_flight_and_closes_files(model_dir, resident):
+    base, _ = resident
+    with LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0))) as llm:
+        llm.generate_ids(PROMPTS[:1], PARAMS)
+    assert not llm.weights._in_flight
+    assert not llm.backend._files

@@ -83,10 +83,6 @@ class ModelSpec:
     def window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
-    def kv_bytes_per_token(self, dtype: str) -> int:
-        """Bytes of K and V that one token occupies across all layers."""
-        return 2 * self.num_layers * self.kv_size * DTYPE_BYTES[dtype]
-
 
 TIERS = ("device", "host", "nvme")
 
@@ -104,10 +100,6 @@ class Policy:
             raise OffloadError(f"policy: tier {bad[0]!r} is not one of {', '.join(TIERS)}")
         if "nvme" in self.layer_tiers and self.ring_slots < 2:
             raise OffloadError(f"policy: streamed layers need at least 2 ring slots, got {self.ring_slots}")
-
-    @property
-    def streamed(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_tiers) if t == "nvme")
 
 
 @dataclass(frozen=True, slots=True)

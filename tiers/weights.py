@@ -35,10 +35,6 @@ class WeightStats:
     read_seconds: float  # wall time with at least one read in flight
     stall_seconds: float  # time the engine waited in acquire() for a read
 
-    @property
-    def read_gbps(self) -> float:
-        return self.bytes_read / max(self.read_seconds, 1e-9) / 1e9
-
 
 @dataclass(slots=True)
 class _InFlight:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.linear import linear
 from kernels.paged_attention import paged_attention
 from offload.config import ModelSpec, RopeSpec
 from offload.errors import OffloadError
@@ -167,15 +168,15 @@ class LlamaFamily:
         x = rms_norm(hidden, w["input_norm"], spec.rms_norm_eps)
         hidden = hidden + self._attention(spec, layer, w, x, inp)
         x = rms_norm(hidden, w["post_norm"], spec.rms_norm_eps)
-        gate = F.linear(x, w["gate_proj"], w.get("gate_bias"))
-        up = F.linear(x, w["up_proj"], w.get("up_bias"))
-        return hidden + F.linear(F.silu(gate) * up, w["down_proj"], w.get("down_bias"))
+        gate = linear(x, w["gate_proj"], w.get("gate_bias"))
+        up = linear(x, w["up_proj"], w.get("up_bias"))
+        return hidden + linear(F.silu(gate) * up, w["down_proj"], w.get("down_bias"))
 
     def _attention(self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput) -> torch.Tensor:
         tokens, d = x.shape[0], spec.head_dim
-        q = F.linear(x, w["q_proj"], w.get("q_bias")).view(tokens, spec.num_heads, d)
-        k = F.linear(x, w["k_proj"], w.get("k_bias")).view(tokens, spec.num_kv_heads, d)
-        v = F.linear(x, w["v_proj"], w.get("v_bias")).view(tokens, spec.num_kv_heads, d)
+        q = linear(x, w["q_proj"], w.get("q_bias")).view(tokens, spec.num_heads, d)
+        k = linear(x, w["k_proj"], w.get("k_bias")).view(tokens, spec.num_kv_heads, d)
+        v = linear(x, w["v_proj"], w.get("v_bias")).view(tokens, spec.num_kv_heads, d)
         if spec.qk_norm:
             q = rms_norm(q, w["q_norm"], spec.rms_norm_eps)
             k = rms_norm(k, w["k_norm"], spec.rms_norm_eps)
@@ -185,10 +186,10 @@ class LlamaFamily:
         inp.k_cache.view(-1, spec.num_kv_heads, d)[inp.batch.slot_mapping] = k
         inp.v_cache.view(-1, spec.num_kv_heads, d)[inp.batch.slot_mapping] = v
         out = paged_attention(q, inp.k_cache, inp.v_cache, inp.batch, d**-0.5, spec.window(layer))
-        return F.linear(out.reshape(tokens, spec.q_size), w["o_proj"], w.get("o_bias"))
+        return linear(out.reshape(tokens, spec.q_size), w["o_proj"], w.get("o_bias"))
 
     def head(self, spec: ModelSpec, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(hidden, w["norm"], spec.rms_norm_eps), w["lm_head"])  # [tokens, vocab]
+        return linear(rms_norm(hidden, w["norm"], spec.rms_norm_eps), w["lm_head"])  # [tokens, vocab]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -107,10 +107,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
 def load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase
     from transformers import AutoTokenizer
 
-    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if not has_tokenizer(model_dir):
         raise OffloadError(f"{model_dir}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
     try:
         return AutoTokenizer.from_pretrained(model_dir)
@@ -318,6 +322,8 @@ class LLM:
                     batcher.finish(seq, "stop")
 
     def _completion(self, seq: Sequence, prompt: str | None) -> Completion:
+        if not has_tokenizer(self.model_dir):  # token ids in, token ids out: text needs a tokenizer
+            return Completion(prompt, "", tuple(seq.output_ids), len(seq.prompt_ids), seq.finish_reason or "length")
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
         if cut >= 0:

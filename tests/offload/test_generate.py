@@ -139,3 +139,18 @@ def test_stats_and_placement(llm):
     params = sum(t.numel() for t in llm.weights.embed.values())  # embed + head + layers, counted once
     assert p.weight_bytes >= params * 4
     assert p.kv_bytes == p.kv_blocks * llm.kv.bytes_per_block
+
+
+def test_token_ids_need_no_tokenizer(model_dir, greedy_alone, tmp_path):
+    import shutil
+
+    from offload.errors import OffloadError
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*", "chat_template*"))
+    llm = LLM(bare, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
+    ids = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22)).encode(PROMPTS[0])
+    (c,) = llm.generate_ids([ids], GREEDY)
+    assert c.token_ids == greedy_alone[0].token_ids and c.text == ""
+    with pytest.raises(OffloadError, match="no tokenizer"):
+        llm.generate("text needs a tokenizer")

@@ -129,13 +129,10 @@ def files_under(*dirs: Path) -> list[Path]:
 
 def evict(paths: Iterable[Path]) -> None:
     """Drop the files' pages from the page cache (written pages are synced first, or they would stay)."""
+    from tiers.io.base import evict_page_cache
+
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_page_cache(path)
 
 
 def drop_page_cache(paths: list[Path]) -> str:

@@ -180,7 +180,7 @@ class LLM:
 
     def _plan(self, layout: ModelLayout) -> Policy:
         """Place the layers in what the device budget leaves after the KV cache, the embedding and the head."""
-        cost = functools.partial(group_cost, dtype=self.dtype, device=self.device)
+        cost = functools.partial(group_cost, dtype=self.dtype, tier=self.device_tier)
         free = self.device_tier.num_free
         if free is not None:
             free -= cost(layout.embed) + cost(layout.head)

@@ -31,7 +31,7 @@ class MemoryTier:
 
     def allocate(self, nbytes: int) -> torch.Tensor | None:
         """A uint8 buffer of at least `nbytes`, or None when the budget cannot hold it."""
-        nbytes = self._rounded(nbytes)
+        nbytes = self.footprint(nbytes)
         if not self.can_allocate(nbytes):
             return None
         buf = self._new_buffer(nbytes)
@@ -58,7 +58,7 @@ class MemoryTier:
         self.used += nbytes
         self.peak = max(self.peak, self.used)
 
-    def _rounded(self, nbytes: int) -> int:
+    def footprint(self, nbytes: int) -> int:
         """The bytes a buffer of `nbytes` really takes: CPU buffers are ALIGN-aligned for O_DIRECT reads,
         which costs up to ALIGN bytes of padding at each end."""
         return aligned_span(0, nbytes).length + ALIGN if self.device.type == "cpu" else nbytes

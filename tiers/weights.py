@@ -22,8 +22,8 @@ from offload.model.checkpoint import TORCH_DTYPES, Checkpoint
 from offload.model.registry import Family, TensorSpec, Weights
 from tiers.device import DeviceTier
 from tiers.host import HostTier
-from tiers.io.base import ALIGN, ReadBackend, ReadRequest
-from tiers.layout import GroupLayout, plan_group
+from tiers.io.base import ReadBackend, ReadRequest
+from tiers.layout import GroupLayout, TensorAt, plan_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,16 +64,17 @@ def model_layout(checkpoint: Checkpoint, family: Family, spec: ModelSpec) -> Mod
     )
 
 
-def group_cost(layout: GroupLayout, dtype: torch.dtype, device: torch.device) -> int:
-    """Device bytes a group takes when loaded: its read buffer (CPU) and any copies converted to `dtype`."""
-    converted = sum(
-        t.nbytes // TORCH_DTYPES[t.dtype][1] * dtype.itemsize
-        for t in layout.tensors
-        if TORCH_DTYPES[t.dtype][0] != dtype
-    )
-    if device.type != "cpu":
-        return sum(t.nbytes // TORCH_DTYPES[t.dtype][1] * dtype.itemsize for t in layout.tensors)
-    return layout.slot_bytes + 2 * ALIGN + converted
+def group_cost(layout: GroupLayout, dtype: torch.dtype, tier: DeviceTier) -> int:
+    """Bytes `tier` is charged for a group loaded in compute dtype `dtype`: on CPU its read buffer plus copies
+    of tensors stored in another dtype; on CUDA the converted tensors alone (the read buffer is host staging)."""
+
+    def as_dtype(t: TensorAt) -> int:
+        return t.nbytes // TORCH_DTYPES[t.dtype][1] * dtype.itemsize
+
+    if tier.device.type != "cpu":
+        return sum(as_dtype(t) for t in layout.tensors)
+    converted = sum(as_dtype(t) for t in layout.tensors if TORCH_DTYPES[t.dtype][0] != dtype)
+    return tier.footprint(layout.slot_bytes) + converted
 
 
 def _layout(checkpoint: Checkpoint, group: dict[str, TensorSpec]) -> GroupLayout:

@@ -34,11 +34,9 @@ def resident(model_dir):
 
 def costs(llm: LLM) -> tuple[int, int]:
     """(embed + head, one layer) device bytes for this checkpoint."""
-    layout = llm.weights
-    fixed = group_cost(llm_layout(llm).embed, llm.dtype, llm.device) + group_cost(
-        llm_layout(llm).head, llm.dtype, llm.device
-    )
-    return fixed, group_cost(layout.layouts[0], llm.dtype, llm.device)
+    layout, tier = llm_layout(llm), llm.device_tier
+    fixed = group_cost(layout.embed, llm.dtype, tier) + group_cost(layout.head, llm.dtype, tier)
+    return fixed, group_cost(layout.layers[0], llm.dtype, tier)
 
 
 def llm_layout(llm: LLM):

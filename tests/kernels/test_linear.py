@@ -1,4 +1,5 @@
-"""kernels.linear: exact float32 products rounded once, for every size on either side of the upcast threshold."""
+"""kernels.linear: either path, for every size on either side of the upcast threshold, gives the product
+of the path it claims: exact float32 products rounded once, or torch's own half-precision GEMM."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.linear as kl
 from kernels.linear import SLICE_FEATURES, UPCAST_MIN_ROWS, linear
 
 
+@pytest.mark.parametrize("upcast", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows", [1, UPCAST_MIN_ROWS - 1, UPCAST_MIN_ROWS, 257])
 @pytest.mark.parametrize("out_features", [7, SLICE_FEATURES, SLICE_FEATURES + 3])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_float32_reference(dtype, rows, out_features, bias):
+def test_linear_matches_its_reference(monkeypatch, upcast, dtype, rows, out_features, bias):
+    monkeypatch.setattr(kl, "upcast_is_faster", lambda _dtype: upcast)
     g = torch.Generator().manual_seed(rows * out_features)
     x = torch.randn(rows, 48, generator=g).to(dtype)
     w = torch.randn(out_features, 48, generator=g).to(dtype)
@@ -21,8 +25,16 @@ def test_linear_matches_float32_reference(dtype, rows, out_features, bias):
     y = linear(x, w, b)
     assert y.dtype == dtype and y.shape == (rows, out_features)
     exact = F.linear(x.float(), w.float(), None if b is None else b.float())
-    if dtype != torch.float32 and rows >= UPCAST_MIN_ROWS:
+    if upcast and dtype != torch.float32 and rows >= UPCAST_MIN_ROWS:
         # the upcast path rounds the exact product once: it is the float32 result in x's dtype
         torch.testing.assert_close(y, exact.to(dtype), atol=0, rtol=0)
     else:
         torch.testing.assert_close(y, F.linear(x, w, b), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_choice_is_measured_once_per_dtype(dtype):
+    first = kl.upcast_is_faster(dtype)
+    assert isinstance(first, bool)
+    assert kl.upcast_is_faster(dtype) is first
+    assert kl.upcast_is_faster.cache_info().hits >= 1

@@ -1,0 +1,306 @@
+"""offload.shapes: parameter counts equal those of the models transformers builds (on the meta device: no memory)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from offload.errors import OffloadError
+from offload.shapes import (
+    MODELS_DIR,
+    ModelShape,
+    SizeEstimate,
+    estimate_sizes,
+    known_models,
+    load_shape,
+    shape_from_config,
+)
+
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+TINY_OPT = dict(
+    vocab_size=300, hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=256
+)
+
+# name -> (transformers config class, kwargs): each variant switches on what sets a family apart
+VARIANTS = {
+    "llama": ("LlamaConfig", TINY),
+    "llama-biases-tied-head-dim": (
+        "LlamaConfig",
+        TINY | dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, head_dim=24),
+    ),
+    "llama-mha": ("LlamaConfig", TINY | dict(num_key_value_heads=None)),
+    "mistral": ("MistralConfig", TINY | dict(sliding_window=7)),
+    "mistral-head-dim-tied": ("MistralConfig", TINY | dict(head_dim=24, tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", TINY),
+    "qwen2-tied": ("Qwen2Config", TINY | dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", TINY | dict(head_dim=24)),
+    "qwen3-bias-tied": ("Qwen3Config", TINY | dict(head_dim=24, attention_bias=True, tie_word_embeddings=True)),
+    "mixtral": ("MixtralConfig", TINY | dict(num_local_experts=4, num_experts_per_tok=2)),
+    "opt": ("OPTConfig", TINY_OPT),
+    "opt-projected-untied-no-bias": (
+        "OPTConfig",
+        TINY_OPT | dict(word_embed_proj_dim=32, tie_word_embeddings=False, enable_bias=False),
+    ),
+    "opt-post-norm-no-affine": (
+        "OPTConfig",
+        TINY_OPT | dict(do_layer_norm_before=False, layer_norm_elementwise_affine=False),
+    ),
+}
+
+MODELS = [
+    "llama-3.1-405b",
+    "llama-3.1-70b",
+    "llama-3.1-8b",
+    "mistral-7b",
+    "mixtral-8x7b",
+    "opt-175b",
+    "opt-30b",
+    "qwen2.5-72b",
+    "qwen2.5-7b",
+    "tinyllama-1.1b",
+]
+
+
+def meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def counts(model) -> tuple[int, list[int], int]:
+    """(embed, [params of each decoder layer], head) as ModelShape splits them; tied weights are listed once."""
+    embed, head, layers = 0, 0, {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if "layers" in parts:
+            i = int(parts[parts.index("layers") + 1])
+            layers[i] = layers.get(i, 0) + p.numel()
+        elif {"embed_tokens", "embed_positions", "project_in"} & set(parts):
+            embed += p.numel()
+        else:  # final norm, project_out, lm_head
+            head += p.numel()
+    return embed, [layers[i] for i in sorted(layers)], head
+
+
+def assert_matches(shape: ModelShape, model) -> None:
+    embed, layers, head = counts(model)
+    assert len(layers) == shape.num_layers
+    assert set(layers) == {shape.layer_params}
+    assert shape.embed_params == embed
+    assert shape.head_params == head
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiny_configs_match_transformers(variant, tmp_path):
+    import transformers
+
+    class_name, kwargs = VARIANTS[variant]
+    config = getattr(transformers, class_name)(**kwargs)
+    model = meta_model(config)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(tmp_path)  # the config.json a checkpoint directory would hold
+
+    shape = load_shape(str(tmp_path))
+
+    assert_matches(shape, model)
+    assert shape.name == tmp_path.name
+    assert shape.architecture == type(model).__name__
+    attn = (
+        model.model.layers[0].self_attn if hasattr(model.model, "layers") else model.model.decoder.layers[0].self_attn
+    )
+    assert shape.head_dim == attn.head_dim
+    assert shape.num_kv_heads * shape.head_dim == attn.k_proj.out_features
+    if variant != "mixtral":
+        assert shape.active_layer_params == shape.layer_params
+
+
+def test_mixtral_active_params_count_only_the_routed_experts():
+    from transformers import MixtralConfig
+
+    shape = shape_from_config(
+        MixtralConfig(
+            **TINY, num_local_experts=4, num_experts_per_tok=2, architectures=["MixtralForCausalLM"]
+        ).to_dict(),
+        "tiny",
+        "test",
+    )
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64  # q, k, v (2 kv heads of 16), o
+    norms, router, expert = 2 * 64, 4 * 64, 3 * 64 * 96
+    assert shape.layer_params == attention + norms + router + 4 * expert
+    assert shape.active_layer_params == attention + norms + router + 2 * expert == 49_536
+
+
+def test_known_models_are_the_files_in_configs():
+    assert known_models() == MODELS
+    assert sorted(p.name for p in MODELS_DIR.glob("*.json")) == [f"{m}.json" for m in MODELS]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_published_model_matches_transformers(name):
+    from transformers import AutoConfig
+
+    fields = json.loads((MODELS_DIR / f"{name}.json").read_text())
+    assert isinstance(fields["_source"], str) and fields["_source"]
+    kwargs = {k: v for k, v in fields.items() if k not in ("_source", "model_type")}
+    model = meta_model(AutoConfig.for_model(fields["model_type"], **kwargs))
+
+    shape = load_shape(name)
+
+    assert type(model).__name__ == shape.architecture == fields["architectures"][0]
+    assert_matches(shape, model)
+
+
+def test_published_counts_anchor():
+    shape = load_shape("llama-3.1-8b")
+    assert shape.total_params == 8_030_261_248
+    assert shape.kv_bytes_per_token(2) == 131_072  # 2 (K, V) * 32 layers * 8 kv heads * 128 * 2 bytes
+
+
+def test_mixtral_8x7b_active_params():
+    shape = load_shape("mixtral-8x7b")
+    dense = shape.layer_params - 6 * 3 * 4096 * 14336  # 6 of 8 experts idle per token
+    assert shape.active_layer_params == dense
+    active_total = shape.num_layers * shape.active_layer_params + shape.embed_params + shape.head_params
+    assert round(active_total / 1e9, 1) == 12.9  # Mistral's published "12.9B active parameters"
+
+
+def test_names_are_case_insensitive():
+    assert load_shape("Llama-3.1-8B") == load_shape("llama-3.1-8b")
+
+
+@pytest.mark.parametrize(
+    ("fields", "dtype"),
+    [
+        ({"torch_dtype": "float16"}, "float16"),
+        ({"dtype": "float32", "torch_dtype": "bfloat16"}, "float32"),
+        ({"torch_dtype": None}, "bfloat16"),
+    ],
+)
+def test_dtype(fields, dtype):
+    config = llama_8b() | fields
+    assert shape_from_config(config, "m", "test").dtype == dtype
+
+
+def test_opt_dtype_defaults_to_float16():
+    config = json.loads((MODELS_DIR / "opt-30b.json").read_text())
+    del config["torch_dtype"]
+    assert shape_from_config(config, "m", "test").dtype == "float16"
+
+
+def llama_8b() -> dict:
+    return json.loads((MODELS_DIR / "llama-3.1-8b.json").read_text())
+
+
+def error(fn, *args) -> str:
+    with pytest.raises(OffloadError) as info:
+        fn(*args)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_unknown_name_lists_the_known_ones():
+    message = error(load_shape, "llama-9000")
+    assert "'llama-9000'" in message
+    assert all(name in message for name in MODELS)
+
+
+def test_missing_field_names_file_and_field(tmp_path):
+    config = llama_8b()
+    del config["intermediate_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    message = error(load_shape, str(tmp_path))
+    assert str(tmp_path / "config.json") in message
+    assert "'intermediate_size'" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("hidden_size", "4096"), ("num_hidden_layers", 0), ("tie_word_embeddings", "no")]
+)
+def test_ill_typed_field_names_field_and_value(field, value):
+    message = error(shape_from_config, llama_8b() | {field: value}, "m", "some/config.json")
+    assert "some/config.json" in message
+    assert repr(field) in message and repr(value) in message
+
+
+def test_mixtral_needs_its_expert_counts():
+    config = json.loads((MODELS_DIR / "mixtral-8x7b.json").read_text())
+    del config["num_experts_per_tok"]
+    assert "'num_experts_per_tok'" in error(shape_from_config, config, "m", "test")
+
+
+def test_bad_dtype_names_the_value():
+    message = error(shape_from_config, llama_8b() | {"torch_dtype": "int8"}, "m", "test")
+    assert "'int8'" in message and "'torch_dtype'" in message
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones():
+    message = error(shape_from_config, llama_8b() | {"architectures": ["GPT2LMHeadModel"]}, "m", "test")
+    assert "'GPT2LMHeadModel'" in message
+    assert "LlamaForCausalLM" in message and "OPTForCausalLM" in message
+
+
+def test_missing_architectures():
+    config = llama_8b()
+    del config["architectures"]
+    assert "'architectures'" in error(shape_from_config, config, "m", "test")
+
+
+def tiny_shape(**overrides) -> ModelShape:
+    fields = dict(
+        name="t",
+        architecture="LlamaForCausalLM",
+        num_layers=2,
+        hidden_size=8,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        vocab_size=100,
+        max_position=16,
+        dtype="bfloat16",
+        layer_params=3001,
+        active_layer_params=3001,
+        embed_params=1000,
+        head_params=999,
+    )
+    return ModelShape(**fields | overrides)
+
+
+def test_estimate_sizes_exact():
+    shape = tiny_shape()
+    assert shape.total_params == 8001
+    assert estimate_sizes(shape) == [
+        SizeEstimate("float32", 32_004, 12_004, "decoder layer"),
+        SizeEstimate("float16", 16_002, 6_002, "decoder layer"),
+        SizeEstimate("bfloat16", 16_002, 6_002, "decoder layer"),
+        SizeEstimate("int8", 8_001, 3_001, "decoder layer"),
+        SizeEstimate("int4", 4_001, 1_501, "decoder layer"),  # half bytes round up
+    ]
+
+
+def test_estimate_sizes_largest_layer_ties_go_to_the_embeddings():
+    rows = estimate_sizes(tiny_shape(embed_params=5000, head_params=5000))
+    assert [(row.largest_layer_name, row.largest_layer_bytes) for row in rows][::4] == [
+        ("embeddings", 20_000),
+        ("embeddings", 2_500),
+    ]
+
+
+def test_estimate_sizes_largest_layer_of_a_big_vocabulary():
+    shape = load_shape("qwen2.5-7b")  # the untied 152064 x 3584 head outweighs one 233M-parameter layer
+    rows = {row.dtype: row for row in estimate_sizes(shape)}
+    assert rows["bfloat16"].largest_layer_name == "head"
+    assert rows["bfloat16"].largest_layer_bytes == 2 * (152_064 * 3_584 + 3_584)  # lm_head + final norm
+    assert rows["int4"].total_bytes == shape.total_params // 2

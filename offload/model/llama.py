@@ -99,7 +99,9 @@ class LlamaFamily:
         if act not in ("silu", "swish"):
             raise OffloadError(f"{source}: hidden_act {act!r} is not supported (the Llama family uses silu)")
         qwen2 = arch == "Qwen2ForCausalLM"
-        bias = bool(config.get("attention_bias", False))
+        # transformers' Mistral has no attention biases whatever the config says; Qwen2 always has q/k/v biases
+        bias = bool(config.get("attention_bias", False)) and arch != "MistralForCausalLM"
+        qwen3 = arch == "Qwen3ForCausalLM"
         return ModelSpec(
             architecture=arch,
             vocab_size=int(_require(config, "vocab_size", source)),
@@ -108,7 +110,7 @@ class LlamaFamily:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            head_dim=int(config.get("head_dim") or (128 if qwen3 else hidden // heads)),  # transformers' defaults
             max_position=int(config.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope=_rope(config, source),
@@ -117,7 +119,7 @@ class LlamaFamily:
             qkv_bias=qwen2 or bias,
             o_bias=bias and not qwen2,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=qwen3,
             sliding_windows=_sliding_windows(config, arch, layers),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_eos(config),

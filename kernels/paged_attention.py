@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+GATHER_BYTES = 64 << 20  # bytes of K/V gathered at once for single-query (decode) sequences
+
 
 @dataclass(frozen=True, slots=True)
 class PagedBatch:
@@ -42,7 +44,13 @@ def paged_attention_ref(
     _check(q, k_cache, v_cache, batch)
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
+    singles = [s for s in range(batch.num_seqs) if batch.query_start[s + 1] - batch.query_start[s] == 1]
+    if len(singles) > 1:  # decode tokens: one batched product instead of a call per sequence
+        _attend_single_queries(q, k_cache, v_cache, batch, singles, scale, window, out)
+    single = set(singles) if len(singles) > 1 else set()
     for s in range(batch.num_seqs):
+        if s in single:
+            continue
         q0, q1, ctx = batch.query_start[s], batch.query_start[s + 1], batch.context_lens[s]
         blocks = batch.block_tables[s, : -(-ctx // block_size)]
         k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
@@ -62,6 +70,55 @@ def paged_attention_ref(
         )  # [Hq, q_len, D]
         out[q0:q1] = o.transpose(0, 1)
     return out
+
+
+def _attend_single_queries(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    seqs: list[int],
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Sequences with one query each (at position context_len - 1), gathered and padded to a common context,
+    a group at a time so the gathered K/V stay under GATHER_BYTES."""
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    per_block = 2 * block_size * kv_heads * head_dim * k_cache.element_size()  # K and V of one block, bytes
+    seqs = sorted(seqs, key=lambda s: batch.context_lens[s])  # similar lengths together: less padding
+    i = 0
+    while i < len(seqs):
+        longest = -(-batch.context_lens[seqs[i]] // block_size)
+        j = i + 1
+        while j < len(seqs):
+            longest_j = -(-batch.context_lens[seqs[j]] // block_size)
+            if (j - i + 1) * longest_j * per_block > GATHER_BYTES:
+                break
+            longest, j = longest_j, j + 1
+        group = torch.tensor(seqs[i:j], device=q.device)
+        rows = torch.tensor([batch.query_start[s] for s in seqs[i:j]], device=q.device)
+        lens = torch.tensor([batch.context_lens[s] for s in seqs[i:j]], device=q.device)[:, None]
+        blocks = batch.block_tables[group, :longest]  # [n, blocks]
+        k = k_cache[blocks].flatten(1, 2)  # [n, blocks * block_size, Hkv, D]
+        v = v_cache[blocks].flatten(1, 2)
+        pos = torch.arange(k.shape[1], device=q.device)[None, :]
+        valid = pos < lens  # [n, L]; the query sits at lens - 1
+        if window is not None:
+            valid &= pos > lens - 1 - window
+        # padding slots may hold anything (even NaN): zero them so masked weights of 0 multiply zeros
+        k.masked_fill_(~valid[:, :, None, None], 0)  # k and v are fresh copies (gathered)
+        v.masked_fill_(~valid[:, :, None, None], 0)
+        o = F.scaled_dot_product_attention(
+            q[rows][:, :, None, :],  # [n, Hq, 1, D]
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )  # [n, Hq, 1, D]
+        out[rows] = o[:, :, 0, :]
+        i = j
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch) -> None:

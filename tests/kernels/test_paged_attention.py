@@ -116,6 +116,20 @@ def test_ref_matches_dense_large() -> None:
     torch.testing.assert_close(out, dense_attention(case, 0.1, None), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("gather_bytes", [1, 2 * 16 * 2 * 24 * 4 * 3, 64 << 20])
+@pytest.mark.parametrize("window", [None, 4])
+def test_decode_queries_gathered_in_groups_match_dense(monkeypatch, gather_bytes: int, window: int | None) -> None:
+    """Many one-token sequences of mixed lengths (the decode path), gathered one at a time, a few blocks'
+    worth at a time, or all at once: the same as dense attention, NaN padding never leaking in."""
+    import kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "GATHER_BYTES", gather_bytes)
+    seqs = tuple((ctx, 1) for ctx in (1, 40, 3, 16, 17, 33, 2, 64, 5)) + ((9, 4),)
+    case = make_case(seqs, 16, 4, 2, 24, torch.float32, seed=3)
+    out = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.batch, 0.2, window)
+    torch.testing.assert_close(out, dense_attention(case, 0.2, window), atol=1e-5, rtol=1e-5)
+
+
 def test_window_one_returns_own_value() -> None:
     """With window 1 each query sees only its own position, so the output is that position's V."""
     case = make_case(SEQS, 3, 4, 2, 8, torch.float32)

@@ -24,8 +24,8 @@ from tiers.host import HostTier
 from tiers.io.base import make_backend
 from tiers.io.pread import PreadReader
 from tiers.kv import BlockPool, BlockTables, KVCache
-from tiers.placement import plan_policy
-from tiers.weights import ModelLayout, WeightStore, group_cost, model_layout
+from tiers.nvme import SpillStats, spill_layers
+from tiers.weights import ModelLayout, WeightStore, model_layout, plan_placement
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +44,11 @@ class RunStats:
     requests: int
     prompt_tokens: int
     generated_tokens: int
+    # a step that computed any prefill tokens counts as prefill, a mixed one too (it costs about what a
+    # decode step costs plus its prompt tokens), so that decode_* measure decode-only steps cleanly
     prefill_seconds: float
-    decode_seconds: float
+    decode_seconds: float  # decode-only steps
+    decode_tokens: int  # tokens sampled by decode-only steps
     steps: int
     preemptions: int
     peak_kv_blocks: int
@@ -78,7 +81,8 @@ class RunStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        return (self.generated_tokens - self.requests) / max(self.decode_seconds, 1e-9)
+        """Tokens per second of decode-only steps."""
+        return self.decode_tokens / max(self.decode_seconds, 1e-9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,7 @@ class Placement:
     kv_blocks: int
     block_size: int
     checkpoint_bytes_read: int
+    spill: SpillStats | None = None  # what --offload-dir holds for this model (None: not set)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -148,11 +153,15 @@ class LLM:
         self.dtype = getattr(torch, self.spec.dtype if config.dtype == "auto" else config.dtype)
         self.eos_ids = _eos_ids(self.model_dir, self.spec)
         self.device_tier = DeviceTier(config.device_memory, self.device)
-        # on CUDA the host tier also holds pinned staging buffers, which the host budget does not cover yet
-        self.host_tier = HostTier(config.host_memory if self.device.type == "cpu" else None)
+        self.host_tier = HostTier(config.host_memory or None)  # 0: no budget, so no layer in host RAM (see HostTier)
         self.kv = self._make_kv_cache()
         with PreadReader() as reader:  # headers only; tensor data goes through the NVMe backend
             layout = model_layout(Checkpoint(self.model_dir, reader), self.family, self.spec)
+        self.spill: SpillStats | None = None  # streamed layers converted once into --offload-dir
+        if config.offload_dir is not None:
+            layout, self.spill = spill_layers(
+                layout, self._plan, self.dtype, config.offload_dir, config.disk_memory, config.io_backend
+            )
         self.policy = self._plan(layout)
         self.backend = make_backend(config.io_backend)
         self.weights = WeightStore(layout, self.backend, self.policy, self.device_tier, self.host_tier, self.dtype)
@@ -180,12 +189,7 @@ class LLM:
 
     def _plan(self, layout: ModelLayout) -> Policy:
         """Place the layers in what the device budget leaves after the KV cache, the embedding and the head."""
-        cost = functools.partial(group_cost, dtype=self.dtype, tier=self.device_tier)
-        free = self.device_tier.num_free
-        if free is not None:
-            free -= cost(layout.embed) + cost(layout.head)
-        layer_costs = [cost(g) for g in layout.layers]
-        return plan_policy(layer_costs, max(layer_costs), free, self.config.host_memory, self.config.ring_slots)
+        return plan_placement(layout, self.dtype, self.device_tier, self.host_tier, self.config.ring_slots)
 
     def close(self) -> None:
         """Let reads in flight land and close the checkpoint files. The object is not usable afterwards."""
@@ -217,6 +221,7 @@ class LLM:
             kv_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size,
             checkpoint_bytes_read=self.weights.stats.bytes_read,
+            spill=self.spill,
         )
 
     # ---- requests -------------------------------------------------------------------------------
@@ -272,15 +277,19 @@ class LLM:
         batcher = Batcher(self.tables, self._limits(), self.eos_ids)
         for s in seqs:
             batcher.add(s)
-        timing = {True: 0.0, False: 0.0}  # is_prefill -> seconds
+        prefill_seconds = decode_seconds = 0.0
         io_before = self.weights.stats
-        steps = peak = 0
+        steps = peak = decode_tokens = 0
         while batcher.has_work:
             plan = batcher.schedule()
             start = time.perf_counter()
             out = self.engine.step(plan)
             tokens = sample(out.logits, [seqs[i].params for i in out.seq_ids], [gens[i] for i in out.seq_ids])
-            timing[plan.is_prefill] += time.perf_counter() - start
+            if plan.num_prefill_tokens:
+                prefill_seconds += time.perf_counter() - start
+            else:
+                decode_seconds += time.perf_counter() - start
+                decode_tokens += plan.num_decode_tokens
             steps += 1
             peak = max(peak, self.tables.num_used)
             batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)))
@@ -289,8 +298,9 @@ class LLM:
             requests=len(seqs),
             prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
             generated_tokens=sum(len(s.output_ids) for s in seqs),
-            prefill_seconds=timing[True],
-            decode_seconds=timing[False],
+            prefill_seconds=prefill_seconds,
+            decode_seconds=decode_seconds,
+            decode_tokens=decode_tokens,
             steps=steps,
             preemptions=batcher.num_preemptions,
             peak_kv_blocks=peak,
@@ -342,7 +352,7 @@ class LLM:
                 chunks.append(SeqChunk(seq_id, tuple(t), 0, tuple(table)))
             if not chunks:
                 raise OffloadError("a prompt does not fit the KV cache")  # _check_ids makes this unreachable
-            plan = StepPlan(pack_micro_batches(chunks, self.config.micro_batch_tokens), True, all_logits=True)
+            plan = StepPlan(pack_micro_batches(chunks, self.config.micro_batch_tokens), all_logits=True)
             logits = self.engine.step(plan).logits
             result.extend(logits.split([len(c.token_ids) for c in chunks]))
             for c in chunks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from offload.errors import OffloadError
@@ -111,12 +112,19 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64  # sequences in one step
-    max_step_tokens: int = 4096  # tokens computed in one step (prefill)
+    # tokens computed in one step: one per decoding sequence, the rest prefill chunks (a longer prompt is
+    # prefilled over several steps, interleaved with decoding); bounds a step's activations and caps the
+    # running sequences (each may decode in the same step)
+    max_step_tokens: int = 4096
     micro_batch_tokens: int = 2048  # tokens per micro-batch inside a step
     device_memory: int | None = None  # bytes for weights + KV cache on the compute device; None = no budget
     host_memory: int = 0  # bytes of host RAM that may hold layers read once (not streamed)
     io_backend: str = "pread"  # NVMe reads: "pread" (O_DIRECT thread pool), "aio" (DeepSpeed AsyncIO) or "auto"
     ring_slots: int = 3  # device buffers for streamed layers: one computing, the rest reading ahead
+    # a folder for the engine's spill files: streamed layers stored in another dtype are converted once and
+    # streamed from there (tiers/nvme.py); None = stream and convert from the checkpoint every pass
+    offload_dir: str | None = None
+    disk_memory: int | None = None  # bytes the spill files in offload_dir may take; None = no budget
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -125,7 +133,17 @@ class EngineConfig:
             raise OffloadError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.ring_slots < 2:
             raise OffloadError(f"ring_slots must be at least 2, got {self.ring_slots!r}")
-        for name, value in (("device_memory", self.device_memory), ("host_memory", self.host_memory)):
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, (str, os.PathLike)) or not str(self.offload_dir).strip():
+                raise OffloadError(f"offload_dir must be a folder path, got {self.offload_dir!r}")
+            object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
+        if self.disk_memory is not None and self.offload_dir is None:
+            raise OffloadError(f"disk_memory ({self.disk_memory!r}) budgets the spill files: it needs offload_dir")
+        for name, value in (
+            ("device_memory", self.device_memory),
+            ("host_memory", self.host_memory),
+            ("disk_memory", self.disk_memory),
+        ):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise OffloadError(f"{name} must be a non-negative number of bytes, got {value!r}")
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_step_tokens", "micro_batch_tokens"):

@@ -1,9 +1,17 @@
-"""Continuous batching: which sequences run in the next step, admitted by KV capacity.
+"""Continuous batching with chunked prefill: which tokens of which sequences the next step computes.
 
-A step either prefills newly admitted sequences or decodes one token for every running one.
-Finished sequences leave after their step and free their blocks; waiting ones join at the next
-step. When a decode step cannot get a block, the most recently admitted sequence is preempted: its
-blocks are freed and it waits at the front of the queue, to be recomputed from its tokens so far.
+Each step has a budget of `max_step_tokens` tokens. Decoding sequences come first, one token each; what
+is left goes to prefill chunks, first of the admitted sequences still prefilling, then of waiting ones,
+in FIFO order. A prompt longer than what is left gets a chunk of what is left and continues next step,
+so long prompts interleave with decoding instead of stalling it, and a step's activations stay bounded.
+A chunk's blocks are allocated when it is planned, for its tokens only.
+
+Finished sequences leave after their step and free their blocks; waiting ones join at the next step if
+their first chunk fits in the free blocks (FIFO: one that does not fit blocks those behind it). When an
+admitted sequence's next chunk does not fit, the most recently admitted sequence not yet planned this
+step is preempted, possibly the one asking: its blocks are freed and it waits at the front of the queue,
+to be recomputed from scratch (prompt and outputs so far). No sequence is admitted in a step that
+preempted one.
 """
 
 from __future__ import annotations
@@ -18,10 +26,15 @@ from tiers.kv import BlockTables
 
 @dataclass(frozen=True, slots=True)
 class BatchLimits:
-    max_num_seqs: int  # sequences per step
-    max_step_tokens: int  # prefill tokens per step (a longer prompt runs alone)
+    max_num_seqs: int  # sequences admitted (prefilling or decoding) at once
+    max_step_tokens: int  # tokens computed per step: one per decoding sequence, the rest prefill chunks
     micro_batch_tokens: int  # tokens per micro-batch
     max_model_len: int  # prompt + output tokens of one sequence; must fit the KV cache alone
+
+    @property
+    def max_running(self) -> int:
+        """Admitted sequences: every one may decode in the same step, so at most max_step_tokens of them."""
+        return min(self.max_num_seqs, self.max_step_tokens)
 
 
 class Batcher:
@@ -31,8 +44,8 @@ class Batcher:
         self.tables = tables
         self.limits = limits
         self.eos_ids = frozenset(eos_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # WAITING, in the order they are to be admitted
+        self.running: deque[Sequence] = deque()  # PREFILLING or DECODING, in admission order
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -47,63 +60,81 @@ class Batcher:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        plan = self._schedule_prefill()
-        return plan if plan is not None else self._schedule_decode()
-
-    def _schedule_prefill(self) -> StepPlan | None:
+        """Plan the next step; it computes something whenever there is work."""
+        budget = self.limits.max_step_tokens
         chunks: list[SeqChunk] = []
-        tokens = 0
-        while self.waiting and len(self.running) < self.limits.max_num_seqs:
+        planned: set[int] = set()
+        preemptions = self.num_preemptions
+        for state in (SeqState.DECODING, SeqState.PREFILLING):
+            for seq in [s for s in self.running if s.state is state]:
+                if budget == 0:
+                    break
+                if seq.state is not state:  # preempted earlier in this step
+                    continue
+                end = seq.num_cached + min(budget, seq.num_uncached)
+                table = self._grow_or_preempt(seq, end, planned)
+                if table is not None:
+                    chunks.append(self._chunk(seq, end, table))
+                    planned.add(seq.seq_id)
+                    budget -= end - seq.num_cached
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.limits.max_running
+            and self.num_preemptions == preemptions
+        ):
             seq = self.waiting[0]
-            if chunks and tokens + seq.num_tokens > self.limits.max_step_tokens:
-                break
-            table = self.tables.grow(seq.seq_id, seq.num_tokens)
+            end = min(budget, seq.num_tokens)
+            table = self.tables.grow(seq.seq_id, end)
             if table is None:
                 break
             self.waiting.popleft()
-            seq.state = SeqState.RUNNING
+            seq.state = SeqState.PREFILLING
             self.running.append(seq)
-            chunks.append(SeqChunk(seq.seq_id, tuple(seq.token_ids), 0, tuple(table)))
-            tokens += seq.num_tokens
-        if not chunks:
-            return None
-        return StepPlan(pack_micro_batches(chunks, self.limits.micro_batch_tokens), is_prefill=True)
+            chunks.append(self._chunk(seq, end, table))
+            budget -= end
+        return StepPlan(pack_micro_batches(chunks, self.limits.micro_batch_tokens))
 
-    def _schedule_decode(self) -> StepPlan:
-        scheduled: list[Sequence] = []
-        while self.running:
-            seq = self.running.popleft()
-            while not self.tables.can_grow(seq.seq_id, seq.num_tokens):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                self.tables.grow(seq.seq_id, seq.num_tokens)
-                scheduled.append(seq)
-        self.running.extend(scheduled)
-        chunks = [
-            SeqChunk(s.seq_id, (s.token_ids[-1],), s.num_tokens - 1, tuple(self.tables.table(s.seq_id)))
-            for s in scheduled
-        ]
-        return StepPlan(pack_micro_batches(chunks, self.limits.micro_batch_tokens), is_prefill=False)
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, planned: set[int]) -> list[int] | None:
+        """Grow `seq` to `num_tokens`, preempting the latest unplanned sequences; None if `seq` itself went."""
+        while (table := self.tables.grow(seq.seq_id, num_tokens)) is None:
+            victim = next(s for s in reversed(self.running) if s.seq_id not in planned)
+            self._preempt(victim)
+            if victim is seq:
+                return None
+        return table
+
+    def _chunk(self, seq: Sequence, end: int, table: list[int]) -> SeqChunk:
+        """Tokens num_cached .. end - 1 of `seq`; the chunk that reaches its last token samples the next."""
+        start = seq.num_cached
+        return SeqChunk(
+            seq.seq_id,
+            tuple(seq.token_ids[start:end]),
+            start,
+            tuple(table),
+            wants_logits=end == seq.num_tokens,
+            is_decode=seq.state is SeqState.DECODING,
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         self.tables.free(seq.seq_id)
+        self.running.remove(seq)
         seq.state = SeqState.WAITING
         seq.num_cached = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def postprocess(self, plan: StepPlan, next_tokens: dict[int, int]) -> list[Sequence]:
-        """Record each sequence's sampled token; return the sequences that finished this step."""
+        """Record what the step cached and each sampled token; return the sequences that finished this step."""
         by_id = {s.seq_id: s for s in self.running}
         finished = []
         for chunk in plan.chunks:
             seq = by_id[chunk.seq_id]
             seq.num_cached = chunk.context_len
+            if not chunk.wants_logits:  # a prefill chunk short of the last known token
+                continue
             seq.output_ids.append(next_tokens[chunk.seq_id])
+            seq.state = SeqState.DECODING
             reason = self._finish_reason(seq)
             if reason is not None:
                 self.finish(seq, reason)
@@ -125,3 +156,4 @@ class Batcher:
                 queue.remove(seq)
         seq.state = SeqState.FINISHED
         seq.finish_reason = reason
+        seq.num_cached = 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,8 +12,13 @@ class SeqChunk:
     seq_id: int
     token_ids: tuple[int, ...]
     start_pos: int  # position of token_ids[0]; the cache already holds positions < start_pos
-    block_table: tuple[int, ...]  # blocks holding positions 0 .. start_pos + len(token_ids) - 1
+    # blocks holding positions 0 .. start_pos + len(token_ids) - 1; the head of a chunk cut across
+    # micro-batches keeps the whole chunk's table
+    block_table: tuple[int, ...]
     wants_logits: bool = True  # logits of the last token (the next token is sampled from them)
+    # one token sampled the step before; False for known tokens (a prompt chunk, or prompt + outputs
+    # recomputed after a preemption), which count as prefill
+    is_decode: bool = False
 
     @property
     def context_len(self) -> int:
@@ -31,8 +36,9 @@ class MicroBatch:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
+    """One step: decode tokens and prefill chunks, in any mix, packed into micro-batches run in order."""
+
     micro_batches: tuple[MicroBatch, ...]
-    is_prefill: bool
     all_logits: bool = False  # logits at every computed position, not just each chunk's last (scoring)
 
     @property
@@ -40,21 +46,43 @@ class StepPlan:
         return sum(mb.num_tokens for mb in self.micro_batches)
 
     @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether the step computes any prefill tokens; a mixed step does."""
+        return self.num_prefill_tokens > 0
+
+    @property
     def chunks(self) -> tuple[SeqChunk, ...]:
+        """In plan order; a chunk cut across micro-batches appears once per piece."""
         return tuple(c for mb in self.micro_batches for c in mb.chunks)
 
 
 def pack_micro_batches(chunks: list[SeqChunk], max_tokens: int) -> tuple[MicroBatch, ...]:
-    """Split chunks, in order, into micro-batches of at most `max_tokens` tokens (a larger chunk goes alone)."""
+    """Pack chunks, in order, into micro-batches of exactly `max_tokens` tokens (the last may hold fewer).
+
+    A chunk that overflows a micro-batch is cut there: its head fills that micro-batch without logits and
+    its tail goes on in the next. The cut is exact because the engine runs layer-major: at every layer the
+    head's micro-batch writes its keys and values to the cache before the tail's attends to them.
+    """
     batches: list[MicroBatch] = []
     current: list[SeqChunk] = []
-    size = 0
+    room = max_tokens
     for c in chunks:
-        if current and size + len(c.token_ids) > max_tokens:
+        while len(c.token_ids) > room:
+            if room:
+                current.append(replace(c, token_ids=c.token_ids[:room], wants_logits=False))
+                c = replace(c, token_ids=c.token_ids[room:], start_pos=c.start_pos + room)
             batches.append(MicroBatch(tuple(current)))
-            current, size = [], 0
+            current, room = [], max_tokens
         current.append(c)
-        size += len(c.token_ids)
+        room -= len(c.token_ids)
     if current:
         batches.append(MicroBatch(tuple(current)))
     return tuple(batches)

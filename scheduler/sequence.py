@@ -1,4 +1,13 @@
-"""A request's state machine: WAITING -> RUNNING -> FINISHED, back to WAITING when preempted."""
+"""A request's state machine: WAITING -> PREFILLING -> DECODING -> FINISHED, back to WAITING when preempted.
+
+    WAITING     not in the KV cache: new, or preempted (its KV is recomputed from scratch on return)
+    PREFILLING  admitted: its first num_cached tokens are in the cache, more of its known tokens to compute
+    DECODING    every token but the last sampled one is cached; it computes one token per step
+    FINISHED    ended by eos, a stop string or a length limit; holds no blocks
+
+A sequence computes its known tokens (the prompt, or prompt + outputs after a preemption) in one or
+more chunks; the chunk that reaches its last token samples the next one and makes it DECODING.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +18,9 @@ from offload.config import SamplingParams
 
 
 class SeqState(enum.Enum):
-    WAITING = "waiting"  # not in the KV cache: new, or preempted (its KV is recomputed on return)
-    RUNNING = "running"  # its KV is cached; it prefills, then decodes one token per step
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
     FINISHED = "finished"
 
 
@@ -21,7 +31,7 @@ class Sequence:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     state: SeqState = SeqState.WAITING
-    num_cached: int = 0  # tokens whose K and V are in the cache
+    num_cached: int = 0  # leading tokens whose K and V are in the cache; 0 unless PREFILLING or DECODING
     finish_reason: str | None = None  # "stop" (eos or stop string) or "length"
 
     @property
@@ -31,6 +41,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        """Tokens still to compute: the rest of a prefill, 1 when decoding (the last sampled token)."""
+        return self.num_tokens - self.num_cached
 
     @property
     def is_finished(self) -> bool:

@@ -1,17 +1,24 @@
 """Weight placement and the prefetch pipeline.
 
 Every decoder layer lives in one tier (a `Policy`): "device" layers are read once and stay on the compute
-device; "host" layers are read once into host RAM; "nvme" layers are streamed from the checkpoint files
-on every pass through a bounded ring of device slots, read ahead of compute. The embedding and the head
-stay on the device. The engine asks for layers in order with `acquire` and hands them back with
-`release`; each release lets the ring start reading the next streamed layer, wrapping around to the
-first ones of the next step, so memory never grows with model size or run length.
+device; "host" layers are read once into host RAM; "nvme" layers are read from the checkpoint files on every
+pass. The embedding and the head stay on the device. The engine asks for layers in order with `acquire` and
+hands them back with `release`; layers off the device pass through a ring of buffers (tiers/ring.py) that
+reads and copies them ahead of compute, wrapping around to the first ones of the next step, so memory never
+grows with model size or run length, and resident layers are never read again.
+
+Two paths, chosen by the device. Direct (a CPU device): NVMe reads land straight in device slots, and host
+layers are computed from where they were read. Staged (a CUDA device, or any device when asked): every byte
+reaches the device through pinned host RAM and the copy engine (tiers/copy.py): a streamed layer goes NVMe ->
+pinned staging slot -> device slot, a host layer is copied from its pinned buffer every pass, and tensors stored
+in another dtype are converted on the device after their copy. Bytes read from disk and bytes copied host ->
+device are both counted.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +27,16 @@ from offload.config import ModelSpec, Policy
 from offload.errors import OffloadError
 from offload.model.checkpoint import TORCH_DTYPES, Checkpoint
 from offload.model.registry import Family, TensorSpec, Weights
+from tiers.budget import format_size
+from tiers.copy import CopyEngine, make_copy_engine
 from tiers.device import DeviceTier
 from tiers.host import HostTier
-from tiers.io.base import ReadBackend, ReadRequest
+from tiers.io.base import ReadBackend
 from tiers.layout import GroupLayout, TensorAt, plan_group
+from tiers.memory import MemoryTier
+from tiers.packed import pack
+from tiers.placement import plan_policy
+from tiers.ring import DirectRing, Ring, StagedRing, convert, read, take
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,16 +44,11 @@ class WeightStats:
     resident_bytes: int  # bytes of weights held on the device for the whole run
     host_bytes: int  # bytes of weights held in host RAM for the whole run
     streamed_bytes_per_pass: int  # bytes read from storage for one pass over the layers
+    h2d_bytes_per_pass: int  # bytes copied host -> device for one pass (staged path; 0 on the direct one)
     bytes_read: int  # bytes read from the checkpoint so far (loading and streaming)
+    h2d_bytes: int  # bytes copied host -> device so far (loading and streaming)
     read_seconds: float  # wall time with at least one read in flight
     stall_seconds: float  # time the engine waited in acquire() for a read
-
-
-@dataclass(slots=True)
-class _InFlight:
-    layer: int
-    slot: torch.Tensor
-    requests: list[ReadRequest]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,17 +72,65 @@ def model_layout(checkpoint: Checkpoint, family: Family, spec: ModelSpec) -> Mod
     )
 
 
-def group_cost(layout: GroupLayout, dtype: torch.dtype, tier: DeviceTier) -> int:
-    """Bytes `tier` is charged for a group loaded in compute dtype `dtype`: on CPU its read buffer plus copies
-    of tensors stored in another dtype; on CUDA the converted tensors alone (the read buffer is host staging)."""
+def group_cost(layout: GroupLayout, dtype: torch.dtype, tier: DeviceTier, staged: bool | None = None) -> int:
+    """Bytes `tier` is charged for a group loaded in compute dtype `dtype`. Direct path: its read buffer plus
+    copies of tensors stored in another dtype. Staged path (default: when the device is not the CPU): its tensors
+    packed in `dtype` (the read buffer is host staging)."""
+    if staged if staged is not None else tier.device.type != "cpu":
+        return tier.footprint(pack(layout, dtype).nbytes)
 
     def as_dtype(t: TensorAt) -> int:
         return t.nbytes // TORCH_DTYPES[t.dtype][1] * dtype.itemsize
 
-    if tier.device.type != "cpu":
-        return sum(as_dtype(t) for t in layout.tensors)
     converted = sum(as_dtype(t) for t in layout.tensors if TORCH_DTYPES[t.dtype][0] != dtype)
     return tier.footprint(layout.slot_bytes) + converted
+
+
+def plan_placement(
+    layout: ModelLayout,
+    dtype: torch.dtype,
+    device_tier: DeviceTier,
+    host_tier: HostTier,
+    ring_slots: int,
+    staged: bool | None = None,
+) -> Policy:
+    """Place the layers in what the tiers have left (the KV cache is already on the device), costed exactly as
+    WeightStore will charge them. Host RAM holds layers only under a host budget (see HostTier).
+
+    Staged path (default: when the device is not the CPU): host layers are copied to the device every pass, so
+    any layer off the device needs the device ring (and, when tensors change dtype, one conversion scratch
+    buffer); host RAM holds the ring's staging slots first whenever some layer still streams from disk."""
+    staged = device_tier.device.type != "cpu" if staged is None else staged
+    cost = functools.partial(group_cost, dtype=dtype, tier=device_tier, staged=staged)
+    free = device_tier.num_free
+    if free is not None:
+        free -= cost(layout.embed) + cost(layout.head)
+    layer_costs = [cost(g) for g in layout.layers]
+    host_free = host_tier.num_free or 0  # bytes; no host budget: no layer is kept in host RAM
+    if not staged:
+        return plan_policy(layer_costs, max(layer_costs), free, host_free, ring_slots)
+    policy = plan_policy(layer_costs, max(layer_costs), free, 0, ring_slots)  # as if every layer off it streamed
+    scratch = max(pack(g, dtype).convert_bytes for g in layout.layers)
+    if policy.ring_slots and scratch:
+        policy = plan_policy(layer_costs, max(layer_costs), free - device_tier.footprint(scratch), 0, ring_slots)
+    off = [i for i, t in enumerate(policy.layer_tiers) if t != "device"]
+    host_cost = {i: host_tier.footprint(layout.layers[i].slot_bytes) for i in off}  # bytes, kept as read
+    room = host_free
+    if sum(host_cost.values()) > host_free:  # some layers will stream: their staging slots come first
+        staging = ring_slots * max(host_cost.values())
+        if host_tier.capacity is not None and staging > host_free:
+            raise OffloadError(
+                f"--host-memory is too small: {format_size(host_free)} of host RAM is left for weights, and "
+                f"streaming from disk stages layers in {ring_slots} pinned buffers of "
+                f"{format_size(max(host_cost.values()))} ({format_size(staging)})"
+            )
+        room -= staging
+    tiers = list(policy.layer_tiers)
+    for i in off:
+        if host_cost[i] <= room:
+            tiers[i] = "host"
+            room -= host_cost[i]
+    return Policy(tuple(tiers), ring_slots=policy.ring_slots)
 
 
 def _layout(checkpoint: Checkpoint, group: dict[str, TensorSpec]) -> GroupLayout:
@@ -82,6 +138,12 @@ def _layout(checkpoint: Checkpoint, group: dict[str, TensorSpec]) -> GroupLayout
 
 
 class WeightStore:
+    """Every weight tensor where the policy puts it, and the ring the others pass through (see the module docstring).
+
+    staged: None takes the staged path exactly when the device is not the CPU; True forces it on the CPU too
+    (the same code then runs with synchronous copies, which is how it is tested on CPU-only machines).
+    """
+
     def __init__(
         self,
         layout: ModelLayout,
@@ -90,145 +152,106 @@ class WeightStore:
         device_tier: DeviceTier,
         host_tier: HostTier,
         dtype: torch.dtype,
+        staged: bool | None = None,
     ) -> None:
         if len(policy.layer_tiers) != len(layout.layers):
             raise ValueError(f"policy places {len(policy.layer_tiers)} layers, the model has {len(layout.layers)}")
         self.backend, self.policy, self.dtype = backend, policy, dtype
         self.device_tier, self.host_tier = device_tier, host_tier
         self.device = device_tier.device
-        self.stall_seconds = 0.0  # time spent waiting for reads, loading included
+        self.staged = self.device.type != "cpu" if staged is None else staged
+        if not self.staged and self.device.type != "cpu":
+            raise ValueError(f"reads land in device memory only on a CPU device, not on {self.device}: use staged")
+        self.copier: CopyEngine | None = make_copy_engine(self.device) if self.staged else None
+        self.stall_seconds = 0.0  # time spent waiting for reads while loading
+        self.h2d_bytes = 0  # bytes copied host -> device while loading
         self.layouts = layout.layers
-        self.embed = self._load_resident(layout.embed, device_tier)
-        self.head = self._load_resident(layout.head, device_tier)
+        # direct path: on a CPU device host RAM is what the compute reads, so a host layer needs no copy
+        kept = ("device",) if self.staged else ("device", "host")
+        resident = [i for i, t in enumerate(policy.layer_tiers) if t in kept]
+        ring = {i: g for i, g in enumerate(self.layouts) if i not in resident}
+        if ring and policy.ring_slots < 2:  # the Policy checks this for "nvme" layers, not for staged "host" ones
+            raise OffloadError(
+                f"policy: on {self.device} layers kept in host RAM pass through the device ring, which needs at "
+                f"least 2 slots, got {policy.ring_slots}"
+            )
+        groups = [layout.embed, layout.head, *(self.layouts[i] for i in resident)]
+        if self.staged:
+            loaded = self._load_staged(groups)
+        else:
+            tiers = [device_tier, device_tier, *(self._tier(policy.layer_tiers[i]) for i in resident)]
+            loaded = [self._load_direct(g, t) for g, t in zip(groups, tiers, strict=True)]
+        self.embed, self.head, *layers = loaded
         self.head.setdefault("lm_head", self.embed["embed"])  # tied embeddings
-        self._resident: dict[int, Weights] = {}
-        for layer, tier in enumerate(policy.layer_tiers):  # layer tiers: see the module docstring
-            if tier == "device" or (tier == "host" and self.device.type == "cpu"):
-                # on a CPU-only machine host RAM is what the compute reads: a host layer needs no copy
-                self._resident[layer] = self._load_resident(self.layouts[layer], self._tier(tier))
-            elif self.device.type != "cpu":
-                raise OffloadError(
-                    "streaming layers to a CUDA device is not supported yet: give every layer room "
-                    "on the device (raise --device-memory)"
-                )
-        self._streamed = [i for i in range(len(self.layouts)) if i not in self._resident]
-        slot_bytes = max((self.layouts[i].slot_bytes for i in self._streamed), default=0)
-        self._free_slots: list[torch.Tensor] = []
-        for _ in range(policy.ring_slots if self._streamed else 0):
-            slot = self._read_buffer(device_tier, slot_bytes, "a ring slot for streamed layers")
-            self._free_slots.append(slot)
-        self._in_flight: deque[_InFlight] = deque()
-        self._next = 0  # index into _streamed of the next layer to read
-        self._acquired: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # layer -> (slot, converted)
-        self._fill()
+        self._resident: dict[int, Weights] = dict(zip(resident, layers, strict=True))
+        self._ring: Ring
+        if self.staged:
+            tiers = {i: policy.layer_tiers[i] for i in ring}
+            self._ring = StagedRing(ring, tiers, backend, self.copier, device_tier, host_tier, dtype, policy.ring_slots)
+        else:
+            self._ring = DirectRing(ring, backend, device_tier, dtype, policy.ring_slots)
 
-    # ---- loading ---------------------------------------------------------------------------------
-
-    def _tier(self, name: str) -> DeviceTier | HostTier:
+    def _tier(self, name: str) -> MemoryTier:
         return self.device_tier if name == "device" else self.host_tier
 
-    def _read_buffer(self, tier: DeviceTier | HostTier, nbytes: int, what: str) -> torch.Tensor:
-        buf = tier.allocate(nbytes)
-        if buf is None:
-            raise OffloadError(
-                f"{tier.name} memory budget of {tier.capacity} bytes cannot hold {what} ({nbytes} bytes; "
-                f"{tier.used} already in use)"
-            )
-        return buf
-
-    def _load_resident(self, layout: GroupLayout, tier: DeviceTier | HostTier) -> Weights:
-        """Read a group once and keep it; tensors stored in another dtype are converted (charged to `tier`)."""
-        if tier.device.type == "cpu":
-            buf = self._read_buffer(tier, layout.slot_bytes, "resident weights")
-            self._wait([self.backend.submit(r.path, r.offset, r.nbytes, buf[r.slot_offset :]) for r in layout.runs])
-            return self._convert(layout.views(buf), tier, keep=[])
-        staging = self._read_buffer(self.host_tier, layout.slot_bytes, "a staging buffer")
-        try:
-            self._wait([self.backend.submit(r.path, r.offset, r.nbytes, staging[r.slot_offset :]) for r in layout.runs])
-            out = {}
-            for short, view in layout.views(staging).items():
-                out[short] = view.to(device=tier.device, dtype=self.dtype)
-                if not tier.adopt(out[short]):
-                    raise OffloadError(f"{tier.name} memory budget of {tier.capacity} bytes cannot hold the weights")
-            return out
-        finally:
-            self.host_tier.free(staging)
-
-    def _convert(self, views: Weights, tier: DeviceTier | HostTier, keep: list[torch.Tensor]) -> Weights:
-        """Views in the compute dtype; converted copies are charged to `tier` and listed in `keep`."""
-        out = {}
-        for short, view in views.items():
-            if view.dtype == self.dtype:
-                out[short] = view
-                continue
-            converted = view.to(self.dtype)
-            if not tier.adopt(converted):
-                raise OffloadError(
-                    f"{tier.name} memory budget of {tier.capacity} bytes cannot hold {short} converted to "
-                    f"{str(self.dtype).removeprefix('torch.')} ({converted.numel() * converted.element_size()} bytes)"
-                )
-            keep.append(converted)
-            out[short] = converted
+    def _load_direct(self, layout: GroupLayout, tier: MemoryTier) -> Weights:
+        """Read a group once into `tier` and keep it; tensors in another dtype are converted (charged to `tier`)."""
+        buf = take(tier, layout.slot_bytes, "resident weights")
+        self._wait(read(self.backend, layout, buf))
+        out = convert(layout.views(buf), self.dtype, tier, keep=[])
+        base = buf.untyped_storage().data_ptr()
+        if all(t.untyped_storage().data_ptr() != base for t in out.values()):
+            tier.free(buf)  # every tensor was converted: the read buffer is garbage, and must not stay charged
         return out
 
-    def _wait(self, requests: list[ReadRequest]) -> None:
+    def _load_staged(self, groups: list[GroupLayout]) -> list[Weights]:
+        """Read groups once, one at a time, through a pinned staging buffer into packed device buffers."""
+        packed = [pack(g, self.dtype) for g in groups]
+        staging = take(self.host_tier, max(g.slot_bytes for g in groups), "a staging buffer for loading weights")
+        convert_bytes = max(p.convert_bytes for p in packed)
+        scratch = take(self.device_tier, convert_bytes, "a buffer for dtype conversion") if convert_bytes else None
+        try:
+            out = []
+            for group, p in zip(groups, packed, strict=True):
+                buf = take(self.device_tier, p.nbytes, "resident weights")
+                self._wait(read(self.backend, group, staging))
+                self.copier.copy(p.copies(staging, buf, scratch)).synchronize()  # the staging buffer is reused next
+                self.h2d_bytes += p.copy_bytes
+                out.append(p.views(buf))
+            return out
+        finally:
+            self.copier.synchronize()
+            self.host_tier.free(staging)
+            if scratch is not None:
+                self.device_tier.free(scratch)
+
+    def _wait(self, requests: list) -> None:
         start = time.perf_counter()
         for r in requests:
             r.wait()
         self.stall_seconds += time.perf_counter() - start
 
-    # ---- the ring --------------------------------------------------------------------------------
-
-    def _fill(self) -> None:
-        """Start reading the next streamed layers, in cyclic order, into every free slot."""
-        while self._free_slots:
-            layer = self._streamed[self._next]
-            self._next = (self._next + 1) % len(self._streamed)
-            slot = self._free_slots.pop()
-            runs = self.layouts[layer].runs
-            requests = [self.backend.submit(r.path, r.offset, r.nbytes, slot[r.slot_offset :]) for r in runs]
-            self._in_flight.append(_InFlight(layer, slot, requests))
+    # ---- the engine's verbs ----------------------------------------------------------------------
 
     def acquire(self, layer: int) -> Weights:
-        """Layer `layer`'s weights on the device; waits only if its read is not done yet."""
+        """Layer `layer`'s weights on the device, usable by compute issued from now on; waits only if its read is
+        not done yet (a copy is waited for by the compute stream, not by the host)."""
         if layer in self._resident:
             return self._resident[layer]
-        head = self._in_flight[0] if self._in_flight else None
-        if head is None or head.layer != layer:
-            self._restart_at(layer)
-            head = self._in_flight[0]
-        self._in_flight.popleft()
-        self._wait(head.requests)
-        converted: list[torch.Tensor] = []
-        weights = self._convert(self.layouts[layer].views(head.slot), self.device_tier, converted)
-        self._acquired[layer] = (head.slot, converted)
-        return weights
+        return self._ring.acquire(layer)
 
     def release(self, layer: int) -> None:
-        """The engine is done with `layer` for this step: its slot may be refilled."""
-        if layer in self._resident:
-            return
-        slot, converted = self._acquired.pop(layer)
-        for t in converted:
-            self.device_tier.free(t)
-        self._free_slots.append(slot)
-        self._fill()
+        """The engine has issued the last compute that reads `layer` this step: its slot may be refilled after it."""
+        if layer not in self._resident:
+            self._ring.release(layer)
 
-    def _restart_at(self, layer: int) -> None:
-        """Out-of-order access (not the engine's layer order): drain the ring and read from `layer` on."""
-        for f in self._in_flight:
-            self._wait(f.requests)
-            self._free_slots.append(f.slot)
-        self._in_flight.clear()
-        self._next = self._streamed.index(layer)
-        self._fill()
+    def settle(self) -> None:
+        """Wait for reads and copies in flight, so that `stats` counts them; streaming goes on afterwards."""
+        self._ring.settle()
 
     def close(self) -> None:
-        """Wait for reads in flight (their buffers must outlive them)."""
-        for f in self._in_flight:
-            for r in f.requests:
-                r.wait()
-        self._in_flight.clear()
+        """Wait for reads and copies in flight (their buffers must outlive them)."""
+        self._ring.close()
 
     @property
     def stats(self) -> WeightStats:
@@ -236,11 +259,15 @@ class WeightStore:
             return sum(self.layouts[i].tensor_bytes for i, t in enumerate(self.policy.layer_tiers) if t == tier)
 
         fixed = {t.data_ptr(): t.numel() * t.element_size() for t in (*self.embed.values(), *self.head.values())}
+        streamed = [i for i, t in enumerate(self.policy.layer_tiers) if t == "nvme"]
+        copied = [i for i in range(len(self.layouts)) if i not in self._resident] if self.staged else []
         return WeightStats(
             resident_bytes=total("device") + sum(fixed.values()),
             host_bytes=total("host"),
-            streamed_bytes_per_pass=sum(self.layouts[i].read_bytes for i in self._streamed),
+            streamed_bytes_per_pass=sum(self.layouts[i].read_bytes for i in streamed),
+            h2d_bytes_per_pass=sum(pack(self.layouts[i], self.dtype).copy_bytes for i in copied),
             bytes_read=self.backend.bytes_read,
+            h2d_bytes=self.h2d_bytes + self._ring.h2d_bytes,
             read_seconds=self.backend.read_seconds,
-            stall_seconds=self.stall_seconds,
+            stall_seconds=self.stall_seconds + self._ring.stall_seconds,
         )

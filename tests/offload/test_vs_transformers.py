@@ -47,7 +47,7 @@ def test_decode_logits_through_the_paged_cache(family_checkpoint):
     for seq_id, (ids, n) in enumerate(zip(full, prefix, strict=True)):
         table = llm.tables.grow(seq_id, n)
         chunks.append(SeqChunk(seq_id, tuple(ids[:n]), 0, tuple(table)))
-    out = llm.engine.step(StepPlan(pack_micro_batches(chunks, 4096), is_prefill=True))
+    out = llm.engine.step(StepPlan(pack_micro_batches(chunks, 4096)))
     for row, seq_id in enumerate(out.seq_ids):
         torch.testing.assert_close(out.logits[row], refs[seq_id][prefix[seq_id] - 1], atol=ATOL, rtol=0)
     for pos in range(min(prefix), max(len(ids) for ids in full)):
@@ -58,7 +58,7 @@ def test_decode_logits_through_the_paged_cache(family_checkpoint):
                 chunks.append(SeqChunk(seq_id, (ids[pos],), pos, tuple(table)))
         if not chunks:
             continue
-        out = llm.engine.step(StepPlan(pack_micro_batches(chunks, 4096), is_prefill=False))
+        out = llm.engine.step(StepPlan(pack_micro_batches(chunks, 4096)))
         for row, seq_id in enumerate(out.seq_ids):
             torch.testing.assert_close(out.logits[row], refs[seq_id][pos], atol=ATOL, rtol=0)
     llm.tables.check_integrity()
@@ -103,3 +103,19 @@ def test_sharded_checkpoint_with_index(tmp_path):
     total = sum(p.stat().st_size for p in tmp_path.glob("model-*.safetensors"))
     groups = llm.spec.num_layers + 2  # each group's reads are 4 KiB-aligned: at most a page of slack per end
     assert 0.9 * total < llm.placement.checkpoint_bytes_read <= total + groups * 2 * 4096
+
+
+def test_config_defaults_follow_transformers():
+    """Fields a config.json may omit or that an architecture ignores are read as transformers reads them."""
+    from offload.model.llama import FAMILY
+
+    base = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4}
+    base |= {"num_key_value_heads": 2, "vocab_size": 100, "torch_dtype": "float32"}
+    qwen3 = FAMILY.spec_from_config(base | {"architectures": ["Qwen3ForCausalLM"]}, "config.json")
+    assert qwen3.head_dim == 128  # Qwen3Config's default, not hidden_size / heads (64)
+    mistral = FAMILY.spec_from_config(
+        base | {"architectures": ["MistralForCausalLM"], "attention_bias": True}, "config.json"
+    )
+    assert not mistral.qkv_bias and not mistral.o_bias  # transformers' Mistral has no attention biases
+    llama = FAMILY.spec_from_config(base | {"architectures": ["LlamaForCausalLM"], "attention_bias": True}, "c")
+    assert llama.qkv_bias and llama.o_bias and llama.head_dim == 64

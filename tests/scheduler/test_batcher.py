@@ -1,4 +1,6 @@
-"""Continuous batching over real BlockTables: admission, decode plans, finishing, preemption, packing."""
+"""Continuous batching with chunked prefill over real BlockTables: admission, chunks, decode, finishing,
+preemption, micro-batches, random workloads; and the same greedy tokens through the engine, chunked or not.
+"""
 
 from __future__ import annotations
 
@@ -47,7 +49,22 @@ def ids(seqs) -> list[int]:
     return [s.seq_id for s in seqs]
 
 
-# --- prefill admission -------------------------------------------------------------------------
+def token_for(seq_id: int, position: int) -> int:
+    """A deterministic 'model': the token sampled at `position` depends only on the sequence and position."""
+    return 1000 + 37 * seq_id + position
+
+
+def dec(seq_id: int, token: int, pos: int, table: tuple[int, ...]) -> SeqChunk:
+    """The decode chunk of `seq_id`: its last sampled token at position `pos`."""
+    return SeqChunk(seq_id, (token,), pos, table, is_decode=True)
+
+
+def shape(plan: StepPlan) -> list[tuple[int, int, int, bool, bool]]:
+    """(seq id, start_pos, tokens, wants_logits, is_decode) of each chunk, in plan order."""
+    return [(c.seq_id, c.start_pos, len(c.token_ids), c.wants_logits, c.is_decode) for c in plan.chunks]
+
+
+# --- admission ---------------------------------------------------------------------------------
 
 
 def test_prefill_admits_fifo_up_to_max_num_seqs() -> None:
@@ -57,29 +74,50 @@ def test_prefill_admits_fifo_up_to_max_num_seqs() -> None:
         b.add(s)
     plan = b.schedule()
     b.tables.check_integrity()
-    assert plan.is_prefill
+    assert plan.is_prefill and plan.num_prefill_tokens == 8 and plan.num_decode_tokens == 0
     assert plan.chunks == (
         SeqChunk(0, (100, 101, 102, 103, 104), 0, (0, 1)),
         SeqChunk(1, (200, 201, 202), 0, (2,)),
     )
     assert ids(b.running) == [0, 1]
     assert ids(b.waiting) == [2]
-    assert a.state is bb.state is SeqState.RUNNING
+    assert a.state is bb.state is SeqState.PREFILLING
     assert c.state is SeqState.WAITING
+    step(b, plan, {0: 10, 1: 11})
+    assert a.state is bb.state is SeqState.DECODING
+    assert (a.num_cached, bb.num_cached, c.num_cached) == (5, 3, 0)
 
 
-def test_prefill_stops_at_max_step_tokens() -> None:
+def test_max_step_tokens_caps_the_running_set() -> None:
+    # every running sequence may decode in the same step, so no more run than a step has tokens
+    b = make_batcher(16, 4, max_num_seqs=8, max_step_tokens=3)
+    for i in range(5):
+        b.add(make_seq(i, 1))
+    plan = b.schedule()
+    assert ids(plan.chunks) == [0, 1, 2]
+    step(b, plan, {0: 10, 1: 11, 2: 12})
+    plan = b.schedule()
+    assert plan.chunks == (dec(0, 10, 1, (0,)), dec(1, 11, 1, (1,)), dec(2, 12, 1, (2,)))
+    assert ids(b.waiting) == [3, 4]
+
+
+def test_decode_comes_first_then_prefill_fills_the_budget() -> None:
     b = make_batcher(16, 4, max_step_tokens=8)
     for s in (make_seq(0, 5), make_seq(1, 3), make_seq(2, 4)):
         b.add(s)
     plan = b.schedule()
-    assert ids(plan.chunks) == [0, 1]  # 5 + 3 = 8 fits exactly; 4 more would not
+    assert ids(plan.chunks) == [0, 1]  # 5 + 3 = 8 fills the budget; seq 2 waits
     assert [c.block_table for c in plan.chunks] == [(0, 1), (2,)]
     assert ids(b.waiting) == [2]
-    # waiting sequences prefill before running ones decode
-    plan = b.schedule()
+    step(b, plan, {0: 10, 1: 11})
+    plan = b.schedule()  # one token each for the decoders, then 6 left for seq 2's whole prompt
+    assert plan.chunks == (
+        dec(0, 10, 5, (0, 1)),
+        dec(1, 11, 3, (2,)),
+        SeqChunk(2, (300, 301, 302, 303), 0, (3,)),
+    )
+    assert (plan.num_decode_tokens, plan.num_prefill_tokens) == (2, 4)
     assert plan.is_prefill
-    assert plan.chunks == (SeqChunk(2, (300, 301, 302, 303), 0, (3,)),)
 
 
 def test_prefill_stops_at_kv_capacity_without_skipping_ahead() -> None:
@@ -96,28 +134,153 @@ def test_prefill_stops_at_kv_capacity_without_skipping_ahead() -> None:
     step(b, plan, {0: 50})
     plan = b.schedule()  # seq 1 still does not fit: decode seq 0
     assert not plan.is_prefill
-    assert plan.chunks == (SeqChunk(0, (50,), 9, (0, 1, 2)),)
+    assert plan.chunks == (dec(0, 50, 9, (0, 1, 2)),)
 
 
-def test_prompt_longer_than_max_step_tokens_runs_alone() -> None:
-    b = make_batcher(16, 4, max_step_tokens=8)
-    b.add(make_seq(0, 3))
-    b.add(make_seq(1, 12))
-    b.add(make_seq(2, 1))
-    plan = b.schedule()
-    assert ids(plan.chunks) == [0]
-    plan = b.schedule()
-    assert plan.chunks == (SeqChunk(1, tuple(range(200, 212)), 0, (1, 2, 3)),)
-    assert ids(b.waiting) == [2]
-    plan = b.schedule()
-    assert plan.chunks == (SeqChunk(2, (300,), 0, (4,)),)
-
-
-def test_schedule_with_nothing_to_do_is_an_empty_decode() -> None:
+def test_schedule_with_nothing_to_do_is_an_empty_plan() -> None:
     b = make_batcher(4, 4)
     assert not b.has_work
     plan = b.schedule()
-    assert plan == StepPlan((), is_prefill=False)
+    assert plan == StepPlan(())
+    assert plan.num_tokens == plan.num_prefill_tokens == plan.num_decode_tokens == 0
+
+
+# --- chunked prefill ---------------------------------------------------------------------------
+
+
+def run_shapes(b: Batcher, seqs: list[Sequence]) -> list[list[tuple[int, int, int, bool, bool]]]:
+    """Run `b` to the end with token_for as the model; the shape of every step's plan."""
+    shapes = []
+    while b.has_work:
+        plan = b.schedule()
+        shapes.append(shape(plan))
+        step(b, plan, {c.seq_id: token_for(c.seq_id, c.context_len) for c in plan.chunks if c.wants_logits})
+    assert all(s.finish_reason == "length" for s in seqs)
+    return shapes
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_budget() -> None:
+    b = make_batcher(16, 4, max_step_tokens=8)
+    seqs = [make_seq(0, 20, max_new_tokens=2), make_seq(1, 3, max_new_tokens=2)]
+    for s in seqs:
+        b.add(s)
+    assert run_shapes(b, seqs) == [
+        [(0, 0, 8, False, False)],
+        [(0, 8, 8, False, False)],
+        [(0, 16, 4, True, False), (1, 0, 3, True, False)],  # seq 0's last chunk samples; seq 1 joins
+        [(0, 20, 1, True, True), (1, 3, 1, True, True)],
+    ]
+    assert seqs[0].output_ids == [token_for(0, 20), token_for(0, 21)]
+    assert seqs[1].output_ids == [token_for(1, 3), token_for(1, 4)]
+    assert b.tables.pool.num_free == 16
+
+
+def test_decode_interleaves_with_the_chunks_of_a_later_prompt() -> None:
+    b = make_batcher(16, 4, max_step_tokens=8)
+    seqs = [make_seq(0, 3, max_new_tokens=2), make_seq(1, 20, max_new_tokens=2)]
+    for s in seqs:
+        b.add(s)
+    assert run_shapes(b, seqs) == [
+        [(0, 0, 3, True, False), (1, 0, 5, False, False)],
+        [(0, 3, 1, True, True), (1, 5, 7, False, False)],  # seq 0 finishes here
+        [(1, 12, 8, True, False)],
+        [(1, 20, 1, True, True)],
+    ]
+
+
+def test_a_decoding_sequence_gets_a_token_every_step_while_a_long_prompt_prefills() -> None:
+    b = make_batcher(64, 4, max_step_tokens=8)
+    short = make_seq(0, 2, max_new_tokens=30, ignore_eos=True)
+    b.add(short)
+    step(b, b.schedule(), {0: 7})
+    long = make_seq(1, 50, max_new_tokens=1)
+    b.add(long)
+    sizes = []
+    while not long.is_finished:
+        outputs = len(short.output_ids)
+        plan = b.schedule()
+        assert plan.chunks[0] == dec(0, short.token_ids[-1], short.num_tokens - 1, tuple(b.tables.table(0)))
+        (chunk,) = plan.chunks[1:]
+        assert chunk.seq_id == 1 and chunk.start_pos == long.num_cached
+        assert len(chunk.block_table) == -(-chunk.context_len // 4)  # blocks for this chunk, not the prompt
+        assert chunk.wants_logits == (chunk.context_len == 50)
+        sizes.append(len(chunk.token_ids))
+        step(b, plan, {0: 7, 1: 9} if chunk.wants_logits else {0: 7})
+        assert len(short.output_ids) == outputs + 1
+    assert sizes == [7] * 7 + [1]
+    assert long.output_ids == [9] and long.finish_reason == "length"
+    assert short.state is SeqState.DECODING and len(short.output_ids) == 9
+
+
+def test_a_sequence_is_prefilling_until_its_last_chunk() -> None:
+    b = make_batcher(16, 4, max_step_tokens=4)
+    s = make_seq(0, 10, max_new_tokens=3)
+    b.add(s)
+    states = []
+    for _ in range(5):
+        plan = b.schedule()
+        step(b, plan, {0: 9} if plan.chunks[-1].wants_logits else {})
+        states.append((s.state, s.num_cached, len(b.tables.table(0))))
+    assert states == [
+        (SeqState.PREFILLING, 4, 1),
+        (SeqState.PREFILLING, 8, 2),
+        (SeqState.DECODING, 10, 3),
+        (SeqState.DECODING, 11, 3),
+        (SeqState.FINISHED, 0, 0),
+    ]
+
+
+def test_preempting_a_partly_prefilled_sequence_frees_its_blocks_and_restarts_it() -> None:
+    b = make_batcher(4, 2, max_step_tokens=4)
+    a = make_seq(0, 3, max_new_tokens=4)
+    late = make_seq(1, 6, max_new_tokens=1)
+    b.add(a)
+    b.add(late)
+    plan = b.schedule()
+    assert plan.chunks == (SeqChunk(0, (100, 101, 102), 0, (0, 1)), SeqChunk(1, (200,), 0, (2,), wants_logits=False))
+    step(b, plan, {0: 10})
+    plan = b.schedule()
+    assert plan.chunks == (dec(0, 10, 3, (0, 1)), SeqChunk(1, (201, 202, 203), 1, (2, 3), wants_logits=False))
+    step(b, plan, {0: 11})
+    assert late.state is SeqState.PREFILLING and late.num_cached == 4
+
+    plan = b.schedule()  # seq 0 needs a third block: seq 1, admitted later, goes with its 4 cached tokens
+    assert plan.chunks == (dec(0, 11, 4, (0, 1, 2)),)
+    assert late.state is SeqState.WAITING and late.num_cached == 0
+    assert b.tables.table(1) == [] and b.num_preemptions == 1
+    assert ids(b.waiting) == [1]
+    step(b, plan, {0: 12})
+    plan = b.schedule()  # its first chunk needs 2 blocks, 1 is free
+    assert plan.chunks == (dec(0, 12, 5, (0, 1, 2)),)
+    assert step(b, plan, {0: 13}) == [a]
+
+    plan = b.schedule()  # from scratch
+    assert plan.chunks == (SeqChunk(1, (200, 201, 202, 203), 0, (3, 0), wants_logits=False),)
+    step(b, plan, {})
+    plan = b.schedule()
+    assert plan.chunks == (SeqChunk(1, (204, 205), 4, (3, 0, 1)),)
+    assert step(b, plan, {1: 14}) == [late]
+    assert late.output_ids == [14] and b.num_preemptions == 1
+    assert b.tables.pool.num_free == 4
+
+
+def test_a_prefilling_sequence_that_cannot_grow_after_the_decoders_steps_aside() -> None:
+    b = make_batcher(5, 2, max_step_tokens=4)
+    a, late = make_seq(0, 3, max_new_tokens=3), make_seq(1, 9, max_new_tokens=1)
+    b.add(a)
+    b.add(late)
+    step(b, b.schedule(), {0: 10})
+    plan = b.schedule()
+    assert shape(plan) == [(0, 3, 1, True, True), (1, 1, 3, False, False)]
+    step(b, plan, {0: 11})
+    assert b.tables.pool.num_free == 1
+    plan = b.schedule()  # seq 0 takes the last block; seq 1 needs 2 more, and no one after it can give them
+    assert plan.chunks == (dec(0, 11, 4, (0, 1, 4)),)
+    assert late.state is SeqState.WAITING and late.num_cached == 0 and b.tables.table(1) == []
+    assert b.num_preemptions == 1
+    assert step(b, plan, {0: 12}) == [a]
+    plan = b.schedule()
+    assert plan.chunks == (SeqChunk(1, (200, 201, 202, 203), 0, (2, 3), wants_logits=False),)
 
 
 # --- decode ------------------------------------------------------------------------------------
@@ -134,13 +297,13 @@ def test_decode_plans_one_token_per_running_sequence() -> None:
 
     plan = b.schedule()
     assert not plan.is_prefill
-    assert plan.chunks == (SeqChunk(0, (50,), 5, (0, 1)), SeqChunk(1, (51,), 3, (2,)))
+    assert plan.chunks == (dec(0, 50, 5, (0, 1)), dec(1, 51, 3, (2,)))
     assert [c.context_len for c in plan.chunks] == [6, 4]
     step(b, plan, {0: 60, 1: 61})
     assert a.num_cached == 6 and bb.num_cached == 4
 
     plan = b.schedule()  # seq 1 reaches position 4 and needs a second block
-    assert plan.chunks == (SeqChunk(0, (60,), 6, (0, 1)), SeqChunk(1, (61,), 4, (2, 3)))
+    assert plan.chunks == (dec(0, 60, 6, (0, 1)), dec(1, 61, 4, (2, 3)))
     step(b, plan, {0: 70, 1: 71})
     assert a.token_ids == [100, 101, 102, 103, 104, 50, 60, 70]
     assert bb.token_ids == [200, 201, 202, 51, 61, 71]
@@ -157,7 +320,7 @@ def test_decode_start_pos_is_last_token_position() -> None:
         assert not plan.is_prefill
         for chunk, seq in zip(plan.chunks, seqs, strict=True):
             assert chunk.seq_id == seq.seq_id
-            assert chunk.token_ids == (seq.token_ids[-1],)
+            assert chunk.token_ids == (seq.token_ids[-1],) and chunk.is_decode
             assert chunk.start_pos == seq.num_tokens - 1
             assert list(chunk.block_table) == b.tables.table(seq.seq_id)
             assert len(chunk.block_table) == -(-seq.num_tokens // 3)
@@ -175,13 +338,13 @@ def test_eos_finishes_and_frees_blocks() -> None:
     plan = b.schedule()
     finished = step(b, plan, {0: EOS, 1: 7})
     assert finished == [a]
-    assert a.state is SeqState.FINISHED and a.is_finished
+    assert a.state is SeqState.FINISHED and a.is_finished and a.num_cached == 0
     assert a.finish_reason == "stop"
     assert a.output_ids == [EOS]
     assert b.tables.table(0) == []
     assert b.tables.pool.num_free == 8 - 1
     assert ids(b.running) == [1]
-    assert bb.finish_reason is None and bb.state is SeqState.RUNNING
+    assert bb.finish_reason is None and bb.state is SeqState.DECODING
 
 
 def test_ignore_eos_keeps_going() -> None:
@@ -221,7 +384,7 @@ def test_max_model_len_finishes_with_length() -> None:
     b.add(a)
     assert step(b, b.schedule(), {0: 9}) == []
     plan = b.schedule()
-    assert plan.chunks == (SeqChunk(0, (9,), 6, (0, 1)),)
+    assert plan.chunks == (dec(0, 9, 6, (0, 1)),)
     assert step(b, plan, {0: 9}) == [a]
     assert a.num_tokens == 8
     assert a.finish_reason == "length"
@@ -258,14 +421,13 @@ def test_finished_leave_and_waiting_join_on_the_next_step() -> None:
     assert not plan.is_prefill and ids(plan.chunks) == [0, 1]
     assert step(b, plan, {0: EOS, 1: 42}) == [a]
 
-    plan = b.schedule()  # seq 0's slot goes to seq 2; blocks 3.. were never used, 0 and 1 come after
-    assert plan.is_prefill
-    assert plan.chunks == (SeqChunk(2, (300, 301, 302, 303), 0, (3,)),)
+    plan = b.schedule()  # seq 1 decodes and seq 0's slot goes to seq 2; blocks 3.. were never used
+    assert plan.chunks == (dec(1, 42, 4, (2, 3)), SeqChunk(2, (300, 301, 302, 303), 0, (4,)))
     assert ids(b.running) == [1, 2]
-    step(b, plan, {2: 43})
+    step(b, plan, {1: 44, 2: 43})
 
     plan = b.schedule()
-    assert plan.chunks == (SeqChunk(1, (42,), 4, (2, 4)), SeqChunk(2, (43,), 4, (3, 5)))
+    assert plan.chunks == (dec(1, 44, 5, (2, 3)), dec(2, 43, 4, (4, 5)))
 
 
 def test_freed_blocks_are_reused_in_the_order_freed() -> None:
@@ -292,11 +454,11 @@ def test_decode_out_of_blocks_preempts_the_most_recent_and_readmits_it() -> None
     assert [(ch.seq_id, ch.block_table) for ch in plan.chunks] == [(0, (0, 1)), (1, (2, 3))]
     step(b, plan, {0: 10, 1: 11})
     plan = b.schedule()
-    assert plan.chunks == (SeqChunk(0, (10,), 3, (0, 1)), SeqChunk(1, (11,), 3, (2, 3)))
+    assert plan.chunks == (dec(0, 10, 3, (0, 1)), dec(1, 11, 3, (2, 3)))
     step(b, plan, {0: 12, 1: 13})
 
     plan = b.schedule()  # both need a third block and none is free: seq 1 goes
-    assert plan.chunks == (SeqChunk(0, (12,), 4, (0, 1, 2)),)
+    assert plan.chunks == (dec(0, 12, 4, (0, 1, 2)),)
     assert bb.state is SeqState.WAITING
     assert bb.num_cached == 0
     assert b.tables.table(1) == []
@@ -307,7 +469,7 @@ def test_decode_out_of_blocks_preempts_the_most_recent_and_readmits_it() -> None
     step(b, plan, {0: 14})
 
     plan = b.schedule()  # seq 1 needs 3 blocks, 1 is free: seq 0 decodes on
-    assert plan.chunks == (SeqChunk(0, (14,), 5, (0, 1, 2)),)
+    assert plan.chunks == (dec(0, 14, 5, (0, 1, 2)),)
     assert step(b, plan, {0: 15}) == [a]
 
     plan = b.schedule()  # recomputed from prompt + outputs so far; seq 2 fits beside it
@@ -329,7 +491,7 @@ def test_preemption_takes_the_last_admitted_not_the_next_in_line() -> None:
         b.add(s)
     step(b, b.schedule(), {0: 10, 1: 11, 2: 12})  # 5 tokens each, 2 blocks each, none free
     plan = b.schedule()
-    assert plan.chunks == (SeqChunk(0, (10,), 4, (0, 1, 4)), SeqChunk(1, (11,), 4, (2, 3, 5)))
+    assert plan.chunks == (dec(0, 10, 4, (0, 1, 4)), dec(1, 11, 4, (2, 3, 5)))
     assert ids(b.waiting) == [2] and ids(b.running) == [0, 1]
     assert seqs[2].state is SeqState.WAITING
     assert b.num_preemptions == 1
@@ -344,11 +506,11 @@ def test_several_preemptions_keep_admission_order_in_the_queue() -> None:
     step(b, b.schedule(), {0: 10, 1: 11, 2: 12})  # [0, 1], [2, 3], [4]; none free
     plan = b.schedule()
     # seq 0 needs a third block: seq 2 goes; seq 1 then needs one, has no one behind it, and goes too
-    assert plan.chunks == (SeqChunk(0, (10,), 4, (0, 1, 4)),)
+    assert plan.chunks == (dec(0, 10, 4, (0, 1, 4)),)
     assert ids(b.waiting) == [1, 2, 3]
     assert ids(b.running) == [0]
     assert b.num_preemptions == 2
-    assert [s.state for s in seqs] == [SeqState.RUNNING, SeqState.WAITING, SeqState.WAITING]
+    assert [s.state for s in seqs] == [SeqState.DECODING, SeqState.WAITING, SeqState.WAITING]
     b.tables.check_integrity()
 
 
@@ -361,7 +523,7 @@ def test_a_sequence_with_no_one_behind_it_preempts_itself() -> None:
     step(b, b.schedule(), {0: 12, 1: 13})  # 5 tokens each: both need a third block
     plan = b.schedule()
     # seq 0 takes block 4; seq 1 cannot grow, has no one after it to evict, and steps aside
-    assert plan.chunks == (SeqChunk(0, (12,), 4, (0, 1, 4)),)
+    assert plan.chunks == (dec(0, 12, 4, (0, 1, 4)),)
     assert bb.state is SeqState.WAITING
     assert ids(b.waiting) == [1] and ids(b.running) == [0]
     assert b.tables.table(1) == []
@@ -376,21 +538,31 @@ def chunk(seq_id: int, n: int) -> SeqChunk:
     return SeqChunk(seq_id, tuple(range(n)), 0, ())
 
 
-def test_pack_micro_batches_exact_grouping() -> None:
+def test_pack_micro_batches_fills_each_micro_batch_cutting_chunks() -> None:
     chunks = [chunk(i, n) for i, n in enumerate((3, 4, 2, 6, 1))]
     batches = pack_micro_batches(chunks, max_tokens=7)
-    assert [[c.seq_id for c in mb.chunks] for mb in batches] == [[0, 1], [2], [3, 4]]
-    assert [mb.num_tokens for mb in batches] == [7, 2, 7]
+    assert [[(c.seq_id, c.start_pos, len(c.token_ids)) for c in mb.chunks] for mb in batches] == [
+        [(0, 0, 3), (1, 0, 4)],
+        [(2, 0, 2), (3, 0, 5)],
+        [(3, 5, 1), (4, 0, 1)],
+    ]
+    assert [mb.num_tokens for mb in batches] == [7, 7, 2]
 
 
-def test_pack_micro_batches_large_chunk_goes_alone() -> None:
-    chunks = [chunk(0, 2), chunk(1, 10), chunk(2, 2), chunk(3, 3)]
+def test_pack_micro_batches_cuts_a_long_chunk_into_exact_pieces() -> None:
+    long = SeqChunk(1, tuple(range(10)), 4, (7, 8, 9), wants_logits=True)
+    chunks = [chunk(0, 2), long, chunk(2, 2), chunk(3, 3)]
     batches = pack_micro_batches(chunks, max_tokens=5)
     assert batches == (
-        MicroBatch((chunks[0],)),
-        MicroBatch((chunks[1],)),
-        MicroBatch((chunks[2], chunks[3])),
+        MicroBatch((chunks[0], SeqChunk(1, (0, 1, 2), 4, (7, 8, 9), wants_logits=False))),
+        MicroBatch((SeqChunk(1, (3, 4, 5, 6, 7), 7, (7, 8, 9), wants_logits=False),)),
+        MicroBatch((SeqChunk(1, (8, 9), 12, (7, 8, 9)), chunks[2], SeqChunk(3, (0,), 0, (), wants_logits=False))),
+        MicroBatch((SeqChunk(3, (1, 2), 1, ()),)),
     )
+    # the pieces of a chunk cover its tokens once, in order, and only the last asks for logits
+    pieces = [c for mb in batches for c in mb.chunks if c.seq_id == 1]
+    assert sum((c.token_ids for c in pieces), ()) == long.token_ids
+    assert [c.wants_logits for c in pieces] == [False, False, True]
 
 
 def test_pack_micro_batches_edge_cases() -> None:
@@ -398,13 +570,20 @@ def test_pack_micro_batches_edge_cases() -> None:
     one = [chunk(0, 1) for _ in range(5)]
     assert [len(mb.chunks) for mb in pack_micro_batches(one, 2)] == [2, 2, 1]
     assert [len(mb.chunks) for mb in pack_micro_batches(one, 1)] == [1, 1, 1, 1, 1]
+    assert pack_micro_batches([chunk(0, 4)], 4) == (MicroBatch((chunk(0, 4),)),)  # fits exactly: no cut
 
 
 def test_step_plan_totals() -> None:
-    plan = StepPlan(pack_micro_batches([chunk(0, 3), chunk(1, 4), chunk(2, 2)], 5), is_prefill=True)
-    assert plan.num_tokens == 9
-    assert [c.seq_id for c in plan.chunks] == [0, 1, 2]
+    decodes = [SeqChunk(1, (5,), 9, (), is_decode=True), SeqChunk(3, (6,), 4, (), is_decode=True)]
+    chunks = [chunk(0, 3), decodes[0], chunk(2, 2), decodes[1]]
+    plan = StepPlan(pack_micro_batches(chunks, 5))
+    assert plan.num_tokens == 7
+    assert (plan.num_prefill_tokens, plan.num_decode_tokens) == (5, 2)
+    assert plan.is_prefill
+    assert [c.seq_id for c in plan.chunks] == [0, 1, 2, 2, 3]  # seq 2's chunk is cut across micro-batches
     assert not plan.all_logits
+    decode_only = StepPlan(pack_micro_batches(decodes, 5))
+    assert (decode_only.num_prefill_tokens, decode_only.num_decode_tokens, decode_only.is_prefill) == (0, 2, False)
 
 
 def test_batcher_packs_prefill_and_decode_into_micro_batches() -> None:
@@ -412,8 +591,14 @@ def test_batcher_packs_prefill_and_decode_into_micro_batches() -> None:
     for i, n in enumerate((3, 2, 2, 5, 1)):
         b.add(make_seq(i, n))
     plan = b.schedule()
-    assert [[c.seq_id for c in mb.chunks] for mb in plan.micro_batches] == [[0], [1, 2], [3], [4]]
+    assert [[(c.seq_id, len(c.token_ids)) for c in mb.chunks] for mb in plan.micro_batches] == [
+        [(0, 3), (1, 1)],
+        [(1, 1), (2, 2), (3, 1)],
+        [(3, 4)],
+        [(4, 1)],
+    ]
     step(b, plan, {i: 9 for i in range(5)})
+    assert [s.num_cached for s in b.running] == [3, 2, 2, 5, 1]
     plan = b.schedule()
     assert [[c.seq_id for c in mb.chunks] for mb in plan.micro_batches] == [[0, 1, 2, 3], [4]]
 
@@ -442,9 +627,73 @@ def test_max_model_len_must_fit_the_pool() -> None:
 # --- a whole run -------------------------------------------------------------------------------
 
 
-def token_for(seq_id: int, position: int) -> int:
-    """A deterministic 'model': the token sampled at `position` depends only on the sequence and position."""
-    return 1000 + 37 * seq_id + position
+def check_plan(b: Batcher, plan: StepPlan) -> None:
+    """What every plan must satisfy, checked against the sequences before postprocess."""
+    lim = b.limits
+    assert plan.num_tokens <= lim.max_step_tokens
+    assert all(0 < mb.num_tokens <= lim.micro_batch_tokens for mb in plan.micro_batches)
+    by_id = {s.seq_id: s for s in b.running}
+    pieces: dict[int, list[SeqChunk]] = {}
+    for c in plan.chunks:
+        pieces.setdefault(c.seq_id, []).append(c)
+    assert len(pieces) <= lim.max_running
+    for seq_id, cs in pieces.items():
+        seq = by_id[seq_id]
+        assert seq.state in (SeqState.PREFILLING, SeqState.DECODING)
+        start, end = seq.num_cached, cs[-1].context_len
+        assert [c.start_pos for c in cs] == [start] + [c.context_len for c in cs[:-1]]  # contiguous pieces
+        assert sum((c.token_ids for c in cs), ()) == tuple(seq.token_ids[start:end])
+        assert [c.wants_logits for c in cs] == [False] * (len(cs) - 1) + [end == seq.num_tokens]
+        assert all(c.is_decode == (seq.state is SeqState.DECODING) for c in cs)
+        if seq.state is SeqState.DECODING:
+            assert (start, end) == (seq.num_tokens - 1, seq.num_tokens)
+        # blocks for the chunk's tokens only
+        assert all(c.block_table == tuple(b.tables.table(seq_id)) for c in cs)
+        assert len(cs[-1].block_table) == b.tables.blocks_for(end)
+
+
+def check_state(b: Batcher) -> None:
+    """Between steps: running sequences hold blocks for exactly their cached tokens, waiting ones none."""
+    b.tables.check_integrity()
+    for s in b.running:
+        assert s.state in (SeqState.PREFILLING, SeqState.DECODING)
+        assert len(b.tables.table(s.seq_id)) == b.tables.blocks_for(s.num_cached)
+        assert s.num_uncached >= 1 and (s.state is SeqState.PREFILLING or s.num_uncached == 1)
+    for s in b.waiting:
+        assert s.state is SeqState.WAITING and s.num_cached == 0 and b.tables.table(s.seq_id) == []
+
+
+def drive(b: Batcher, arrivals: dict[int, list[Sequence]], model, max_steps: int = 10_000) -> tuple[int, int]:
+    """Run to completion with `model(seq_id, position) -> token`, adding arrivals[step] before that step.
+
+    Checks every plan and the state after every step; returns (steps, preemptions of partly prefilled).
+    """
+    partial_preemptions = 0
+    for n in range(max_steps):
+        for seq in arrivals.get(n, []):
+            b.add(seq)
+        if not b.has_work and n > max(arrivals):
+            return n, partial_preemptions
+        partly_prefilled = [s for s in b.running if s.state is SeqState.PREFILLING and s.num_cached > 0]
+        plan = b.schedule()
+        b.tables.check_integrity()
+        if b.has_work:
+            assert plan.chunks, "a step with work left planned nothing"
+        check_plan(b, plan)
+        partial_preemptions += sum(s.state is SeqState.WAITING for s in partly_prefilled)
+        b.postprocess(plan, {c.seq_id: model(c.seq_id, c.context_len) for c in plan.chunks if c.wants_logits})
+        check_state(b)
+    raise AssertionError("the run did not finish")
+
+
+def expected_output(seq: Sequence, model, max_model_len: int) -> list[int]:
+    out: list[int] = []
+    n = len(seq.prompt_ids)
+    while len(out) < seq.params.max_new_tokens and n + len(out) < max_model_len:
+        out.append(model(seq.seq_id, n + len(out)))
+        if out[-1] == EOS and not seq.params.ignore_eos:
+            break
+    return out
 
 
 def test_full_run_under_pressure_completes_every_sequence() -> None:
@@ -452,35 +701,48 @@ def test_full_run_under_pressure_completes_every_sequence() -> None:
     prompts = (3, 7, 1, 5, 2, 9, 4, 6)
     max_new = (6, 4, 9, 3, 12, 2, 7, 5)
     seqs = [make_seq(i, prompts[i], max_new_tokens=max_new[i], ignore_eos=True) for i in range(8)]
-    for s in seqs:
-        b.add(s)
-    done: list[Sequence] = []
-    for _ in range(200):
-        if not b.has_work:
-            break
-        plan = b.schedule()
-        b.tables.check_integrity()
-        assert plan.chunks, "a step with work left planned nothing"
-        assert all(mb.num_tokens <= 5 or len(mb.chunks) == 1 for mb in plan.micro_batches)
-        assert len(plan.chunks) <= 4
-        for c in plan.chunks:
-            seq = seqs[c.seq_id]
-            assert seq.state is SeqState.RUNNING
-            assert len(c.block_table) == -(-c.context_len // 2)
-            if plan.is_prefill:
-                assert c.start_pos == 0 and list(c.token_ids) == seq.token_ids
-            else:
-                assert c.start_pos == seq.num_tokens - 1 == seq.num_cached
-        done += step(b, plan, {c.seq_id: token_for(c.seq_id, c.context_len) for c in plan.chunks})
-    assert not b.has_work
-    assert sorted(ids(done)) == list(range(8))
+    drive(b, {0: seqs}, token_for)
     assert b.num_preemptions > 0
     assert b.tables.pool.num_free == 10
     for s in seqs:
         assert s.finish_reason == "length"
-        n = len(s.prompt_ids)
-        expected = min(s.params.max_new_tokens, 20 - n)
-        assert s.output_ids == [token_for(s.seq_id, n + i) for i in range(expected)]
+        assert s.output_ids == expected_output(s, token_for, 20)
+
+
+def test_random_workloads_respect_every_limit_and_lose_nothing() -> None:
+    import random
+
+    def model(seq_id: int, position: int) -> int:  # eos now and then
+        return EOS if (seq_id * 7 + position) % 29 == 0 else token_for(seq_id, position)
+
+    total_preemptions = total_partial = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        block_size = rng.choice((1, 2, 3, 4, 8))
+        max_model_len = rng.randint(8, 48)
+        num_blocks = -(-max_model_len // block_size) + rng.randint(0, 12)
+        b = make_batcher(
+            num_blocks,
+            block_size,
+            max_num_seqs=rng.randint(1, 8),
+            max_step_tokens=rng.randint(1, 24),
+            micro_batch_tokens=rng.randint(1, 10),
+            max_model_len=max_model_len,
+        )
+        arrivals: dict[int, list[Sequence]] = {}
+        seqs = []
+        for i in range(rng.randint(1, 12)):
+            params = dict(max_new_tokens=rng.randint(1, 16), ignore_eos=rng.random() < 0.5)
+            seq = make_seq(i, rng.randint(1, max_model_len - 1), **params)
+            seqs.append(seq)
+            arrivals.setdefault(rng.randint(0, 20), []).append(seq)
+        _, partial = drive(b, arrivals, model)
+        assert b.tables.pool.num_free == num_blocks, seed
+        for s in seqs:
+            assert s.is_finished and s.output_ids == expected_output(s, model, max_model_len), seed
+        total_preemptions += b.num_preemptions
+        total_partial += partial
+    assert total_partial > 0 and total_preemptions > total_partial  # both kinds of preemption were exercised
 
 
 def test_finish_by_caller_removes_a_waiting_sequence() -> None:
@@ -491,3 +753,79 @@ def test_finish_by_caller_removes_a_waiting_sequence() -> None:
     assert not batcher.waiting and not batcher.has_work
     assert seq.state is SeqState.FINISHED and seq.finish_reason == "stop"
     batcher.tables.check_integrity()
+
+
+# --- through the engine ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from conftest import make_checkpoint
+
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint(path, "llama")
+    return path
+
+
+def prompt_ids(lengths: tuple[int, ...]) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [[1] + torch.randint(3, 259, (n - 1,), generator=g).tolist() for n in lengths]
+
+
+PROMPT_LENGTHS = (37, 4, 19, 1, 26)
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def unchunked(model_dir) -> list[tuple[int, ...]]:
+    from offload.api import LLM
+    from offload.config import EngineConfig
+
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
+    got = llm.generate_ids(prompt_ids(PROMPT_LENGTHS), GREEDY)
+    assert llm.stats.steps == 12 and llm.stats.preemptions == 0  # one prefill step, then 11 decode steps
+    return [c.token_ids for c in got]
+
+
+@pytest.mark.parametrize(("max_step_tokens", "micro_batch_tokens"), [(5, 2048), (8, 3), (2, 1)])
+def test_chunked_prefill_gives_the_same_greedy_tokens(model_dir, unchunked, max_step_tokens, micro_batch_tokens):
+    from offload.api import LLM
+    from offload.config import EngineConfig
+
+    config = EngineConfig(
+        kv_cache_bytes=1 << 22, block_size=4, max_step_tokens=max_step_tokens, micro_batch_tokens=micro_batch_tokens
+    )
+    llm = LLM(model_dir, config)
+    got = llm.generate_ids(prompt_ids(PROMPT_LENGTHS), GREEDY)
+    assert [c.token_ids for c in got] == unchunked
+    assert llm.stats.steps > 12 and llm.stats.preemptions == 0
+    assert llm.stats.prefill_seconds > 0 and llm.stats.decode_seconds > 0
+    llm.tables.check_integrity()
+    assert llm.tables.num_used == 0
+
+
+def test_preempting_partly_prefilled_sequences_in_a_tiny_cache_loses_nothing(model_dir, unchunked, monkeypatch):
+    from offload.api import LLM
+    from offload.config import EngineConfig
+
+    victims: list[tuple[SeqState, int]] = []
+    preempt = Batcher._preempt
+
+    def spy(self: Batcher, seq: Sequence) -> None:
+        victims.append((seq.state, seq.num_cached))
+        preempt(self, seq)
+
+    monkeypatch.setattr(Batcher, "_preempt", spy)
+    # 768 bytes per token (3 layers, K and V, 2 heads of 16 fp32): 13 blocks of 4 hold the longest request
+    # (37 + 12 tokens) alone, a quarter of all five
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=768 * 52, block_size=4, max_step_tokens=6))
+    assert llm.kv.num_blocks == 13
+    got = llm.generate_ids(prompt_ids(PROMPT_LENGTHS), GREEDY)
+    assert [c.token_ids for c in got] == unchunked
+    assert llm.stats.preemptions == len(victims)
+    assert any(state is SeqState.PREFILLING and cached > 0 for state, cached in victims), victims
+    assert llm.stats.peak_kv_blocks <= 13
+    llm.tables.check_integrity()
+    assert llm.tables.num_used == 0

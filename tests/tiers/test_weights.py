@@ -1,22 +1,31 @@
-"""Weight streaming: placement from budgets, the prefetch ring, byte accounting, and failure modes."""
+"""Weight streaming: placement from budgets, the prefetch rings (direct and staged), byte accounting, and
+failure modes. The staged path (pinned staging + copy engine) is forced on the CPU here; tests marked `gpu`
+run it on CUDA."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 
 from conftest import make_checkpoint
+from offload import api
 from offload.api import LLM
-from offload.config import EngineConfig, SamplingParams
+from offload.config import EngineConfig, Policy, SamplingParams
 from offload.errors import OffloadError
-from tiers.weights import group_cost
+from tiers import weights
+from tiers.copy import DONE, CopyEngine, CudaCopyEngine, Event
+from tiers.io.base import aligned_span
+from tiers.packed import pack
+from tiers.weights import WeightStore, group_cost, plan_placement
 
 KV = 1 << 20
 LAYERS = 6
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 200, 17], [1, 44, 45, 46, 47, 48, 49, 50, 51]]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +41,39 @@ def resident(model_dir):
     return llm, [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)]
 
 
-def costs(llm: LLM) -> tuple[int, int]:
+@pytest.fixture
+def staged(monkeypatch):
+    """LLMs built in the test take the staged path on the CPU: pinned staging, the copy engine, packed slots."""
+    monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, staged=True))
+    monkeypatch.setattr(api, "plan_placement", functools.partial(plan_placement, staged=True))
+    return True
+
+
+@pytest.fixture(params=["direct", "staged"])
+def path(request, monkeypatch):
+    """Both paths; True when staged."""
+    if request.param == "staged":
+        return request.getfixturevalue("staged")
+    return False
+
+
+def costs(llm: LLM, staged: bool = False) -> tuple[int, int]:
     """(embed + head, one layer) device bytes for this checkpoint."""
     layout, tier = llm_layout(llm), llm.device_tier
-    fixed = group_cost(layout.embed, llm.dtype, tier) + group_cost(layout.head, llm.dtype, tier)
-    return fixed, group_cost(layout.layers[0], llm.dtype, tier)
+    cost = functools.partial(group_cost, dtype=llm.dtype, tier=tier, staged=staged)
+    return cost(layout.embed) + cost(layout.head), cost(layout.layers[0])
+
+
+def host_cost(llm: LLM, layer: int | None = None) -> int:
+    """Host bytes of a layer as read (a host layer, or a staging slot); the largest when `layer` is None."""
+    slots = [g.slot_bytes for g in llm_layout(llm).layers]
+    return llm.host_tier.footprint(max(slots) if layer is None else slots[layer])
+
+
+def landed(group) -> int:
+    """Bytes one read of `group` transfers: its aligned spans, cut short at the end of the file."""
+    spans = [(aligned_span(r.offset, r.nbytes), os.path.getsize(r.path)) for r in group.runs]
+    return sum(min(span.start + span.length, size) - span.start for span, size in spans)
 
 
 def llm_layout(llm: LLM):
@@ -48,8 +85,8 @@ def llm_layout(llm: LLM):
         return model_layout(Checkpoint(llm.model_dir, reader), llm.family, llm.spec)
 
 
-def budget_for(resident_llm: LLM, resident_layers: int, ring: int = 3) -> int:
-    fixed, layer = costs(resident_llm)
+def budget_for(resident_llm: LLM, resident_layers: int, ring: int = 3, staged: bool = False) -> int:
+    fixed, layer = costs(resident_llm, staged)
     return KV + fixed + (ring + resident_layers) * layer
 
 
@@ -123,9 +160,10 @@ def test_checkpoint_changing_size_during_a_run(tmp_path, resident):
             llm.generate_ids(PROMPTS, PARAMS)
 
 
-def test_out_of_order_access_restarts_the_ring(model_dir, resident):
+def test_out_of_order_access_restarts_the_ring(model_dir, resident, path):
     base, _ = resident
-    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0)))
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=path)))
+    assert llm.weights.staged == path
     first = {k: v.clone() for k, v in llm.weights.acquire(0).items()}
     llm.weights.release(0)
     again = llm.weights.acquire(2)  # skips layer 1: the ring drains and restarts at 2
@@ -144,9 +182,264 @@ def test_streaming_reads_bypass_the_page_cache(model_dir, resident):
     assert llm.backend.is_direct(path)  # pytest's tmp_path is on the machine's disk (ext4 here)
 
 
-def test_close_waits_for_reads_in_flight_and_closes_files(model_dir, resident):
+def test_close_waits_for_reads_in_flight_and_closes_files(model_dir, resident, path):
     base, _ = resident
-    with LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0))) as llm:
+    with LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=path))) as llm:
         llm.generate_ids(PROMPTS[:1], PARAMS)
-    assert not llm.weights._in_flight
+    assert not llm.weights._ring._reading
     assert not llm.backend._files
+
+
+# ---- the staged path on the CPU: the same code as on CUDA, with synchronous copies --------------------------
+
+
+def staged_config(base: LLM, host_layers: int, staging: bool = True, **kw) -> EngineConfig:
+    """Nothing resident, `host_layers` in host RAM (after 3 staging slots when `staging`), the rest streamed."""
+    host = (host_layers + 3 * staging) * host_cost(base)
+    return EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=True), host_memory=host, **kw)
+
+
+def assert_same_weights(got: LLM, want: LLM) -> None:
+    for layer in range(LAYERS):
+        a, b = got.weights.acquire(layer), want.weights.acquire(layer)
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b), f"layer {layer}"
+        got.weights.release(layer)
+        want.weights.release(layer)
+
+
+@pytest.mark.parametrize("resident_layers", [0, 1])
+def test_staged_streaming_is_bit_identical_to_the_direct_path(model_dir, resident, staged, resident_layers):
+    base, expected = resident
+    config = EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, resident_layers, staged=True))
+    llm = LLM(model_dir, config)
+    assert llm.weights.staged and not base.weights.staged
+    assert llm.policy.layer_tiers == ("device",) * resident_layers + ("nvme",) * (LAYERS - resident_layers)
+    assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
+    for got, want in zip(llm.score(PROMPTS), base.score(PROMPTS), strict=True):
+        assert torch.equal(got, want)
+    assert_same_weights(llm, base)
+
+
+def test_staged_counts_disk_reads_and_copies_per_pass(model_dir, resident, staged):
+    base, expected = resident
+    llm = LLM(model_dir, staged_config(base, host_layers=2))
+    assert llm.policy.layer_tiers == ("host", "host") + ("nvme",) * (LAYERS - 2)
+    layout = llm_layout(llm)
+    reads = sum(landed(g) for g in layout.layers[2:])  # streamed layers only: host ones were read once
+    copies = sum(g.tensor_bytes for g in layout.layers)  # every layer off the device, each pass
+    loaded = landed(layout.embed) + landed(layout.head) + sum(landed(g) for g in layout.layers[:2])
+    read_ahead = sum(landed(g) for g in layout.layers[2:5])  # 3 staging slots
+    llm.weights.settle()  # reads count when they land
+    assert llm.weights.stats.bytes_read == loaded + read_ahead
+    fixed = layout.embed.tensor_bytes + layout.head.tensor_bytes
+    assert llm.weights.stats.h2d_bytes == fixed + sum(g.tensor_bytes for g in layout.layers[:2])  # 2 copied ahead
+    assert llm.weights.stats.streamed_bytes_per_pass == sum(g.read_bytes for g in layout.layers[2:])
+    assert llm.weights.stats.h2d_bytes_per_pass == copies
+    before = llm.weights.stats
+    assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
+    llm.weights.settle()
+    after = llm.weights.stats
+    assert after.bytes_read - before.bytes_read == llm.stats.steps * reads
+    assert after.h2d_bytes - before.h2d_bytes == llm.stats.steps * copies
+
+
+def test_staged_memory_is_bounded_and_charged_as_planned(model_dir, resident, staged):
+    base, _ = resident
+    llm = LLM(model_dir, staged_config(base, host_layers=2))
+    fixed, layer = costs(base, staged=True)
+    assert llm.device_tier.used == llm.kv.nbytes + fixed + 3 * layer  # 3 packed ring slots, no resident layer
+    staging = max(host_cost(base, i) for i in range(2, LAYERS))
+    assert llm.host_tier.used == host_cost(base, 0) + host_cost(base, 1) + 3 * staging
+    assert llm.host_tier.used <= llm.host_tier.capacity and llm.device_tier.used <= llm.device_tier.capacity
+    peaks, used = (llm.device_tier.peak, llm.host_tier.peak), (llm.device_tier.used, llm.host_tier.used)
+    for n in (2, 12):  # peaks do not grow with the number of steps
+        llm.generate_ids(PROMPTS, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        assert (llm.device_tier.peak, llm.host_tier.peak) == peaks
+        assert (llm.device_tier.used, llm.host_tier.used) == used
+    llm.device_tier.check_integrity()
+    llm.host_tier.check_integrity()
+
+
+def test_staged_host_layers_are_read_once_and_copied_every_pass(model_dir, resident, staged):
+    base, expected = resident
+    llm = LLM(model_dir, staged_config(base, host_layers=LAYERS, staging=False))
+    assert llm.policy.layer_tiers == ("host",) * LAYERS and llm.policy.ring_slots == 3
+    assert llm.host_tier.used == sum(host_cost(base, i) for i in range(LAYERS))  # nothing streams: no staging
+    assert llm.weights.stats.streamed_bytes_per_pass == 0
+    read, copied = llm.weights.stats.bytes_read, llm.weights.stats.h2d_bytes
+    assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
+    assert llm.weights.stats.bytes_read == read
+    per_pass = sum(g.tensor_bytes for g in llm_layout(llm).layers)
+    assert llm.weights.stats.h2d_bytes - copied == llm.stats.steps * per_pass
+
+
+def test_staged_host_budget_too_small_for_staging_is_a_clear_error(model_dir, resident, staged):
+    base, _ = resident
+    config = staged_config(base, host_layers=2, staging=False)  # room for 2 layers, not for 3 staging slots
+    with pytest.raises(OffloadError, match=r"--host-memory is too small: .* left for weights.* 3 pinned buffers of"):
+        LLM(model_dir, config)
+
+
+def test_staged_without_host_budget_stages_and_keeps_no_layer(model_dir, resident, staged):
+    base, expected = resident
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=True)))
+    assert llm.host_tier.capacity is None and llm.policy.layer_tiers == ("nvme",) * LAYERS
+    assert llm.host_tier.used == 3 * host_cost(base)  # the staging slots and nothing else
+    assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
+
+
+def test_staged_host_layers_need_a_ring(model_dir, resident):
+    base, _ = resident
+    policy = Policy(("device",) * (LAYERS - 1) + ("host",))
+    with pytest.raises(OffloadError, match="pass through the device ring, which needs at least 2 slots, got 0"):
+        WeightStore(llm_layout(base), base.backend, policy, base.device_tier, base.host_tier, base.dtype, staged=True)
+
+
+class _Late:
+    """The event of a copy that lands only when something waits for it."""
+
+    def __init__(self, engine: LateCopyEngine) -> None:
+        self.engine, self.done = engine, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.engine.run_until(self)
+
+
+class LateCopyEngine(CopyEngine):
+    """A copy stream that is always behind: copies run, in order, only when one of their events is waited for.
+    A missing wait, or a staging slot read into before its copy landed, shows as wrong weights."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pending: list[tuple[list, _Late]] = []
+        self.waited = 0
+
+    def copy(self, pairs, after=None) -> Event:
+        event = _Late(self)
+        self.pending.append((list(pairs), event))
+        return event
+
+    def run_until(self, event: _Late) -> None:
+        while not event.done:
+            pairs, first = self.pending.pop(0)
+            for dst, src in pairs:
+                dst.copy_(src)
+            first.done = True
+
+    def wait(self, event: Event) -> None:
+        self.waited += 1
+        event.synchronize()
+
+    def record(self) -> Event:
+        return DONE
+
+    def synchronize(self) -> None:
+        if self.pending:
+            self.run_until(self.pending[-1][1])
+
+
+def test_staged_orders_late_copies_by_events(model_dir, resident, staged, monkeypatch):
+    base, expected = resident
+    monkeypatch.setattr(weights, "make_copy_engine", LateCopyEngine)
+    llm = LLM(model_dir, staged_config(base, host_layers=2))
+    assert isinstance(llm.weights.copier, LateCopyEngine) and llm.weights.copier.pending  # copies issued ahead
+    assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
+    assert llm.weights.copier.waited == llm.stats.steps * LAYERS  # acquire waits on every copy's event
+    assert_same_weights(llm, base)
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama-bf16")
+    make_checkpoint(path, "llama", dtype=torch.bfloat16, num_hidden_layers=LAYERS)
+    return path
+
+
+def test_staged_converts_dtype_on_the_device_after_the_copy(bf16_dir, staged, monkeypatch):
+    monkeypatch.setattr(api, "WeightStore", WeightStore)  # the all-resident reference loads the direct way
+    base = LLM(bf16_dir, EngineConfig(kv_cache_bytes=KV, dtype="float32"))
+    monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, staged=True))
+    layout = llm_layout(base)
+    scratch = base.device_tier.footprint(max(pack(g, torch.float32).convert_bytes for g in layout.layers))
+    config = EngineConfig(kv_cache_bytes=KV, dtype="float32", device_memory=budget_for(base, 0, staged=True) + scratch)
+    llm = LLM(bf16_dir, config)
+    assert llm.policy.layer_tiers == ("nvme",) * LAYERS
+    fixed, layer = costs(base, staged=True)
+    # ring slots hold float32 tensors, and one scratch buffer the bf16 bytes they are converted from
+    assert llm.device_tier.used == llm.kv.nbytes + fixed + 3 * layer + scratch
+    assert llm.weights.stats.h2d_bytes_per_pass == sum(g.tensor_bytes for g in layout.layers)  # bf16 bytes
+    assert_same_weights(llm, base)
+    assert llm.weights.acquire(0)["q_proj"].dtype == torch.float32
+    llm.weights.release(0)
+    for got, want in zip(llm.score(PROMPTS), base.score(PROMPTS), strict=True):
+        assert torch.equal(got, want)
+
+
+# ---- the staged path on CUDA ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("host_layers", [0, 1])
+def test_cuda_streamed_logits_equal_all_resident(model_dir, host_layers):
+    base = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device="cuda"))
+    assert base.policy.layer_tiers == ("device",) * LAYERS
+    host = (host_layers + 3) * host_cost(base) if host_layers else 0  # host layers and 3 staging slots
+    device = budget_for(base, 1, staged=True)
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device="cuda", device_memory=device, host_memory=host))
+    assert llm.policy.layer_tiers == ("device",) + ("host",) * host_layers + ("nvme",) * (LAYERS - 1 - host_layers)
+    assert llm.weights.staged and isinstance(llm.weights.copier, CudaCopyEngine)
+    for _ in range(2):  # the second pass reuses every slot
+        for got, want in zip(llm.score(PROMPTS), base.score(PROMPTS), strict=True):
+            assert torch.equal(got, want)
+    assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == [
+        c.token_ids for c in base.generate_ids(PROMPTS, PARAMS)
+    ]
+    assert llm.device_tier.peak <= llm.device_tier.capacity
+    assert host == 0 or llm.host_tier.peak <= host
+    assert llm.weights._ring._staging[0][0].is_pinned()  # copies from pageable memory would not be async
+    llm.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_copies_run_on_their_own_stream_without_host_syncs(model_dir, monkeypatch):
+    base = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device="cuda"))
+    host = LAYERS * host_cost(base)  # every layer in host RAM: no disk read, so the host never has to wait
+    device = budget_for(base, 0, staged=True)
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device="cuda", device_memory=device, host_memory=host))
+    assert llm.policy.layer_tiers == ("host",) * LAYERS
+    copier = llm.weights.copier
+    assert copier.stream != torch.cuda.current_stream()
+    waits: list[object] = []
+    monkeypatch.setattr(copier, "wait", lambda event: (waits.append(event), CudaCopyEngine.wait(copier, event)))
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a host sync in acquire/release")
+
+    for target in (torch.cuda, torch.cuda.Stream, torch.cuda.Event):
+        monkeypatch.setattr(target, "synchronize", forbidden)
+    for layer in range(LAYERS):
+        w = llm.weights.acquire(layer)
+        assert isinstance(waits[-1], torch.cuda.Event)  # the compute stream waits on the copy's event
+        assert llm.weights._ring._copied  # the next layers' copies are already issued
+        assert w["q_proj"].device.type == "cuda"
+        llm.weights.release(layer)
+    monkeypatch.undo()
+    assert len(waits) == LAYERS
+    llm.close()
+
+
+def test_resident_layers_converted_whole_release_their_read_buffers(tmp_path):
+    """A float32 checkpoint run in bfloat16: every tensor is converted, so each read buffer is freed, not left
+    charged (a stale charge would also collide with a later buffer at the same address)."""
+    path = tmp_path / "m"
+    make_checkpoint(path, "llama", dtype=torch.float32)
+    llm = LLM(path, EngineConfig(dtype="bfloat16", kv_cache_bytes=1 << 20))
+    llm.generate_ids([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+    llm.device_tier.check_integrity()
+    checkpoint = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    assert llm.device_tier.used - llm.kv.nbytes < 0.75 * checkpoint  # about half: the bf16 copies alone

@@ -1,4 +1,4 @@
-"""`offload` command line: `offload generate` (more subcommands arrive with their features)."""
+"""`offload` command line: `offload generate`, `offload probe`, `offload plan`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 
 from offload.errors import OffloadError
+from offload.plan import add_plan_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -50,9 +51,26 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         choices=["pread", "aio", "auto"],
         help="NVMe reads: O_DIRECT thread pool (pread) or DeepSpeed's AsyncIO op (aio)",
     )
+    p.add_argument(
+        "--offload-dir",
+        metavar="DIR",
+        help="a folder on fast local disk: streamed layers stored in another dtype than the compute dtype are "
+        "converted once and streamed from there (checksummed, reused by later runs)",
+    )
+    p.add_argument(
+        "--disk-memory", metavar="SIZE", help="budget for the converted layers in --offload-dir (default: no budget)"
+    )
     p.add_argument("--show-placement", action="store_true", help="print each layer's tier and size before running")
     p.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences per step")
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="tokens computed per step: one per decoding sequence, the rest prefill chunks; longer prompts "
+        "are prefilled in chunks interleaved with decoding (default 4096)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per completion, then the stats")
     p.set_defaults(run=_generate)
 
@@ -72,6 +90,9 @@ def _generate(args: argparse.Namespace) -> None:
         host_memory=parse_size(args.host_memory, "--host-memory"),
         io_backend=args.io_backend,
         max_num_seqs=args.max_num_seqs,
+        max_step_tokens=args.max_step_tokens,
+        offload_dir=args.offload_dir,
+        disk_memory=None if args.disk_memory is None else parse_size(args.disk_memory, "--disk-memory"),
     )
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -126,13 +147,15 @@ def _summary(llm, completions) -> str:
         f"speed      {s.tokens_per_second:.1f} tokens/s overall, {s.decode_tokens_per_second:.1f} tokens/s decoding",
         f"weights    {pl.dtype}: {format_size(pl.weight_bytes)} resident on {pl.device}, "
         f"{format_size(pl.host_weight_bytes)} in host RAM, {format_size(pl.streamed_bytes_per_pass)} streamed "
-        f"from the checkpoint per step ({format_size(pl.checkpoint_bytes_read)} read in all)",
+        f"from disk per step ({format_size(pl.checkpoint_bytes_read)} read in all)",
         f"memory     device peak {format_size(pl.device_peak)}"
         + (f" of a {format_size(pl.device_budget)} budget" if pl.device_budget is not None else " (no budget)")
         + f", host peak {format_size(pl.host_peak)}",
         f"kv cache   {format_size(pl.kv_bytes)} on {pl.device}: {pl.kv_blocks} blocks of {pl.block_size} tokens, "
         f"peak {s.peak_kv_blocks} blocks ({kv_used} token slots)",
     ]
+    if pl.spill is not None:
+        lines.append(f"spill      {_spill_line(pl.spill, llm.policy.layer_tiers)}")
     if s.bytes_read:
         lines.append(
             f"i/o        {format_size(s.bytes_read)} read at {s.read_gbps:.2f} GB/s; "
@@ -140,6 +163,23 @@ def _summary(llm, completions) -> str:
             f"stalled on reads {s.stall_seconds:.3f} s, overlap efficiency {s.overlap_efficiency:.2f}"
         )
     return "\n".join(lines)
+
+
+def _spill_line(spill, tiers: tuple[str, ...]) -> str:
+    from tiers.budget import format_size
+
+    if not spill.layers:
+        why = "no layer needs converting" if not spill.convertible else "no layer that needs converting streams"
+        return f"nothing written to --offload-dir: {why} to {spill.dtype}"
+    if not spill.bytes_written:
+        how = "reused; checksums verified"
+    else:
+        how = f"{format_size(spill.bytes_written)} written now" + (", the rest reused" if spill.bytes_verified else "")
+    streamed = sum(tiers[i] == "nvme" for i in spill.layers)
+    return (
+        f"{len(spill.layers)} layers converted to {spill.dtype} in {spill.directory}: {format_size(spill.nbytes)}, "
+        f"{streamed} streamed from there every step, {len(spill.layers) - streamed} loaded once ({how})"
+    )
 
 
 def _placement_table(llm) -> str:
@@ -153,6 +193,27 @@ def _placement_table(llm) -> str:
     return "\n".join(rows)
 
 
+def _add_probe(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "probe",
+        help="measure this machine (disk, memory, matmul, links) into a hardware profile",
+        description="Measure this machine's disk read/write, memory bandwidth, matmul speed per dtype and, on CUDA, "
+        "the GPU and its link, through the engine's own I/O and GEMM paths; save the result as a hardware profile "
+        "for `offload plan` and print it. Takes under a minute (--quick: about 10 s).",
+    )
+    p.add_argument("--out", metavar="FILE", help="profile to write (default ~/.cache/offload/hardware/local.json)")
+    p.add_argument("--dir", metavar="DIR", help="a directory on the drive to measure (default ~/.cache/offload)")
+    p.add_argument("--disk-bytes", metavar="SIZE", help="disk test file size (default 1GiB; --quick: 256MiB)")
+    p.add_argument("--quick", action="store_true", help="smaller tests: about 10 seconds")
+    p.set_defaults(run=_probe)
+
+
+def _probe(args: argparse.Namespace) -> None:
+    from offload.probe import run_probe
+
+    run_probe(args.out, args.dir, args.disk_bytes, args.quick)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="offload",
@@ -162,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_probe(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -1,0 +1,340 @@
+"""Hardware profiles: what a machine's memories, links, disk and matrix units can do, for the cost model.
+
+A profile is a JSON file (configs/hardware/*.json for published cards, or what `offload probe` measured on
+this machine). Sizes are bytes, bandwidths bytes/s, compute FLOP/s; the JSON spells them in GB, GB/s and
+TFLOP/s so a person can read and edit it:
+
+    {"name": "T4-16GB", "source": "...",
+     "device": {"kind": "cuda", "memory_gb": 16, "memory_bandwidth_gbps": 272,
+                "matmul_tflops": {"float16": 45.5, "float32": 5.67},
+                "matmul_curve": {"float16": [[1, 0.2], [8, 1.5], ...]}},     (optional; [rows, TFLOP/s])
+     "host": {"memory_gb": 208, "memory_bandwidth_gbps": 72.5, "matmul_tflops": {...}},
+     "links": {"host_to_device_gbps": 12, "device_to_host_gbps": 12},
+     "disk": {"read_gbps": 2.0, "write_gbps": 1.0}}
+
+GB is 1e9 bytes and TFLOP/s 1e12 FLOP/s. Shipped profiles live in configs/hardware/ and are loaded by name
+(the file's stem, any case); `offload probe` writes one for this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from offload.errors import OffloadError
+
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
+DTYPES = ("float32", "float16", "bfloat16", "int8")
+DEVICE_KINDS = ("cuda", "cpu")
+GB = 1e9  # bytes
+TFLOP = 1e12  # FLOP
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeUnit:
+    """One processor's dense matmul speed and its memory."""
+
+    memory: int  # bytes
+    memory_bandwidth: float  # bytes/s, sustained
+    # dtype -> sustained dense GEMM FLOP/s for large products (a published peak derated, or measured)
+    matmul_flops: dict[str, float]
+    # dtype -> ((rows, FLOP/s), ...) measured by `offload probe` for [rows, k] x [k, n] products, rows ascending;
+    # empty for published profiles (the cost model then uses matmul_flops and the memory roofline alone)
+    matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    name: str
+    device_kind: str  # "cuda" or "cpu" (on a CPU-only machine the device is a budgeted arena in host RAM)
+    device: ComputeUnit
+    host: ComputeUnit
+    host_to_device: float  # bytes/s over the link; 0 when the device is the host (no copy is made)
+    device_to_host: float  # bytes/s; 0 when the device is the host
+    disk_read: float  # bytes/s, O_DIRECT sequential reads of large extents
+    disk_write: float  # bytes/s
+    source: str  # where the numbers come from: a spec sheet and its derating, or the probe's run
+
+
+def known_profiles() -> list[str]:
+    """Names of the shipped profiles (the stems of configs/hardware/*.json), sorted."""
+    return sorted(path.stem for path in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """The profile in a .json file, or the shipped one called `name_or_path` (case-insensitive)."""
+    text = str(name_or_path)
+    if text.endswith(".json") or os.sep in text or (os.altsep and os.altsep in text):
+        return _read(Path(text).expanduser())
+    shipped = {path.stem.lower(): path for path in PROFILE_DIR.glob("*.json")}
+    path = shipped.get(text.lower())
+    if path is None:
+        known = ", ".join(known_profiles()) or "none"
+        raise OffloadError(f"hardware profile {text!r}: unknown; known: {known} (or give a path to a .json file)")
+    return _read(path)
+
+
+def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile:
+    """A profile from its JSON object (human units); errors name `where` (the file) and the field."""
+    top = _fields(data, where, "", ("name", "source", "device", "host", "links", "disk"))
+    for key in ("name", "source"):
+        if not isinstance(top[key], str) or not top[key].strip():
+            raise OffloadError(f"{where}: {key}: must be a non-empty string, got {top[key]!r}")
+    device = _fields(top["device"], where, "device", ("kind", *_UNIT_FIELDS), ("matmul_curve",))
+    kind = device["kind"]
+    if kind not in DEVICE_KINDS:
+        raise OffloadError(f"{where}: device.kind: unknown kind {kind!r} (known: {', '.join(DEVICE_KINDS)})")
+    links = _fields(top["links"], where, "links", ("host_to_device_gbps", "device_to_host_gbps"))
+    disk = _fields(top["disk"], where, "disk", ("read_gbps", "write_gbps"))
+    # a cuda device reaches host memory only over the link; a cpu "device" is host RAM itself (links 0)
+    link_min = 0.0 if kind == "cpu" else None
+    return HardwareProfile(
+        name=top["name"],
+        device_kind=kind,
+        device=_unit(device, where, "device"),
+        host=_unit(top["host"], where, "host"),
+        host_to_device=_number(links, where, "links", "host_to_device_gbps", minimum=link_min) * GB,
+        device_to_host=_number(links, where, "links", "device_to_host_gbps", minimum=link_min) * GB,
+        disk_read=_number(disk, where, "disk", "read_gbps") * GB,
+        disk_write=_number(disk, where, "disk", "write_gbps") * GB,
+        source=top["source"],
+    )
+
+
+def profile_to_json(p: HardwareProfile) -> dict:
+    """The JSON object of `p` in human units (GB, GB/s, TFLOP/s), rates to 6 significant digits."""
+    return {
+        "name": p.name,
+        "source": p.source,
+        "device": {"kind": p.device_kind, **_unit_to_json(p.device)},
+        "host": _unit_to_json(p.host),
+        "links": {
+            "host_to_device_gbps": _human(p.host_to_device / GB),
+            "device_to_host_gbps": _human(p.device_to_host / GB),
+        },
+        "disk": {"read_gbps": _human(p.disk_read / GB), "write_gbps": _human(p.disk_write / GB)},
+    }
+
+
+def save_profile(p: HardwareProfile, path: str | Path) -> None:
+    """Write `p` to `path` atomically: a temporary file in the same directory, fsynced, then renamed over it."""
+    path = Path(path).expanduser()
+    text = _dumps(profile_to_json(p))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise OffloadError(f"{path}: cannot write the profile ({exc.strerror})") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp creates 0o600; a profile is meant to be read and shared
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OffloadError(f"{path}: cannot write the profile ({exc.strerror})") from None
+        raise
+
+
+def with_overrides(
+    p: HardwareProfile,
+    host_memory: int | None = None,
+    device_memory: int | None = None,
+    disk_read: float | None = None,
+    disk_write: float | None = None,
+    host_to_device: float | None = None,
+    device_to_host: float | None = None,
+) -> HardwareProfile:
+    """`p` with the given facts replaced (bytes, bytes/s), as `offload plan`'s flags set them; `source` says so."""
+    given = {
+        "host_memory": host_memory,
+        "device_memory": device_memory,
+        "disk_read": disk_read,
+        "disk_write": disk_write,
+        "host_to_device": host_to_device,
+        "device_to_host": device_to_host,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    for key, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise OffloadError(f"{key.replace('_', '-')}: must be a positive number, got {value!r}")
+    if not given:
+        return p
+    changes: dict[str, Any] = {k: v for k, v in given.items() if not k.endswith("_memory")}
+    if "host_memory" in given:
+        changes["host"] = dataclasses.replace(p.host, memory=int(given["host_memory"]))
+    if "device_memory" in given:
+        changes["device"] = dataclasses.replace(p.device, memory=int(given["device_memory"]))
+    said = ", ".join(
+        f"{k.replace('_', ' ')} {_human(v / GB)} {'GB' if k.endswith('memory') else 'GB/s'}" for k, v in given.items()
+    )
+    return dataclasses.replace(p, **changes, source=f"{p.source}; overridden: {said}")
+
+
+def format_profile(p: HardwareProfile) -> str:
+    """A readable table of `p`: memories, bandwidths and GEMM rates per unit, links, disk, measured curves."""
+    dtypes = [d for d in DTYPES if d in p.device.matmul_flops or d in p.host.matmul_flops]
+    rows = [["", "memory", "bandwidth", *(f"{d} matmul" for d in dtypes)]]
+    for label, unit in ((f"device ({p.device_kind})", p.device), ("host", p.host)):
+        rates = [f"{_short(unit.matmul_flops[d] / TFLOP)} TFLOP/s" if d in unit.matmul_flops else "-" for d in dtypes]
+        rows.append([label, f"{_short(unit.memory / GB)} GB", f"{_short(unit.memory_bandwidth / GB)} GB/s", *rates])
+    if p.host_to_device or p.device_to_host:
+        links = f"host->device {_short(p.host_to_device / GB)} GB/s, device->host {_short(p.device_to_host / GB)} GB/s"
+    else:
+        links = "none (the device is the host)"
+    lines = [
+        f"hardware  {p.name}",
+        f"source    {p.source}",
+        "",
+        *_columns(rows),
+        "",
+        f"links     {links}",
+        f"disk      read {_short(p.disk_read / GB)} GB/s, write {_short(p.disk_write / GB)} GB/s",
+    ]
+    curves = [(label, d, c) for label, u in (("device", p.device), ("host", p.host)) for d, c in u.matmul_curve.items()]
+    if curves:
+        lines += ["", "matmul TFLOP/s by rows of [rows, k] x [k, n]:"]
+        for label, dtype, curve in curves:
+            points = "  ".join(f"{rows}: {_short(flops / TFLOP)}" for rows, flops in curve)
+            lines.append(f"  {label:<6} {dtype:<8}  {points}")
+    return "\n".join(lines)
+
+
+_UNIT_FIELDS = ("memory_gb", "memory_bandwidth_gbps", "matmul_tflops")
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as aligned lines: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    return lines
+
+
+def _read(path: Path) -> HardwareProfile:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise OffloadError(f"{path}: hardware profile not found") from None
+    except OSError as exc:
+        raise OffloadError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise OffloadError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    return parse_profile(data, str(path))
+
+
+def _fields(data: Any, where: str, field_path: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    """`data` checked to be an object with every `required` key and no key outside `required` + `optional`."""
+    name = field_path or "the top level"
+    if not isinstance(data, dict):
+        raise OffloadError(f"{where}: {name}: must be a JSON object, got {type(data).__name__}")
+    prefix = f"{field_path}." if field_path else ""
+    for key in required:
+        if key not in data:
+            raise OffloadError(f"{where}: {prefix}{key}: missing")
+    for key in data:
+        if key not in required and key not in optional:
+            expected = ", ".join((*required, *optional))
+            raise OffloadError(f"{where}: {prefix}{key}: unknown field (expected: {expected})")
+    return data
+
+
+def _number(data: dict, where: str, field_path: str, key: str, minimum: float | None = None) -> float:
+    """data[key] as a float: a finite number, positive (or at least `minimum` when that is given)."""
+    value = data[key]
+    name = f"{field_path}.{key}" if field_path else key
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise OffloadError(f"{where}: {name}: must be a number, got {value!r}")
+    if value < 0:
+        raise OffloadError(f"{where}: {name}: must not be negative, got {value!r}")
+    if minimum is None and value == 0:
+        raise OffloadError(f"{where}: {name}: must be positive, got {value!r}")
+    return float(value)
+
+
+def _dtype_map(data: Any, where: str, name: str) -> dict:
+    if not isinstance(data, dict) or not data:
+        raise OffloadError(f"{where}: {name}: must be a non-empty object of dtype -> value, got {data!r}")
+    for dtype in data:
+        if dtype not in DTYPES:
+            raise OffloadError(f"{where}: {name}.{dtype}: unknown dtype (known: {', '.join(DTYPES)})")
+    return data
+
+
+def _unit(data: dict, where: str, field_path: str) -> ComputeUnit:
+    optional = ("matmul_curve", "kind") if field_path == "device" else ("matmul_curve",)
+    data = _fields(data, where, field_path, _UNIT_FIELDS, optional)
+    flops_name = f"{field_path}.matmul_tflops"
+    flops = _dtype_map(data["matmul_tflops"], where, flops_name)
+    curve: dict[str, tuple[tuple[int, float], ...]] = {}
+    if "matmul_curve" in data:
+        curve_name = f"{field_path}.matmul_curve"
+        for dtype, points in _dtype_map(data["matmul_curve"], where, curve_name).items():
+            curve[dtype] = _curve(points, where, f"{curve_name}.{dtype}")
+    return ComputeUnit(
+        memory=round(_number(data, where, field_path, "memory_gb") * GB),
+        memory_bandwidth=_number(data, where, field_path, "memory_bandwidth_gbps") * GB,
+        matmul_flops={dtype: _number(flops, where, flops_name, dtype) * TFLOP for dtype in flops},
+        matmul_curve=curve,
+    )
+
+
+def _curve(points: Any, where: str, name: str) -> tuple[tuple[int, float], ...]:
+    """[[rows, TFLOP/s], ...] with rows ascending -> ((rows, FLOP/s), ...)."""
+    if not isinstance(points, list) or not points:
+        raise OffloadError(f"{where}: {name}: must be a non-empty list of [rows, TFLOP/s] pairs, got {points!r}")
+    curve = []
+    for i, point in enumerate(points):
+        if not isinstance(point, list) or len(point) != 2:
+            raise OffloadError(f"{where}: {name}[{i}]: must be a [rows, TFLOP/s] pair, got {point!r}")
+        rows = point[0]
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise OffloadError(f"{where}: {name}[{i}]: rows must be a positive integer, got {rows!r}")
+        if curve and rows <= curve[-1][0]:
+            raise OffloadError(f"{where}: {name}[{i}]: rows must ascend, got {rows} after {curve[-1][0]}")
+        curve.append((rows, _number({"tflops": point[1]}, where, f"{name}[{i}]", "tflops") * TFLOP))
+    return tuple(curve)
+
+
+def _unit_to_json(unit: ComputeUnit) -> dict:
+    out: dict[str, Any] = {
+        "memory_gb": _human(unit.memory / GB, digits=12),  # 12 digits: whole bytes survive the round trip
+        "memory_bandwidth_gbps": _human(unit.memory_bandwidth / GB),
+        "matmul_tflops": {d: _human(f / TFLOP) for d, f in unit.matmul_flops.items()},
+    }
+    if unit.matmul_curve:
+        out["matmul_curve"] = {
+            d: [[rows, _human(f / TFLOP)] for rows, f in curve] for d, curve in unit.matmul_curve.items()
+        }
+    return out
+
+
+def _human(x: float, digits: int = 6) -> int | float:
+    """`x` to `digits` significant digits, as an int when it is whole (16, not 16.0)."""
+    rounded = float(f"{x:.{digits}g}")
+    return int(rounded) if rounded.is_integer() else rounded
+
+
+def _short(x: float) -> str:
+    """Three significant digits for tables, without exponent notation for ordinary sizes."""
+    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
+
+
+def _dumps(data: dict) -> str:
+    """Indented JSON with each [rows, TFLOP/s] pair on one line."""
+    text = json.dumps(data, indent=2)
+    return re.sub(r"\[\s+(-?[\d.e+-]+),\s+(-?[\d.e+-]+)\s+\]", r"[\1, \2]", text) + "\n"

@@ -1,0 +1,368 @@
+"""`offload probe`: measure this machine into a HardwareProfile, through the engine's own I/O and GEMM paths.
+
+- disk: a test file written with O_DIRECT and fsync, dropped from the page cache, then read back with the
+  pread backend (tiers.io) in large extents, several in flight, into aligned buffers; the file is always removed.
+- memory bandwidth: a large tensor copy, counted as bytes read + bytes written per second.
+- matmul: [rows, k] x [k, n] through kernels.linear per dtype, best of a few runs after a warm-up; every row
+  count goes into matmul_curve, the largest one's rate is matmul_flops.
+- on CUDA the same on the GPU, plus pinned host-to-device and device-to-host copies; on a CPU-only machine the
+  device is the host's RAM (device_kind "cpu", links 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import itertools
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from offload.errors import OffloadError
+from offload.hardware import ComputeUnit, HardwareProfile, format_profile, save_profile
+from tiers.budget import format_size, parse_size
+from tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache, make_backend
+
+MiB = 1 << 20
+PROBE_DTYPES = ("float32", "bfloat16", "float16")
+DISK_HEADROOM = 64 * MiB  # bytes the disk test leaves free beyond its own file
+MIN_REPEATS = 3  # timed runs per measurement, after one warm-up run
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSizes:
+    """How much the probe moves and multiplies; the defaults take under a minute on two cores."""
+
+    disk_bytes: int = 1 << 30  # test file, rounded up to ALIGN
+    extent_bytes: int = 64 * MiB  # bytes per write and per read request
+    depth: int = 4  # read requests in flight
+    copy_bytes: int = 512 * MiB  # size of the tensor copied to measure memory bandwidth
+    link_bytes: int = 256 * MiB  # size of each host<->device copy (CUDA only)
+    k: int = 4096  # inner dimension of the measured products
+    n: int = 4096  # output features of the measured products
+    rows: tuple[int, ...] = (1, 8, 32, 128, 512, 2048)  # ascending
+    # bytes of weight copies each product cycles through: more than the caches hold, so small-row rates include
+    # streaming the weight from memory, as in the engine, instead of a cache-resident repeat
+    weight_pool_bytes: int = 1 << 30
+    min_seconds: float = 0.2  # each rate is timed over at least this long (and at least MIN_REPEATS runs)
+
+    def __post_init__(self) -> None:
+        for name in ("disk_bytes", "extent_bytes", "depth", "copy_bytes", "link_bytes", "k", "n"):
+            if getattr(self, name) < 1:
+                raise OffloadError(f"{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
+        for name in ("weight_pool_bytes", "min_seconds"):
+            if getattr(self, name) < 0:
+                raise OffloadError(f"{name.replace('_', '-')}: must not be negative, got {getattr(self, name)}")
+        if self.extent_bytes % ALIGN:
+            raise OffloadError(f"extent-bytes: must be a multiple of {ALIGN}, got {self.extent_bytes}")
+        if not self.rows or self.rows[0] < 1 or list(self.rows) != sorted(set(self.rows)):
+            raise OffloadError(f"rows: must be positive and ascending, got {self.rows}")
+
+    @classmethod
+    def quick(cls) -> ProbeSizes:
+        """Sizes for `--quick`: about 10 s on two cores."""
+        return cls(
+            256 * MiB,
+            copy_bytes=256 * MiB,
+            link_bytes=64 * MiB,
+            k=2048,
+            n=2048,
+            weight_pool_bytes=512 * MiB,
+            min_seconds=0.05,
+        )
+
+
+class DiskSpeed(NamedTuple):
+    read: float  # bytes/s, cold sequential reads of `extent_bytes` through the pread backend
+    write: float  # bytes/s, sequential O_DIRECT writes including the final fsync
+    direct: bool  # whether the reads bypassed the page cache (O_DIRECT was accepted)
+
+
+def probe(
+    directory: str | Path, sizes: ProbeSizes | None = None, log: Callable[[str], None] | None = None
+) -> HardwareProfile:
+    """Measure this machine; `directory` is on the drive whose bandwidth to measure. `log` hears each stage."""
+    sizes = sizes or ProbeSizes()
+    say = log or (lambda _: None)
+    directory = Path(directory).expanduser()
+    say(f"disk: writing and reading {format_size(sizes.disk_bytes)} in {directory}")
+    disk = measure_disk(directory, sizes.disk_bytes, sizes.extent_bytes, sizes.depth)
+    cpu = torch.device("cpu")
+    say("host: memory bandwidth")
+    host_bandwidth = measure_copy(cpu, sizes.copy_bytes, sizes.min_seconds)
+    host = _compute_unit(cpu, _total_ram(), host_bandwidth, sizes, PROBE_DTYPES, say)
+    what = [
+        f"disk: a {format_size(sizes.disk_bytes)} file in {directory} written with O_DIRECT + fsync, read back cold "
+        f"with the pread backend in {format_size(sizes.extent_bytes)} requests, {sizes.depth} in flight"
+        + ("" if disk.direct else " (buffered: the filesystem refused O_DIRECT; pages evicted first)"),
+        f"memory: a {format_size(sizes.copy_bytes)} tensor copy, bytes read + written per second",
+        f"matmul: kernels.linear on [rows, {sizes.k}] x [{sizes.k}, {sizes.n}], best of >= {MIN_REPEATS} runs "
+        f"after a warm-up, weights cycled through {format_size(sizes.weight_pool_bytes)} of copies, matmul_tflops at "
+        f"{sizes.rows[-1]} rows, {torch.get_num_threads()} torch threads",
+    ]
+    names = [_cpu_model()]
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(gpu)
+        names.insert(0, props.name)
+        say(f"device: {props.name} memory bandwidth")
+        device_bandwidth = measure_copy(gpu, sizes.copy_bytes, sizes.min_seconds)
+        dtypes = tuple(d for d in PROBE_DTYPES if d != "bfloat16" or torch.cuda.is_bf16_supported())
+        device = _compute_unit(gpu, props.total_memory, device_bandwidth, sizes, dtypes, say)
+        say("links: pinned host<->device copies")
+        host_to_device, device_to_host = measure_links(gpu, sizes.link_bytes, sizes.min_seconds)
+        kind = "cuda"
+        what.append(f"links: pinned copies of {format_size(sizes.link_bytes)} each way")
+    else:
+        device, kind, host_to_device, device_to_host = host, "cpu", 0.0, 0.0
+    return HardwareProfile(
+        name=f"local ({', '.join(names)})",
+        device_kind=kind,
+        device=device,
+        host=host,
+        host_to_device=host_to_device,
+        device_to_host=device_to_host,
+        disk_read=disk.read,
+        disk_write=disk.write,
+        source=f"offload probe {time.strftime('%Y-%m-%d %H:%M %Z')}; " + "; ".join(what),
+    )
+
+
+def measure_disk(directory: str | Path, nbytes: int, extent: int = 64 * MiB, depth: int = 4) -> DiskSpeed:
+    """Write, then cold-read, a test file of `nbytes` in `directory`; the file is removed whatever happens."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise OffloadError(f"{directory}: no such directory")
+    nbytes = aligned_span(0, nbytes).length
+    free = shutil.disk_usage(directory).free
+    if free < nbytes + DISK_HEADROOM:
+        raise OffloadError(
+            f"{directory}: {format_size(free)} free, the disk test needs {format_size(nbytes + DISK_HEADROOM)} "
+            "(a smaller --disk-bytes, or another --dir)"
+        )
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".offload-probe-", suffix=".bin")
+    except OSError as exc:
+        raise OffloadError(f"{directory}: cannot write the disk test file ({exc.strerror})") from None
+    path = Path(name)
+    try:
+        os.close(fd)
+        write_seconds = _write_test_file(path, nbytes, extent)
+        evict_page_cache(path)
+        read_seconds, direct = _read_test_file(path, nbytes, extent, depth)
+    except OSError as exc:
+        raise OffloadError(f"{directory}: disk test failed ({exc.strerror})") from None
+    finally:
+        path.unlink(missing_ok=True)
+    return DiskSpeed(nbytes / read_seconds, nbytes / write_seconds, direct)
+
+
+def measure_copy(device: torch.device, nbytes: int, min_seconds: float = 0.2) -> float:
+    """Memory bandwidth in bytes/s: a `nbytes` tensor copy moves 2 * nbytes (read + write)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), device, min_seconds)
+
+
+def measure_matmul(
+    device: torch.device,
+    dtype: str,
+    rows: tuple[int, ...],
+    k: int,
+    n: int,
+    min_seconds: float = 0.2,
+    weight_pool_bytes: int = 0,
+) -> tuple[tuple[int, float], ...]:
+    """((rows, FLOP/s), ...) of kernels.linear for [rows, k] x [k, n] in `dtype`; successive products cycle
+    through copies of the weight that together take at least `weight_pool_bytes`."""
+    from kernels.linear import linear
+
+    gen = torch.Generator().manual_seed(0)
+    dt = getattr(torch, dtype)
+    w = torch.randn(n, k, generator=gen).to(device=device, dtype=dt)  # [n, k]
+    pool = [w] + [w.clone() for _ in range(1, -(-weight_pool_bytes // (w.numel() * w.element_size())))]
+    weights = itertools.cycle(pool)
+    x_all = torch.randn(rows[-1], k, generator=gen).to(device=device, dtype=dt)  # [max rows, k]
+    curve = []
+    for r in rows:
+        x = x_all[:r]  # [r, k]
+        seconds = _best_seconds(lambda x=x: linear(x, next(weights)), device, min_seconds)
+        curve.append((r, 2 * r * k * n / seconds))
+    return tuple(curve)
+
+
+def measure_links(device: torch.device, nbytes: int, min_seconds: float = 0.2) -> tuple[float, float]:
+    """(host-to-device, device-to-host) bytes/s of copies between pinned host memory and `device`."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d = nbytes / _best_seconds(lambda: dev.copy_(host, non_blocking=True), device, min_seconds)
+    d2h = nbytes / _best_seconds(lambda: host.copy_(dev, non_blocking=True), device, min_seconds)
+    return h2d, d2h
+
+
+def run_probe(out: str | None, directory: str | None, disk_bytes: str | None, quick: bool) -> Path:
+    """`offload probe`: measure, print the table, save the profile to `out` (default: the cache); returns the path."""
+    from offload.demo import demo_cache_dir
+
+    cache = demo_cache_dir()
+    if directory is None:
+        directory = cache
+        cache.mkdir(parents=True, exist_ok=True)
+    sizes = ProbeSizes.quick() if quick else ProbeSizes()
+    if disk_bytes is not None:
+        if (size := parse_size(disk_bytes, "--disk-bytes")) == 0:
+            raise OffloadError("--disk-bytes: must be positive")
+        sizes = dataclasses.replace(sizes, disk_bytes=size)
+    path = Path(out).expanduser() if out is not None else local_profile_path()
+    try:  # fail before a minute of measuring, not after
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OffloadError(f"{path}: cannot write the profile ({exc.strerror})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise OffloadError(f"{path}: cannot write the profile (its directory is not writable)")
+    profile = probe(directory, sizes, log=lambda line: print(line, file=sys.stderr, flush=True))
+    save_profile(profile, path)
+    print(f"saved {path}\n")
+    print(format_profile(profile))
+    return path
+
+
+def local_profile_path() -> Path:
+    from offload.demo import demo_cache_dir
+
+    return demo_cache_dir() / "hardware" / "local.json"
+
+
+def local_profile() -> HardwareProfile:
+    """This machine's profile: the one `offload probe` saved, else a quick probe now (saved for next time)."""
+    from offload.hardware import load_profile
+
+    path = local_profile_path()
+    if path.exists():
+        return load_profile(path)
+    print(f"no hardware profile at {path}: measuring this machine (offload probe --quick) ...", file=sys.stderr)
+    from offload.demo import demo_cache_dir
+
+    directory = demo_cache_dir()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile = probe(directory, ProbeSizes.quick(), log=lambda line: print(line, file=sys.stderr, flush=True))
+    save_profile(profile, path)
+    return load_profile(path)
+
+
+def _compute_unit(
+    device: torch.device,
+    memory: int,
+    bandwidth: float,
+    sizes: ProbeSizes,
+    dtypes: tuple[str, ...],
+    say: Callable[[str], None],
+) -> ComputeUnit:
+    curves = {}
+    for dtype in dtypes:
+        say(f"{'host' if device.type == 'cpu' else 'device'}: {dtype} matmul")
+        curves[dtype] = measure_matmul(
+            device, dtype, sizes.rows, sizes.k, sizes.n, sizes.min_seconds, sizes.weight_pool_bytes
+        )
+    return ComputeUnit(
+        memory=memory,
+        memory_bandwidth=bandwidth,
+        matmul_flops={dtype: curve[-1][1] for dtype, curve in curves.items()},
+        matmul_curve=curves,
+    )
+
+
+def _best_seconds(fn: Callable[[], object], device: torch.device, min_seconds: float) -> float:
+    """Shortest wall time of `fn` over at least MIN_REPEATS runs and `min_seconds`, after one warm-up."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    best, total, runs = float("inf"), 0.0, 0
+    while runs < MIN_REPEATS or (total < min_seconds and runs < 100):
+        start = time.perf_counter()
+        fn()
+        sync()
+        seconds = time.perf_counter() - start
+        best, total, runs = min(best, seconds), total + seconds, runs + 1
+    return best
+
+
+def _write_test_file(path: Path, nbytes: int, extent: int) -> float:
+    """Fill `path` with `nbytes` of incompressible, page-unique bytes in `extent` writes; seconds incl. fsync."""
+    buf = aligned_buffer(extent)  # [extent] uint8, ALIGN-aligned for O_DIRECT
+    buf.copy_(torch.randint(0, 256, (extent,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    # a distinct page number at the head of every page, so no layer below can deduplicate the extents
+    stamps = buf.view(-1, ALIGN)[:, :8].view(torch.int64)  # [extent / ALIGN, 1]
+    pages = torch.arange(stamps.shape[0], dtype=torch.int64).unsqueeze(1)
+    data = memoryview(buf.numpy())
+    fd = _open_for_write(path)
+    try:
+        start = time.perf_counter()
+        for i, offset in enumerate(range(0, nbytes, extent)):
+            length = min(extent, nbytes - offset)
+            stamps.copy_(pages + i * stamps.shape[0])
+            done = 0
+            while done < length:
+                done += os.pwrite(fd, data[done:length], offset + done)
+        os.fsync(fd)
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+
+
+def _open_for_write(path: Path) -> int:
+    try:
+        return os.open(path, os.O_WRONLY | O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return os.open(path, os.O_WRONLY)  # this filesystem refuses O_DIRECT: buffered writes, then fsync
+
+
+def _read_test_file(path: Path, nbytes: int, extent: int, depth: int) -> tuple[float, bool]:
+    """Seconds to read `path` with the pread backend, `depth` requests of `extent` in flight; and whether direct."""
+    backend = make_backend("pread")
+    try:
+        bufs = [aligned_buffer(extent, pin=torch.cuda.is_available()) for _ in range(depth)]
+        in_flight: deque = deque()
+        start = time.perf_counter()
+        for i, offset in enumerate(range(0, nbytes, extent)):
+            if len(in_flight) == depth:
+                in_flight.popleft().wait()  # frees bufs[i % depth], the buffer of the oldest request
+            in_flight.append(backend.submit(path, offset, min(extent, nbytes - offset), bufs[i % depth]))
+        while in_flight:
+            in_flight.popleft().wait()
+        seconds = time.perf_counter() - start
+        return seconds, backend.is_direct(path)
+    finally:
+        backend.close()
+
+
+def _total_ram() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"

@@ -1,0 +1,194 @@
+"""`offload probe`: tiny measurements of this machine give a loadable profile; the disk test never leaves a file."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+
+import offload.probe as probe_mod
+from offload.cli import main
+from offload.errors import OffloadError
+from offload.hardware import load_profile
+from offload.probe import ProbeSizes, measure_disk, probe
+
+MiB = 1 << 20
+# a few seconds on two cores: every stage runs, on sizes far too small to mean anything
+TINY = ProbeSizes(
+    disk_bytes=8 * MiB + 100,  # not a multiple of ALIGN: rounded up
+    extent_bytes=2 * MiB,
+    depth=2,
+    copy_bytes=8 * MiB,
+    link_bytes=4 * MiB,
+    k=256,
+    n=128,
+    rows=(1, 8, 64),
+    weight_pool_bytes=1 * MiB,
+    min_seconds=0.0,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("probe")
+    stages = []
+    profile = probe(directory, TINY, log=stages.append)
+    assert list(directory.iterdir()) == []  # the test file is gone
+    return profile, stages
+
+
+def test_probe_measures_every_unit(tiny_profile):
+    p, stages = tiny_profile
+    assert stages[0].startswith("disk: writing and reading 8.0 MiB")
+    for unit in (p.device, p.host):
+        assert unit.memory > 0 and unit.memory_bandwidth > 0
+        assert set(unit.matmul_curve) <= {"float32", "bfloat16", "float16"} and "float32" in unit.matmul_curve
+        for dtype, curve in unit.matmul_curve.items():
+            assert [rows for rows, _ in curve] == [1, 8, 64]
+            assert all(flops > 0 for _, flops in curve)
+            assert unit.matmul_flops[dtype] == curve[-1][1]  # the largest product's rate
+    assert p.disk_read > 0 and p.disk_write > 0
+    assert p.name.startswith("local (") and p.source.startswith("offload probe ")
+    assert "kernels.linear on [rows, 256] x [256, 128]" in p.source
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only layout")
+def test_cpu_only_device_is_host_ram(tiny_profile):
+    p, _ = tiny_profile
+    assert p.device_kind == "cpu" and p.device == p.host
+    assert p.device.memory == psutil.virtual_memory().total
+    assert (p.host_to_device, p.device_to_host) == (0.0, 0.0)
+
+
+def test_probed_profile_saves_and_loads(tiny_profile, tmp_path):
+    from offload.hardware import save_profile
+
+    p, _ = tiny_profile
+    save_profile(p, tmp_path / "local.json")
+    q = load_profile(tmp_path / "local.json")
+    assert (q.name, q.device_kind, q.source) == (p.name, p.device_kind, p.source)
+    assert q.host.memory == p.host.memory
+    assert q.disk_read == pytest.approx(p.disk_read, rel=1e-5)
+    assert q.host.matmul_curve.keys() == p.host.matmul_curve.keys()
+    for dtype, curve in q.host.matmul_curve.items():
+        assert [r for r, _ in curve] == [r for r, _ in p.host.matmul_curve[dtype]]
+        assert [f for _, f in curve] == pytest.approx([f for _, f in p.host.matmul_curve[dtype]], rel=1e-5)
+
+
+def test_disk_test_file_is_removed_on_interrupt(tmp_path, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(probe_mod, "_read_test_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        measure_disk(tmp_path, 4 * MiB, 1 * MiB, 2)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_full_disk_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OffloadError) as err:
+        measure_disk(tmp_path, 4 * MiB, 1 * MiB, 2)
+    assert str(err.value) == f"{tmp_path}: disk test failed (No space left on device)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch):
+    monkeypatch.setattr(probe_mod.shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 40, free=10 * MiB))
+    with pytest.raises(OffloadError, match=r"10.0 MiB free, the disk test needs .*--disk-bytes"):
+        measure_disk(tmp_path, 1 << 30)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_only_filesystem_is_one_line(tmp_path, monkeypatch, capsys):
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(probe_mod.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(ProbeSizes, "quick", classmethod(lambda cls: TINY))
+    code = main(["probe", "--quick", "--dir", str(tmp_path), "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1] == f"error: {tmp_path}: cannot write the disk test file (Read-only file system)"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory anyway")
+def test_read_only_dir_gives_exit_2_and_no_file(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        code = main(["probe", "--quick", "--dir", str(ro), "--out", str(tmp_path / "x.json")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2
+        assert err[-1].startswith("error: ") and str(ro) in err[-1] and "Traceback" not in "\n".join(err)
+        assert list(ro.iterdir()) == [] and not (tmp_path / "x.json").exists()
+    finally:
+        ro.chmod(stat.S_IRWXU)
+
+
+def test_cli_wiring_with_tiny_sizes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ProbeSizes, "quick", classmethod(lambda cls: TINY))
+    out = tmp_path / "hw" / "x.json"
+    assert main(["probe", "--quick", "--dir", str(tmp_path), "--out", str(out), "--disk-bytes", "4MiB"]) == 0
+    printed = capsys.readouterr()
+    assert f"saved {out}" in printed.out and "disk      read" in printed.out
+    assert "disk: writing and reading 4.0 MiB" in printed.err  # --disk-bytes wins over the preset
+    assert load_profile(out).name.startswith("local (")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hw"]
+
+
+def test_bad_disk_bytes_is_one_line(capsys, tmp_path):
+    assert main(["probe", "--dir", str(tmp_path), "--disk-bytes", "lots"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --disk-bytes: cannot read 'lots' as a size")
+
+
+def test_missing_dir_is_one_line(capsys, tmp_path):
+    assert main(["probe", "--quick", "--dir", str(tmp_path / "nope"), "--out", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {tmp_path / 'nope'}: no such directory")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(extent_bytes=1000), "extent-bytes: must be a multiple of 4096"),
+        (dict(rows=(8, 1)), "rows: must be positive and ascending"),
+        (dict(depth=0), "depth: must be positive"),
+        (dict(min_seconds=-1.0), "min-seconds: must not be negative"),
+    ],
+)
+def test_probe_sizes_are_checked(changes, message):
+    with pytest.raises(OffloadError, match=message):
+        ProbeSizes(**changes)
+
+
+@pytest.mark.slow
+def test_cli_quick_end_to_end(tmp_path, capsys):
+    out = tmp_path / "x.json"
+    assert main(["probe", "--quick", "--dir", str(tmp_path), "--out", str(out)]) == 0
+    assert f"saved {out}" in capsys.readouterr().out
+    p = load_profile(out)
+    assert p.disk_read > 0 and p.host.matmul_flops["float32"] > 0
+    assert [r for r, _ in p.host.matmul_curve["float32"]] == [1, 8, 32, 128, 512, 2048]
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["x.json"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_and_links(tiny_profile):
+    p, stages = tiny_profile
+    assert p.device_kind == "cuda" and p.device != p.host
+    assert p.device.memory == torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    assert p.host_to_device > 0 and p.device_to_host > 0
+    assert [r for r, _ in p.device.matmul_curve["float16"]] == [1, 8, 64]
+    assert any(line.startswith("links:") for line in stages)
+    assert p.name.startswith(f"local ({torch.cuda.get_device_name()}, ")

@@ -430,7 +430,7 @@ WORKERS: dict[str, Callable[[Path, int | None, Workload, Path], EngineResult]] =
 def worker_main(args: argparse.Namespace) -> None:
     budget = None if args.worker == "resident" else args.budget_bytes
     try:
-        result = WORKERS[args.worker](args.model, budget, Workload(), args.work_dir)
+        result = WORKERS[args.worker](args.model, budget, Workload(prompts=args.prompts), args.work_dir)
     except Exception as exc:  # a peer that cannot run here is a result, not a crash of the benchmark
         traceback.print_exc()
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -444,7 +444,7 @@ def run_worker(name: str, model_dir: Path, args: argparse.Namespace, cache_paths
     out.unlink(missing_ok=True)
     method = drop_page_cache(cache_paths)
     cmd = [sys.executable, __file__, "--worker", name, "--model", str(model_dir), "--result", str(out)]
-    cmd += ["--work-dir", str(args.work_dir), "--budget", args.budget]
+    cmd += ["--work-dir", str(args.work_dir), "--budget", args.budget, "--prompts", str(args.prompts)]
     print(f"running {name} (page cache: {method}) ...", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -614,7 +614,7 @@ def main_run(args: argparse.Namespace) -> None:
             "bytes": sum(p.stat().st_size for p in checkpoint),
         },
         "budget_bytes": args.budget_bytes,
-        "workload": asdict(Workload()),
+        "workload": asdict(Workload(prompts=args.prompts)),
         "raw_read": raw,
         "physical_limit_seconds": limit,
         "results": {k: asdict(r) | {"tokens_per_second": r.tokens_per_second} for k, r in shown.items()},
@@ -634,6 +634,7 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join(ENGINES), help="a subset of ours,accelerate,zero")
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--budget", default="600MB", help="RAM for weights (the KV cache comes on top)")
+    parser.add_argument("--prompts", type=int, default=8, help="requests in the batch")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)

@@ -1,0 +1,291 @@
+"""`offload plan`: what fits where and how fast it will run, before anything is loaded or bought.
+
+Reads a model's shape (a public name or a local directory) and a hardware profile, asks the cost model
+(scheduler/cost.py) for every policy, and prints the best ones, why the others lose and what does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections import defaultdict
+from dataclasses import asdict
+
+from offload.errors import OffloadError
+from offload.hardware import HardwareProfile
+from offload.shapes import ModelShape
+from scheduler.cost import Budgets, Prediction, Workload, best, search
+
+GB = 1e9
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict the best policy (batch, placement of weights and KV) for a model on a machine",
+        description="Search the policies for the highest predicted throughput that fits every memory budget, "
+        "print the best ones, why the others lose, and what does not fit. Nothing is loaded.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR|NAME", help="model directory or a name in configs/models")
+    p.add_argument(
+        "--hardware",
+        default="probe",
+        metavar="PROFILE|probe",
+        help="a name in configs/hardware, a profile JSON file, or 'probe': the profile `offload probe` saved for "
+        "this machine (measured now, quickly, when there is none)",
+    )
+    p.add_argument("--prompt-len", type=int, default=512, metavar="TOKENS")
+    p.add_argument("--gen-len", type=int, default=32, metavar="TOKENS")
+    p.add_argument("--requests", type=int, metavar="N", help="requests to serve (default: one batch, any size)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="compute dtype (default: the model's)")
+    p.add_argument("--device-memory", metavar="SIZE", help="device budget (default: the profile's device memory)")
+    p.add_argument("--host-memory", metavar="SIZE", help="host RAM budget (default: the profile's host memory)")
+    p.add_argument("--disk-read", type=float, metavar="GB/s", help="disk read bandwidth (default: the profile's)")
+    p.add_argument(
+        "--quantize", action="store_true", help="also consider 8- and 4-bit weights and KV cache (FlexGen-style)"
+    )
+    p.add_argument("--top", type=int, default=5, metavar="N", help="policies to list (default 5)")
+    p.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw predicted throughput against batch size per placement")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> None:
+    from offload.hardware import with_overrides
+    from offload.shapes import load_shape
+    from tiers.budget import parse_size
+
+    shape = load_shape(args.model)
+    hw = _hardware(args.hardware)
+    if args.disk_read is not None:
+        if not args.disk_read > 0:
+            raise OffloadError(f"--disk-read must be a positive number of GB/s, got {args.disk_read}")
+        hw = with_overrides(hw, disk_read=args.disk_read * GB)
+    budgets = Budgets(
+        device=None if args.device_memory is None else parse_size(args.device_memory, "--device-memory"),
+        host=None if args.host_memory is None else parse_size(args.host_memory, "--host-memory"),
+    )
+    if args.top < 1:
+        raise OffloadError(f"--top must be at least 1, got {args.top}")
+    workload = Workload(args.prompt_len, args.gen_len, args.requests)
+    bits = (16, 8, 4) if args.quantize else (16,)
+    dtype = args.dtype or _default_dtype(shape, hw)
+    predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, weight_bits=bits, kv_bits=bits)
+    if args.plot:
+        plot(predictions, args.plot, f"{shape.name} on {hw.name}")
+    if args.json:
+        print(json.dumps(report_json(shape, hw, workload, dtype, predictions, args.top), indent=1))
+    else:
+        print(report(shape, hw, workload, dtype, budgets, predictions, args.top))
+
+
+def _hardware(name: str) -> HardwareProfile:
+    from offload.hardware import load_profile
+
+    if name != "probe":
+        return load_profile(name)
+    from offload.probe import local_profile
+
+    return local_profile()
+
+
+def _default_dtype(shape: ModelShape, hw: HardwareProfile) -> str:
+    """The model's dtype when the device multiplies it, else float16 (a T4 has no bfloat16 units)."""
+    if shape.dtype in hw.device.matmul_flops or shape.dtype in hw.device.matmul_curve:
+        return shape.dtype
+    return "float16"
+
+
+# ---- the report ----------------------------------------------------------------------------------------------
+
+
+def _gb(nbytes: float) -> str:
+    """Decimal units, as datasheets and `--device-memory 600MB` spell them."""
+    if nbytes < GB:
+        return f"{nbytes / 1e6:.0f} MB" if nbytes >= 1e6 or nbytes == 0 else f"{nbytes / 1e3:.0f} kB"
+    return f"{nbytes / GB:.2f} GB" if nbytes < 100 * GB else f"{nbytes / GB:.0f} GB"
+
+
+def _policy(p: Prediction) -> str:
+    c = p.candidate
+    dev, host, disk = c.layers
+    bits = "" if c.weight_bits == 16 and c.kv_bits == 16 else f" w{c.weight_bits}/kv{c.kv_bits}"
+    return f"{c.batch:>5} {c.micro_batches:>3}  {dev:>4}/{host:>4}/{disk:<4} {c.kv_tier:<6}{bits}"
+
+
+def _per_batch(predictions: list[Prediction]) -> dict[int, Prediction]:
+    """The best prediction at each batch size: fitting ones first (they come first in `predictions`)."""
+    out: dict[int, Prediction] = {}
+    for p in predictions:
+        out.setdefault(p.candidate.batch, p)
+    return out
+
+
+def report(
+    shape: ModelShape,
+    hw: HardwareProfile,
+    workload: Workload,
+    dtype: str,
+    budgets: Budgets,
+    predictions: list[Prediction],
+    top: int,
+) -> str:
+    from offload.shapes import estimate_sizes
+
+    lines = [
+        f"model     {shape.name} ({shape.architecture}): {shape.num_layers} layers, "
+        f"{shape.total_params / 1e9:.2f} B parameters, computed in {dtype}",
+        "sizes     "
+        + " | ".join(
+            f"{e.dtype} {_gb(e.total_bytes)} (largest layer {_gb(e.largest_layer_bytes)}, {e.largest_layer_name})"
+            for e in estimate_sizes(shape)
+        ),
+        f"hardware  {hw.name} ({hw.device_kind}): device {_gb(budgets.device or hw.device.memory)}, "
+        f"host {_gb(budgets.host or hw.host.memory)}, disk reads {hw.disk_read / GB:.2f} GB/s"
+        + (f", host->device {hw.host_to_device / GB:.0f} GB/s" if hw.host_to_device else ""),
+        f"workload  prompt {workload.prompt_len} tokens, {workload.gen_len} new tokens, "
+        + (f"{workload.requests} requests" if workload.requests else "one batch of any size"),
+        "",
+    ]
+    winner = best(predictions)
+    if winner is None:
+        smallest = predictions[0]
+        lines.append(
+            "nothing fits: the smallest policy (batch 1, every layer streamed) is over by "
+            + ", ".join(f"{t} {_gb(b)}" for t, b in smallest.overflow.items())
+        )
+        return "\n".join(lines)
+    fitting = [p for p in _per_batch(predictions).values() if p.fits]
+    fitting.sort(key=lambda p: -p.tokens_per_second)
+    lines.append("best policies (predicted; weights: decoder layers on device/host/disk)")
+    lines.append(
+        f"{'#':>2} {'batch':>5} {'mb':>3}  {'weights':<14} {'KV':<6} {'tok/s':>9} {'TTFT':>9} "
+        f"{'device':>10} {'host':>10}  {'bound':<7} runs here"
+    )
+    for i, p in enumerate(fitting[:top], 1):
+        lines.append(
+            f"{i:>2} {_policy(p)} {p.tokens_per_second:>9.3g} {p.ttft_seconds:>8.3g}s "
+            f"{_gb(p.memory['device']):>10} {_gb(p.memory['host']):>10}  {p.bound:<7} "
+            + ("yes" if not p.unsupported else "needs " + ", ".join(p.unsupported))
+        )
+    runnable = best(predictions, runnable_only=True)
+    if runnable is not None and runnable is not winner:
+        lines.append(
+            f"   this engine today: batch {runnable.candidate.batch}, {runnable.tokens_per_second:.3g} tok/s "
+            f"({runnable.tokens_per_second / winner.tokens_per_second:.2f}x the best)"
+        )
+    lines += ["", "why the others lose"]
+    lines += _explain(winner, predictions)
+    return "\n".join(lines)
+
+
+def _explain(winner: Prediction, predictions: list[Prediction]) -> list[str]:
+    out = []
+    w = winner.candidate
+    res = winner.resources
+    out.append(
+        f"  the best is {winner.bound}-bound: per batch, disk {res['disk']:.3g} s, host->device {res['link']:.3g} s, "
+        f"compute {res['compute']:.3g} s" + (f", CPU attention {res['host']:.3g} s" if res["host"] else "")
+    )
+    per_batch = _per_batch(predictions)
+    for batch, p in sorted(per_batch.items()):
+        if batch == w.batch:
+            continue
+        if not p.fits:
+            over = ", ".join(f"{t} by {_gb(b)}" for t, b in p.overflow.items())
+            out.append(f"  batch {batch:>5}: does not fit, over {over} (smallest overflow over every placement)")
+        else:
+            ratio = p.tokens_per_second / winner.tokens_per_second
+            why = "weights are read once per step for fewer tokens" if batch < w.batch else f"{p.bound}-bound"
+            out.append(f"  batch {batch:>5}: {ratio:.2f}x the best throughput: {why}")
+    by_kv = defaultdict(list)
+    for p in predictions:
+        by_kv[p.candidate.kv_tier].append(p)
+    for tier, preds in sorted(by_kv.items()):
+        if tier != w.kv_tier:
+            b = best(preds)
+            if b is None:
+                out.append(f"  KV on {tier}: nothing fits")
+            else:
+                ratio = b.tokens_per_second / winner.tokens_per_second
+                out.append(f"  KV on {tier}: at best {ratio:.2f}x (batch {b.candidate.batch}, {b.bound}-bound)")
+    return out
+
+
+def report_json(
+    shape: ModelShape, hw: HardwareProfile, workload: Workload, dtype: str, predictions: list[Prediction], top: int
+) -> dict:
+    from offload.shapes import estimate_sizes
+
+    def row(p: Prediction) -> dict:
+        return {
+            "policy": asdict(p.candidate),
+            "tokens_per_second": p.tokens_per_second,
+            "ttft_seconds": p.ttft_seconds,
+            "prefill_seconds": p.prefill_seconds,
+            "decode_seconds": p.decode_seconds,
+            "rounds": p.rounds,
+            "memory_bytes": p.memory,
+            "overflow_bytes": p.overflow,
+            "busy_seconds": p.resources,
+            "bound": p.bound,
+            "fits": p.fits,
+            "unsupported": list(p.unsupported),
+        }
+
+    per_batch = _per_batch(predictions)
+    return {
+        "model": asdict(shape),
+        "sizes": [asdict(e) for e in estimate_sizes(shape)],
+        "hardware": hw.name,
+        "dtype": dtype,
+        "workload": asdict(workload),
+        "best": [row(p) for p in predictions if p.fits][:top],
+        "per_batch": [row(p) for _, p in sorted(per_batch.items())],
+    }
+
+
+def plot(predictions: list[Prediction], path: str, title: str) -> None:
+    """Predicted tokens/s against batch size, one line per placement (KV tier and precision), fitting points."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise OffloadError("--plot needs matplotlib (pip install matplotlib)") from None
+    lines: dict[str, dict[int, float]] = defaultdict(dict)
+    for p in predictions:
+        if not p.fits:
+            continue
+        c = p.candidate
+        label = f"KV on {c.kv_tier}" + ("" if c.weight_bits == c.kv_bits == 16 else f", w{c.weight_bits}/kv{c.kv_bits}")
+        lines[label][c.batch] = max(lines[label].get(c.batch, 0.0), p.tokens_per_second)
+    if not lines:
+        raise OffloadError("--plot: no policy fits, nothing to draw")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in sorted(lines.items()):
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (sequences per step)")
+    ax.set_ylabel("predicted tokens/s")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = f"{path}.partial"
+    try:  # written whole or not at all
+        fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1].lstrip(".") or "png")
+        os.replace(tmp, path)
+    except (OSError, ValueError) as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OffloadError(f"--plot {path}: cannot write it ({getattr(exc, 'strerror', None) or exc})") from None
+    finally:
+        plt.close(fig)
+    print(f"plot written to {path}", file=sys.stderr)

@@ -1,0 +1,417 @@
+"""The cost model: how long a policy takes on a machine, and the search for the one with the highest throughput.
+
+In the spirit of FlexGen's. The prefetch pipeline overlaps a layer's disk read, its host-to-device copy and
+the compute of the layer before it, so a layer costs the slowest of those resources; a step costs the sum
+over its layers plus the head; a batch costs one prefill step and gen_len - 1 decode steps at a context that
+grows by one token each. Compute is a roofline: the larger of the FLOPs over the GEMM rate at that many rows
+(measured by `offload probe`, or a derated datasheet figure) and the bytes read over memory bandwidth.
+
+Plain numbers in, plain numbers out: no tensors, no files. `offload plan` prints what `search` returns;
+the engine asks `search` for its batch when the user does not fix one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from offload.errors import OffloadError
+from offload.hardware import ComputeUnit, HardwareProfile
+from offload.shapes import ModelShape
+
+KV_TIERS = ("device", "host")
+# Python and dispatch cost of one decoder layer for one micro-batch in this engine (seconds); small against
+# the GEMMs except for tiny models, and what keeps a 1-token step from being predicted as free.
+LAYER_OVERHEAD = 150e-6
+# per sequence per layer: the paged attention reference loops over sequences (seconds)
+SEQ_OVERHEAD = 40e-6
+QUANT_GROUP = 64  # weights per scale and zero point when weights are quantized (FlexGen's group size)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prompt_len: int  # tokens per prompt
+    gen_len: int  # new tokens per request
+    requests: int | None = None  # None: throughput of one full batch, however large the best batch is
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "gen_len"):
+            if getattr(self, name) < 1:
+                raise OffloadError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.requests is not None and self.requests < 1:
+            raise OffloadError(f"requests must be at least 1, got {self.requests}")
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    """Bytes each tier may hold; None = the whole memory of that tier in the hardware profile."""
+
+    device: int | None = None
+    host: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One policy: the batch, how it is split, where weights and KV cache live, and their precision."""
+
+    batch: int  # sequences advanced together by each step
+    micro_batches: int  # the batch runs as this many micro-batches, each reusing the layer's loaded weights
+    layers: tuple[int, int, int]  # decoder layers resident on the device, kept in host RAM, streamed from disk
+    kv_tier: str = "device"  # "host" on CUDA: attention runs on the CPU next to the cache (FlexGen's choice)
+    weight_bits: int = 16
+    kv_bits: int = 16
+
+    @property
+    def micro_batch(self) -> int:
+        return -(-self.batch // self.micro_batches)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    candidate: Candidate
+    prefill_seconds: float  # one batch's prompts, up to the first token of each
+    decode_seconds: float  # one batch's remaining gen_len - 1 tokens
+    rounds: int  # batches run one after another to serve every request
+    generated_tokens: int  # over all rounds
+    memory: dict[str, int]  # peak bytes per tier ("device", "host"; "disk": bytes written beyond the checkpoint)
+    overflow: dict[str, int]  # bytes over budget per tier; empty when the policy fits
+    resources: dict[str, float]  # seconds of one round each resource is busy: disk, link, compute, host
+    unsupported: tuple[str, ...] = field(default_factory=tuple)  # what this engine cannot run yet
+
+    @property
+    def fits(self) -> bool:
+        return not self.overflow
+
+    @property
+    def round_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def total_seconds(self) -> float:
+        return self.rounds * self.round_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / max(self.total_seconds, 1e-12)
+
+    @property
+    def ttft_seconds(self) -> float:
+        """Time to first token of the first round's sequences."""
+        return self.prefill_seconds
+
+    @property
+    def bound(self) -> str:
+        """The resource busiest over a round: what a faster machine would have to improve."""
+        return max(self.resources, key=self.resources.__getitem__)
+
+
+# ---- machine -------------------------------------------------------------------------------------------------
+
+
+def matmul_rate(unit: ComputeUnit, dtype: str, rows: int) -> float:
+    """FLOP/s of a GEMM with `rows` rows: the measured curve interpolated in log(rows), else the flat rate."""
+    curve = unit.matmul_curve.get(dtype)
+    if curve:
+        xs = [math.log(r) for r, _ in curve]
+        x = math.log(max(rows, 1))
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return curve[0][1] * rows / curve[0][0]  # below the first point the rate scales with rows
+        if i == len(xs):
+            return curve[-1][1]
+        f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return curve[i - 1][1] + f * (curve[i][1] - curve[i - 1][1])
+    if dtype not in unit.matmul_flops:
+        known = ", ".join(sorted(unit.matmul_flops)) or "none"
+        raise OffloadError(f"the hardware profile gives no {dtype} matmul rate (it has: {known}); pick another dtype")
+    return unit.matmul_flops[dtype]
+
+
+def _gemm_seconds(unit: ComputeUnit, dtype: str, params: int, weight_bytes: float, rows: int) -> float:
+    """[rows, k] x [k, n] products over `params` = k * n weights: compute- or memory-bound, whichever is slower."""
+    return max(2.0 * params * rows / matmul_rate(unit, dtype, rows), weight_bytes / unit.memory_bandwidth)
+
+
+# ---- the model of a step -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    shape: ModelShape
+    hw: HardwareProfile
+    dtype: str  # compute dtype
+    dtype_bytes: int
+    ring_slots: int
+    block_size: int
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.hw.device_kind == "cpu"
+
+    def weight_bytes(self, params: int, bits: int) -> float:
+        if bits >= 8 * self.dtype_bytes:
+            return params * self.dtype_bytes
+        return params * bits / 8 + params / QUANT_GROUP * 2 * self.dtype_bytes  # + a scale and a zero per group
+
+    def kv_bytes(self, tokens: int, kv_bits: int) -> float:
+        """KV cache of `tokens` tokens of one sequence, across layers, rounded up to whole blocks."""
+        blocks = -(-tokens // self.block_size)
+        return blocks * self.block_size * self.shape.kv_bytes_per_token(kv_bits / 8)
+
+
+def _layer_step(
+    ctx: _Context, cand: Candidate, tier: str, rows_per_mb: int, seqs_per_mb: int, context: int, prefill: bool
+) -> dict[str, float]:
+    """Seconds one decoder layer keeps each resource busy in one step (they overlap: the layer costs the max)."""
+    s, hw = ctx.shape, ctx.hw
+    w_bytes = ctx.weight_bytes(s.layer_params, cand.weight_bits)
+    active_bytes = ctx.weight_bytes(s.active_layer_params, cand.weight_bits)
+    busy = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0}
+    if tier == "disk":
+        busy["disk"] = w_bytes / hw.disk_read
+    if tier != "device" and not ctx.on_cpu:
+        busy["link"] = w_bytes / hw.host_to_device
+    attn_params = 2 * s.num_heads * s.head_dim  # flops per query per context token = 2 * this (QK and PV)
+    kv_layer_bytes = 2 * s.num_kv_heads * s.head_dim * cand.kv_bits / 8  # one token, one layer
+    attn_unit = hw.host if cand.kv_tier == "host" and not ctx.on_cpu else hw.device
+    # one micro-batch; every micro-batch of the step costs the same (the last may be smaller: ignored)
+    compute = LAYER_OVERHEAD + _gemm_seconds(hw.device, ctx.dtype, s.active_layer_params, active_bytes, rows_per_mb)
+    if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
+        compute += s.active_layer_params * ctx.dtype_bytes / hw.device.memory_bandwidth
+    if prefill:  # causal attention over the prompt: half of the square, per sequence
+        flops = 2.0 * attn_params * context * context / 2 * seqs_per_mb
+        attention = flops / matmul_rate(attn_unit, ctx.dtype, context)
+    else:  # one query per sequence reads its whole cache: memory-bound
+        attention = seqs_per_mb * context * kv_layer_bytes / attn_unit.memory_bandwidth
+    attention += seqs_per_mb * SEQ_OVERHEAD
+    compute *= cand.micro_batches
+    attention *= cand.micro_batches
+    if attn_unit is hw.host and not ctx.on_cpu:
+        busy["host"] = attention  # the CPU attends while the device runs the GEMMs
+        q_and_out = 2 * rows_per_mb * s.num_heads * s.head_dim * ctx.dtype_bytes * cand.micro_batches
+        busy["link"] += q_and_out / hw.host_to_device
+    else:
+        compute += attention
+    busy["compute"] = compute
+    return busy
+
+
+def _step(ctx: _Context, cand: Candidate, context: int, prefill: bool, prompt_len: int) -> dict[str, float]:
+    """Seconds one step keeps each resource busy, summed over layers, each layer at its slowest resource."""
+    s = ctx.shape
+    seqs = cand.micro_batch
+    rows = seqs * (prompt_len if prefill else 1)
+    total = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0, "wall": 0.0}
+    for tier, count in zip(("device", "host", "disk"), cand.layers, strict=True):
+        if not count:
+            continue
+        busy = _layer_step(ctx, cand, tier, rows, seqs, context, prefill)
+        for k, v in busy.items():
+            total[k] += count * v
+        total["wall"] += count * max(busy.values())
+    # head: final norm + LM head on the last token of each sequence (resident on the device)
+    head_params = s.vocab_size * s.hidden_size
+    head = _gemm_seconds(ctx.hw.device, ctx.dtype, head_params, head_params * ctx.dtype_bytes, cand.batch)
+    total["compute"] += head
+    total["wall"] += head
+    return total
+
+
+def _memory(ctx: _Context, cand: Candidate, workload: Workload) -> dict[str, int]:
+    s = ctx.shape
+    n_dev, n_host, n_disk = cand.layers
+    w = ctx.weight_bytes(s.layer_params, cand.weight_bits)
+    streamed = n_host + n_disk if not ctx.on_cpu else n_disk
+    kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
+    rows = cand.micro_batch * workload.prompt_len  # the prefill micro-batch sets the activation peak
+    # live in a layer: input, q/k/v, attention output, gate and up (and their product), all in compute dtype,
+    # plus the hidden states every micro-batch keeps between layers and the float32 logits of the last tokens
+    per_token = 3 * s.hidden_size + s.num_heads * s.head_dim * 2 + 2 * s.num_kv_heads * s.head_dim
+    per_token += 3 * _intermediate(s)
+    activations = rows * per_token * ctx.dtype_bytes
+    activations += cand.batch * workload.prompt_len * s.hidden_size * ctx.dtype_bytes
+    activations += cand.batch * s.vocab_size * 4
+    device = (s.embed_params + s.head_params) * ctx.dtype_bytes + n_dev * w + activations
+    if streamed:
+        device += ctx.ring_slots * w
+    host = (n_host * w if n_host else 0) + (ctx.ring_slots * w if n_disk and not ctx.on_cpu else 0)
+    if cand.kv_tier == "device":
+        device += kv
+    else:
+        host += kv
+    disk = n_disk * w if cand.weight_bits < 8 * ctx.dtype_bytes else 0  # a quantized copy to stream from
+    return {"device": int(device), "host": int(host), "disk": int(disk)}
+
+
+def _intermediate(s: ModelShape) -> int:
+    """The MLP width, recovered from the active parameter count (attention and norms removed)."""
+    attn = s.hidden_size * s.num_heads * s.head_dim * 2 + s.hidden_size * s.num_kv_heads * s.head_dim * 2
+    return max((s.active_layer_params - attn) // (3 * s.hidden_size), s.hidden_size)
+
+
+def predict(
+    shape: ModelShape,
+    hw: HardwareProfile,
+    workload: Workload,
+    cand: Candidate,
+    *,
+    dtype: str | None = None,
+    budgets: Budgets = Budgets(),
+    ring_slots: int = 3,
+    block_size: int = 16,
+) -> Prediction:
+    """Time and memory of `cand` on `hw` for `workload`."""
+    ctx = _make_context(shape, hw, dtype, ring_slots, block_size)
+    if sum(cand.layers) != shape.num_layers:
+        raise ValueError(f"candidate places {sum(cand.layers)} layers, the model has {shape.num_layers}")
+    prefill = _step(ctx, cand, workload.prompt_len, True, workload.prompt_len)
+    resources = {k: v for k, v in prefill.items() if k != "wall"}
+    decode_wall = 0.0
+    for i in range(1, workload.gen_len):
+        step = _step(ctx, cand, workload.prompt_len + i, False, workload.prompt_len)
+        decode_wall += step["wall"]
+        for k in resources:
+            resources[k] += step[k]
+    requests = workload.requests if workload.requests is not None else cand.batch
+    rounds = -(-requests // cand.batch)
+    memory = _memory(ctx, cand, workload)
+    return Prediction(
+        candidate=cand,
+        prefill_seconds=prefill["wall"],
+        decode_seconds=decode_wall,
+        rounds=rounds,
+        generated_tokens=requests * workload.gen_len,
+        memory=memory,
+        overflow=_overflow(ctx, memory, budgets),
+        resources=resources,
+        unsupported=_unsupported(ctx, cand),
+    )
+
+
+def _make_context(shape: ModelShape, hw: HardwareProfile, dtype: str | None, ring: int, block: int) -> _Context:
+    dtype = dtype or shape.dtype
+    sizes = {"float32": 4, "float16": 2, "bfloat16": 2}
+    if dtype not in sizes:
+        raise OffloadError(f"dtype {dtype!r} is not one of {', '.join(sizes)}")
+    matmul_rate(hw.device, dtype, 1)  # fails early, naming the dtype, when the device has no such GEMM
+    return _Context(shape, hw, dtype, sizes[dtype], ring, block)
+
+
+def _capacity(ctx: _Context, budgets: Budgets) -> dict[str, int]:
+    device = budgets.device if budgets.device is not None else ctx.hw.device.memory
+    host = budgets.host if budgets.host is not None else ctx.hw.host.memory
+    if ctx.on_cpu and budgets.host is None:
+        host = max(ctx.hw.host.memory - device, 0)  # one RAM holds both the device arena and the host tier
+    return {"device": device, "host": host}
+
+
+def _overflow(ctx: _Context, memory: dict[str, int], budgets: Budgets) -> dict[str, int]:
+    cap = _capacity(ctx, budgets)
+    return {t: memory[t] - cap[t] for t in cap if memory[t] > cap[t]}
+
+
+def _unsupported(ctx: _Context, cand: Candidate) -> tuple[str, ...]:
+    missing = []
+    if cand.kv_tier != "device":
+        missing.append("KV cache in host RAM")
+    if cand.weight_bits < 8 * ctx.dtype_bytes:
+        missing.append(f"{cand.weight_bits}-bit weights")
+    if cand.kv_bits < 8 * ctx.dtype_bytes:
+        missing.append(f"{cand.kv_bits}-bit KV cache")
+    return tuple(missing)
+
+
+# ---- the search ----------------------------------------------------------------------------------------------
+
+
+def place_layers(
+    shape: ModelShape,
+    hw: HardwareProfile,
+    workload: Workload,
+    batch: int,
+    micro_batches: int,
+    kv_tier: str = "device",
+    weight_bits: int = 16,
+    kv_bits: int = 16,
+    *,
+    dtype: str | None = None,
+    budgets: Budgets = Budgets(),
+    ring_slots: int = 3,
+    block_size: int = 16,
+) -> Candidate:
+    """The candidate with as many layers on the device as fit beside the KV cache and activations, then as
+    many in host RAM, the rest streamed from disk (every layer costs the same, so this order is optimal)."""
+    ctx = _make_context(shape, hw, dtype, ring_slots, block_size)
+    n = shape.num_layers
+    cap = _capacity(ctx, budgets)
+    w = ctx.weight_bytes(shape.layer_params, weight_bits)
+    bare = Candidate(batch, micro_batches, (0, 0, n), kv_tier, weight_bits, kv_bits)
+    fixed = _memory(ctx, Candidate(batch, micro_batches, (0, 0, 0), kv_tier, weight_bits, kv_bits), workload)
+    device_room = cap["device"] - fixed["device"]
+    host_room = cap["host"] - fixed["host"]
+    if n * w <= device_room:
+        return Candidate(batch, micro_batches, (n, 0, 0), kv_tier, weight_bits, kv_bits)
+    # on a CPU machine host layers are read in place; on CUDA they pass through the device ring like disk layers
+    n_dev = max(0, min(n, int(device_room // w)))
+    n_host = max(0, min(n - n_dev, int(host_room // w)))
+    if ctx.on_cpu and n_dev + n_host == n:
+        return Candidate(batch, micro_batches, (n_dev, n_host, 0), kv_tier, weight_bits, kv_bits)
+    device_room -= ring_slots * w  # something passes through the ring of device slots
+    if device_room < 0:
+        return bare  # does not fit: `predict` reports by how much
+    n_dev = min(n, int(device_room // w))
+    n_host = max(0, min(n - n_dev, int(host_room // w)))
+    if n_dev + n_host < n and not ctx.on_cpu:  # disk reads land in pinned staging buffers on the way
+        n_host = max(0, min(n - n_dev, int((host_room - ring_slots * w) // w)))
+    return Candidate(batch, micro_batches, (n_dev, n_host, n - n_dev - n_host), kv_tier, weight_bits, kv_bits)
+
+
+def search(
+    shape: ModelShape,
+    hw: HardwareProfile,
+    workload: Workload,
+    *,
+    dtype: str | None = None,
+    budgets: Budgets = Budgets(),
+    batches: Iterable[int] | None = None,
+    micro_batches: Iterable[int] = (1, 2, 4, 8, 16, 32),
+    kv_tiers: Iterable[str] = KV_TIERS,
+    weight_bits: Iterable[int] = (16,),
+    kv_bits: Iterable[int] = (16,),
+    ring_slots: int = 3,
+    block_size: int = 16,
+) -> list[Prediction]:
+    """Every candidate's prediction, best first: those that fit by throughput, then the rest by overflow."""
+    if batches is None:
+        top = workload.requests or 4096
+        batches = sorted({1 << i for i in range(13) if 1 << i <= top} | ({top} if workload.requests else set()))
+    kw = dict(dtype=dtype, budgets=budgets, ring_slots=ring_slots, block_size=block_size)
+    out = []
+    for batch in batches:
+        for mb in micro_batches:
+            if mb > batch:
+                continue
+            for kv_tier in kv_tiers:
+                if kv_tier == "host" and hw.device_kind == "cpu":
+                    continue  # host RAM is the device's own memory: no different from "device"
+                for wb in weight_bits:
+                    for kb in kv_bits:
+                        cand = place_layers(shape, hw, workload, batch, mb, kv_tier, wb, kb, **kw)
+                        out.append(predict(shape, hw, workload, cand, **kw))
+    return rank(out)
+
+
+def rank(predictions: list[Prediction]) -> list[Prediction]:
+    fits = sorted((p for p in predictions if p.fits), key=lambda p: (-p.tokens_per_second, p.memory["device"]))
+    rest = sorted((p for p in predictions if not p.fits), key=lambda p: sum(p.overflow.values()))
+    return fits + rest
+
+
+def best(predictions: list[Prediction], runnable_only: bool = False) -> Prediction | None:
+    """The fastest prediction that fits (and that this engine can run, when asked)."""
+    for p in predictions:
+        if p.fits and (not runnable_only or not p.unsupported):
+            return p
+    return None

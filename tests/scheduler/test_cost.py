@@ -1,0 +1,195 @@
+"""scheduler.cost: hand-computed step times, layer placement under budgets, and the search's ranking."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from offload.errors import OffloadError
+from offload.hardware import ComputeUnit, HardwareProfile
+from offload.shapes import ModelShape
+from scheduler.cost import (
+    LAYER_OVERHEAD,
+    SEQ_OVERHEAD,
+    Budgets,
+    Candidate,
+    Workload,
+    best,
+    matmul_rate,
+    place_layers,
+    predict,
+    search,
+)
+
+MB = 10**6
+
+# 4 layers of 1e6 parameters (2 MB in bf16); heads 4 x 16, 2 KV heads: 256 bytes of KV per token and layer
+SHAPE = ModelShape(
+    name="toy",
+    architecture="LlamaForCausalLM",
+    num_layers=4,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    vocab_size=1000,
+    max_position=4096,
+    dtype="bfloat16",
+    layer_params=1_000_000,
+    active_layer_params=1_000_000,
+    embed_params=64_000,
+    head_params=64_064,
+)
+
+
+def unit(memory: int, bandwidth: float, flops: float, curve=()) -> ComputeUnit:
+    return ComputeUnit(memory, bandwidth, {"bfloat16": flops}, {"bfloat16": tuple(curve)} if curve else {})
+
+
+def cpu_machine(disk_read: float = 1e9, flops: float = 1e12, ram: int = 10_000 * MB) -> HardwareProfile:
+    ram_unit = unit(ram, 1e10, flops)
+    return HardwareProfile("cpu box", "cpu", ram_unit, ram_unit, 0.0, 0.0, disk_read, disk_read, "test")
+
+
+def gpu_machine(device_memory: int = 100 * MB, host_memory: int = 1000 * MB) -> HardwareProfile:
+    return HardwareProfile(
+        "gpu box",
+        "cuda",
+        unit(device_memory, 1e12, 1e14),
+        unit(host_memory, 1e11, 1e12),
+        1e10,
+        1e10,
+        2e9,
+        1e9,
+        "test",
+    )
+
+
+def test_matmul_rate_interpolates_the_curve_in_log_rows():
+    u = unit(0, 1e10, 5e11, curve=[(1, 1e9), (16, 1e11), (256, 4e11)])
+    assert matmul_rate(u, "bfloat16", 1) == 1e9
+    assert matmul_rate(u, "bfloat16", 16) == 1e11
+    assert matmul_rate(u, "bfloat16", 4) == pytest.approx(1e9 + 0.5 * (1e11 - 1e9))  # halfway in log2
+    assert matmul_rate(u, "bfloat16", 4096) == 4e11  # flat past the last point
+    flat = unit(0, 1e10, 5e11)
+    assert matmul_rate(flat, "bfloat16", 3) == 5e11
+    with pytest.raises(OffloadError, match="float16"):
+        matmul_rate(flat, "float16", 8)
+
+
+def test_disk_bound_decode_step_costs_the_reads():
+    hw = cpu_machine(disk_read=1e9, flops=1e15)  # compute is nearly free: the disk sets the pace
+    cand = Candidate(batch=1, micro_batches=1, layers=(0, 0, 4))
+    p = predict(SHAPE, hw, Workload(prompt_len=8, gen_len=3), cand)
+    per_layer_read = 2e6 / 1e9  # 2 MB of bf16 weights at 1 GB/s
+    # each decode step reads the four layers; compute per layer is far smaller, so the layer costs its read
+    head = max(2 * 64_000 * 1 / 1e15, 64_000 * 2 / 1e10)  # the LM head's weights
+    assert p.decode_seconds == pytest.approx(2 * (4 * per_layer_read + head))
+    assert p.resources["disk"] == pytest.approx(3 * 4 * per_layer_read)  # prefill + 2 decode steps
+    assert p.bound == "disk"
+    assert p.generated_tokens == 3 and p.rounds == 1
+
+
+def test_compute_bound_prefill_is_the_roofline_of_its_gemms_and_attention():
+    hw = cpu_machine(flops=1e11)
+    cand = Candidate(batch=2, micro_batches=1, layers=(4, 0, 0))
+    p = predict(SHAPE, hw, Workload(prompt_len=100, gen_len=1), cand)
+    rows = 2 * 100
+    gemm = max(2 * 1e6 * rows / 1e11, 2e6 / 1e10)
+    attention = 2.0 * (2 * 4 * 16) * 100 * 100 / 2 * 2 / 1e11 + 2 * SEQ_OVERHEAD
+    head = max(2 * 64_000 * 2 / 1e11, 64_000 * 2 / 1e10)
+    assert p.prefill_seconds == pytest.approx(4 * (LAYER_OVERHEAD + gemm + attention) + head)
+    assert p.decode_seconds == 0.0
+    assert p.bound == "compute"
+
+
+def test_throughput_rises_with_batch_while_disk_bound_then_flattens():
+    hw = cpu_machine(disk_read=1e9, flops=1e10)
+    work = Workload(prompt_len=16, gen_len=8)
+    preds = [predict(SHAPE, hw, work, Candidate(b, 1, (0, 0, 4))) for b in (1, 2, 4, 8, 64, 512, 2048)]
+    rates = [p.tokens_per_second for p in preds]
+    assert rates == sorted(rates)
+    # a decode step of 1 or 2 sequences costs its reads alone: twice the tokens for the same time
+    assert preds[1].decode_seconds == pytest.approx(preds[0].decode_seconds, rel=0.02)
+    assert rates[-1] / rates[-2] < 1.2  # compute-bound by then: more batch buys little
+    assert preds[-1].bound == "compute"
+
+
+def test_place_layers_fills_device_then_host_then_disk():
+    hw = cpu_machine(ram=10_000 * MB)
+    work = Workload(prompt_len=8, gen_len=8)
+    ring = dict(ring_slots=2)
+    fixed = predict(SHAPE, hw, work, Candidate(1, 1, (0, 0, 4)), **ring).memory["device"] - 2 * 2_000_000
+    budget = fixed + 3 * 2_000_000  # three layers' worth beside the embedding, head, KV cache and activations
+    # with one layer's room in host RAM, nothing streams: no ring, three resident, one in host RAM
+    assert place_layers(SHAPE, hw, work, 1, 1, budgets=Budgets(budget, 2_000_000), **ring).layers == (3, 1, 0)
+    # with none, layers stream through a ring of two slots, which leaves room for one resident layer
+    cand = place_layers(SHAPE, hw, work, 1, 1, budgets=Budgets(budget, 0), **ring)
+    assert cand.layers == (1, 0, 3)
+    p = predict(SHAPE, hw, work, cand, budgets=Budgets(budget, 0), **ring)
+    assert p.fits and p.memory["device"] == budget and p.memory["host"] == 0
+    everything = place_layers(SHAPE, hw, work, 1, 1, budgets=Budgets(device=fixed + 4 * 2_000_000), **ring)
+    assert everything.layers == (4, 0, 0)  # all layers fit: no ring is needed
+    # on CUDA host layers pass through the device ring too; disk reads also need two pinned staging slots, so
+    # host RAM for two layers holds either two layers (then one still streams, with no room to stage) or staging
+    gpu = gpu_machine(device_memory=10_000 * MB, host_memory=4 * 2_000_000)
+    assert place_layers(SHAPE, gpu, work, 1, 1, budgets=Budgets(budget), **ring).layers == (1, 3, 0)
+    two = Budgets(budget, 2 * 2_000_000)
+    assert place_layers(SHAPE, gpu, work, 1, 1, budgets=two, **ring).layers == (1, 0, 3)
+
+
+def test_overflow_says_by_how_much_a_kv_cache_is_too_big():
+    hw = cpu_machine()
+    work = Workload(prompt_len=1000, gen_len=24)  # 1024 tokens: 64 blocks of 16
+    small = predict(SHAPE, hw, work, Candidate(1, 1, (0, 0, 4)))
+    budget = small.memory["device"]
+    big = predict(SHAPE, hw, work, Candidate(2, 1, (0, 0, 4)), budgets=Budgets(device=budget))
+    kv_per_seq = 1024 * 4 * 256 * 2  # tokens x layers x (K+V of 2 heads x 16 dims) x bf16
+    activation_delta = big.memory["device"] - budget - kv_per_seq
+    assert not big.fits
+    assert big.overflow == {"device": kv_per_seq + activation_delta}
+    assert activation_delta > 0  # the second sequence's activations and logits count too
+
+
+def test_search_ranks_fitting_policies_by_throughput_and_never_breaks_a_budget():
+    rng = random.Random(0)
+    for _ in range(20):
+        hw = gpu_machine(device_memory=rng.randint(10, 60) * MB, host_memory=rng.randint(0, 20) * MB)
+        work = Workload(prompt_len=rng.choice([16, 128]), gen_len=rng.choice([4, 16]))
+        budgets = Budgets(device=rng.randint(8, 60) * MB)
+        preds = search(SHAPE, hw, work, budgets=budgets, batches=[1, 4, 16, 64])
+        fits = [p for p in preds if p.fits]
+        assert [p.tokens_per_second for p in fits] == sorted((p.tokens_per_second for p in fits), reverse=True)
+        for p in fits:
+            assert p.memory["device"] <= budgets.device and p.memory["host"] <= hw.host.memory
+        if fits:
+            assert best(preds) is fits[0]
+
+
+def test_host_kv_on_cuda_is_searched_and_flagged_as_not_runnable_yet():
+    hw = gpu_machine(device_memory=30 * MB, host_memory=2000 * MB)
+    preds = search(SHAPE, hw, Workload(prompt_len=512, gen_len=32), batches=[64])
+    tiers = {p.candidate.kv_tier for p in preds}
+    assert tiers == {"device", "host"}
+    for p in preds:
+        assert ("KV cache in host RAM" in p.unsupported) == (p.candidate.kv_tier == "host")
+    runnable = best(preds, runnable_only=True)
+    assert runnable is None or runnable.candidate.kv_tier == "device"
+
+
+def test_cpu_machine_shares_one_ram_between_device_arena_and_host_tier():
+    hw = cpu_machine(ram=100 * MB)
+    preds = search(SHAPE, hw, Workload(16, 4), budgets=Budgets(device=40 * MB), batches=[1])
+    assert {p.candidate.kv_tier for p in preds} == {"device"}  # host KV is the same RAM on a CPU machine
+    for p in preds:
+        assert p.memory["device"] + p.memory["host"] <= 100 * MB or not p.fits
+
+
+def test_requests_make_rounds():
+    hw = cpu_machine()
+    p = predict(SHAPE, hw, Workload(16, 4, requests=10), Candidate(4, 1, (4, 0, 0)))
+    assert p.rounds == 3 and p.generated_tokens == 40
+    assert p.total_seconds == pytest.approx(3 * (p.prefill_seconds + p.decode_seconds))
+    assert math.isclose(p.tokens_per_second, 40 / p.total_seconds)

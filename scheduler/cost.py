@@ -378,12 +378,16 @@ def search(
     batches: Iterable[int] | None = None,
     micro_batches: Iterable[int] = (1, 2, 4, 8, 16, 32),
     kv_tiers: Iterable[str] = KV_TIERS,
-    weight_bits: Iterable[int] = (16,),
-    kv_bits: Iterable[int] = (16,),
+    quantized: bool = False,
     ring_slots: int = 3,
     block_size: int = 16,
 ) -> list[Prediction]:
-    """Every candidate's prediction, best first: those that fit by throughput, then the rest by overflow."""
+    """Every candidate's prediction, best first: those that fit by throughput, then the rest by overflow.
+
+    quantized: also 8- and 4-bit weights and KV cache, besides the compute dtype's own width.
+    """
+    full = 8 * _make_context(shape, hw, dtype, ring_slots, block_size).dtype_bytes
+    weight_bits = kv_bits = (full, 8, 4) if quantized else (full,)
     if batches is None:
         top = workload.requests or 4096
         batches = sorted({1 << i for i in range(13) if 1 << i <= top} | ({top} if workload.requests else set()))

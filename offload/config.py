@@ -151,6 +151,16 @@ class EngineConfig:
             if not isinstance(value, int) or value <= 0:
                 raise OffloadError(f"{name} must be a positive integer, got {value!r}")
 
+    @classmethod
+    def from_max_memory(cls, max_memory: dict, **fields) -> EngineConfig:
+        """Budgets given as Accelerate's max_memory: {0: "2GiB", "cpu": "8GiB", "disk": "50GB"}; other fields as
+        keywords. "disk" needs offload_dir (it bounds the spill files written there)."""
+        from tiers.budget import parse_max_memory
+
+        tiers = parse_max_memory(max_memory)
+        names = {"device": "device_memory", "host": "host_memory", "disk": "disk_memory"}
+        return cls(**fields, **{names[t]: b for t, b in tiers.items()})
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:

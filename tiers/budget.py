@@ -47,3 +47,23 @@ def format_size(nbytes: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+_TIER_KEYS = {"device": "device", "gpu": "device", "cuda": "device", "host": "host", "cpu": "host", "disk": "disk"}
+_TIER_KEYS |= {"nvme": "disk"}
+
+
+def parse_max_memory(max_memory: dict) -> dict[str, int]:
+    """Accelerate-style budgets -> bytes per tier: {0: "10GiB", "cpu": "30GiB", "disk": "200GB"} gives
+    {"device": ..., "host": ..., "disk": ...}. Keys: a GPU index, "cuda[:N]", "gpu" or "device"; "cpu" or "host";
+    "disk" or "nvme". Values: sizes as parse_size reads them, or bytes."""
+    out: dict[str, int] = {}
+    for key, value in max_memory.items():
+        name = str(key).lower()
+        tier = "device" if isinstance(key, int) or name.startswith("cuda:") else _TIER_KEYS.get(name)
+        if tier is None:
+            raise OffloadError(f"max_memory: unknown tier {key!r} (use a GPU index, 'cuda', 'cpu' or 'disk')")
+        if tier in out:
+            raise OffloadError(f"max_memory: {key!r} names the {tier} tier a second time")
+        out[tier] = parse_size(value, f"max_memory[{key!r}]")
+    return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from offload.errors import OffloadError
@@ -91,3 +93,28 @@ def test_format_size_round_trips_through_parse_size(text: str) -> None:
 def test_format_size_picks_the_unit_after_rounding() -> None:
     assert format_size(2**20 - 1) == "1.0 MiB"
     assert format_size(1023) == "1023 B"
+
+
+def test_max_memory_dict_maps_accelerate_keys_to_tiers():
+    from offload.config import EngineConfig
+    from tiers.budget import parse_max_memory
+
+    assert parse_max_memory({0: "2GiB", "cpu": "500MB", "disk": 10**9}) == {
+        "device": 2 << 30,
+        "host": 500 * 10**6,
+        "disk": 10**9,
+    }
+    assert parse_max_memory({"cuda:0": "1KiB", "host": "1KiB"}) == {"device": 1024, "host": 1024}
+    config = EngineConfig.from_max_memory({"cuda": "3GiB", "cpu": "1GiB"}, block_size=32)
+    assert (config.device_memory, config.host_memory, config.block_size) == (3 << 30, 1 << 30, 32)
+
+
+@pytest.mark.parametrize(
+    ("budgets", "message"),
+    [({"tpu": "1GiB"}, "'tpu'"), ({0: "1GiB", "gpu": "2GiB"}, "second time"), ({"cpu": "lots"}, "max_memory['cpu']")],
+)
+def test_max_memory_errors_name_the_key(budgets, message):
+    from tiers.budget import parse_max_memory
+
+    with pytest.raises(OffloadError, match=re.escape(message)):
+        parse_max_memory(budgets)

@@ -287,3 +287,43 @@ def test_aio_refuses_a_bounce_buffer_beyond_the_mlock_limit(data, monkeypatch):
         assert read(backend, path, 0, 64 << 10) == payload[: 64 << 10]
         with pytest.raises(OffloadError, match="data.bin: aio read of 131072 bytes into an unpinned buffer"):
             read(backend, path, 0, 128 << 10)
+
+
+class _GatedBackend(ReadBackend):
+    """Reads that land only when the test opens the gate."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def _start(self, file, start, region):
+        self._io_begin()
+
+        def reap() -> int:
+            self.gate.wait()
+            self._io_end(region.numel())
+            return region.numel()
+
+        return reap
+
+
+def test_read_seconds_counts_a_busy_interval_still_open(tmp_path):
+    """The ring keeps reads in flight across steps, so a busy interval may never close during a run: the time it
+    has been open so far must count, or the achieved bandwidth comes out absurd."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(2 * ALIGN))
+    backend = _GatedBackend()
+    assert backend.read_seconds == 0.0
+    request = backend.submit(path, 0, ALIGN, aligned_buffer(ALIGN))
+    first = backend.read_seconds
+    threading.Event().wait(0.05)
+    assert backend.read_seconds >= first + 0.05  # open, still counting
+    backend.gate.set()
+    request.wait()
+    closed = backend.read_seconds
+    threading.Event().wait(0.02)
+    assert backend.read_seconds == closed >= 0.05  # closed: no longer grows
+    assert backend.bytes_read == ALIGN
+    backend.close()

@@ -112,7 +112,7 @@ class ReadBackend(ABC):
 
     def __init__(self) -> None:
         self.bytes_read = 0  # bytes
-        self.read_seconds = 0.0
+        self._read_seconds = 0.0  # closed busy intervals; see read_seconds
         self._files: dict[Path, OpenFile] = {}
         self._lock = threading.Lock()  # guards _files and the counters
         self._in_flight = 0  # reads begun and not yet ended (see _io_begin)
@@ -186,6 +186,14 @@ class ReadBackend(ABC):
                 f"{file.path}: modified during the run (mtime was {file.mtime_ns} ns, now {st.st_mtime_ns})"
             )
 
+    @property
+    def read_seconds(self) -> float:
+        """Wall time with at least one read in flight, up to now: a busy interval still open counts so far (the
+        ring keeps reads in flight across steps, so intervals may rarely close)."""
+        with self._lock:
+            open_interval = time.perf_counter() - self._busy_since if self._in_flight else 0.0
+            return self._read_seconds + open_interval
+
     def _io_begin(self) -> None:
         """A read starts: the busy clock runs while at least one read is in flight."""
         with self._lock:
@@ -199,7 +207,7 @@ class ReadBackend(ABC):
             self.bytes_read += nbytes
             self._in_flight -= 1
             if self._in_flight == 0:
-                self.read_seconds += time.perf_counter() - self._busy_since
+                self._read_seconds += time.perf_counter() - self._busy_since
 
 
 def evict_page_cache(path: Path) -> None:

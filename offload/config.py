@@ -120,7 +120,9 @@ class EngineConfig:
     device_memory: int | None = None  # bytes for weights + KV cache on the compute device; None = no budget
     host_memory: int = 0  # bytes of host RAM that may hold layers read once (not streamed)
     io_backend: str = "pread"  # NVMe reads: "pread" (O_DIRECT thread pool), "aio" (DeepSpeed AsyncIO) or "auto"
-    ring_slots: int = 3  # device buffers for streamed layers: one computing, the rest reading ahead
+    # device buffers for streamed layers: one computing, the rest reading ahead. Two suffice when reads are the
+    # bottleneck (a read is always in flight) and leave room for one more resident layer, which reads never touch
+    ring_slots: int = 2
     # a folder for the engine's spill files: streamed layers stored in another dtype are converted once and
     # streamed from there (tiers/nvme.py); None = stream and convert from the checkpoint every pass
     offload_dir: str | None = None

@@ -139,12 +139,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def budget(model_dir) -> int:
-    """A device budget that streams every layer of the float32 checkpoint run in bfloat16 (a ring of 3)."""
+    """A device budget that streams every layer of the float32 checkpoint run in bfloat16 (the default ring)."""
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, dtype="bfloat16"))
     with PreadReader() as reader:
         layout = model_layout(Checkpoint(model_dir, reader), llm.family, llm.spec)
     cost = [group_cost(g, torch.bfloat16, llm.device_tier) for g in (layout.embed, layout.head, layout.layers[0])]
-    return KV + cost[0] + cost[1] + 3 * cost[2]
+    return KV + cost[0] + cost[1] + EngineConfig().ring_slots * cost[2]
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from tiers.io.base import aligned_span
 from tiers.packed import pack
 from tiers.weights import WeightStore, group_cost, plan_placement
 
+RING = 3  # ring slots these tests budget for (the default is smaller)
 KV = 1 << 20
 LAYERS = 6
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -37,7 +38,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resident(model_dir):
-    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV))
+    llm = LLM(model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV))
     return llm, [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)]
 
 
@@ -99,7 +100,9 @@ def test_no_budget_keeps_every_layer_resident(resident):
 @pytest.mark.parametrize("resident_layers", [0, 1])
 def test_streamed_layers_give_the_same_tokens(model_dir, resident, resident_layers):
     base, expected = resident
-    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, resident_layers)))
+    llm = LLM(
+        model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, resident_layers))
+    )
     assert llm.policy.layer_tiers == ("device",) * resident_layers + ("nvme",) * (LAYERS - resident_layers)
     got = [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)]
     assert got == expected
@@ -120,7 +123,9 @@ def test_streamed_layers_give_the_same_tokens(model_dir, resident, resident_laye
 
 def test_resident_layers_are_never_reread(model_dir, resident):
     base, _ = resident
-    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, LAYERS) + 10**6))
+    llm = LLM(
+        model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, LAYERS) + 10**6)
+    )
     assert llm.policy.ring_slots == 0
     loaded = llm.weights.stats.bytes_read
     llm.generate_ids(PROMPTS, PARAMS)
@@ -130,7 +135,7 @@ def test_resident_layers_are_never_reread(model_dir, resident):
 def test_host_tier_holds_layers_read_once(model_dir, resident):
     base, expected = resident
     _, layer = costs(base)
-    config = EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0), host_memory=2 * layer)
+    config = EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0), host_memory=2 * layer)
     llm = LLM(model_dir, config)
     assert llm.policy.layer_tiers == ("host", "host") + ("nvme",) * (LAYERS - 2)
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
@@ -141,18 +146,18 @@ def test_budget_smaller_than_the_ring_is_a_clear_error(model_dir, resident):
     base, _ = resident
     fixed, layer = costs(base)
     with pytest.raises(OffloadError, match="--device-memory is too small.*3 layer buffers"):
-        LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=KV + fixed + layer))
+        LLM(model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=KV + fixed + layer))
 
 
 def test_kv_cache_larger_than_the_device_budget(model_dir):
     with pytest.raises(OffloadError, match="--kv-cache-memory"):
-        LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=KV // 2))
+        LLM(model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=KV // 2))
 
 
 def test_checkpoint_changing_size_during_a_run(tmp_path, resident):
     base, _ = resident
     make_checkpoint(tmp_path, "llama", num_hidden_layers=LAYERS)
-    llm = LLM(tmp_path, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0)))
+    llm = LLM(tmp_path, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0)))
     with open(tmp_path / "model.safetensors", "ab") as f:
         f.write(b"\0" * 100)
     with pytest.raises(OffloadError, match="model.safetensors: changed size during the run"):
@@ -162,7 +167,9 @@ def test_checkpoint_changing_size_during_a_run(tmp_path, resident):
 
 def test_out_of_order_access_restarts_the_ring(model_dir, resident, path):
     base, _ = resident
-    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=path)))
+    llm = LLM(
+        model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=path))
+    )
     assert llm.weights.staged == path
     first = {k: v.clone() for k, v in llm.weights.acquire(0).items()}
     llm.weights.release(0)
@@ -177,14 +184,16 @@ def test_out_of_order_access_restarts_the_ring(model_dir, resident, path):
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="needs O_DIRECT")
 def test_streaming_reads_bypass_the_page_cache(model_dir, resident):
     base, _ = resident
-    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0)))
+    llm = LLM(model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0)))
     path = model_dir / "model.safetensors"
     assert llm.backend.is_direct(path)  # pytest's tmp_path is on the machine's disk (ext4 here)
 
 
 def test_close_waits_for_reads_in_flight_and_closes_files(model_dir, resident, path):
     base, _ = resident
-    with LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=path))) as llm:
+    with LLM(
+        model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=path))
+    ) as llm:
         llm.generate_ids(PROMPTS[:1], PARAMS)
     assert not llm.weights._ring._reading
     assert not llm.backend._files
@@ -195,8 +204,10 @@ def test_close_waits_for_reads_in_flight_and_closes_files(model_dir, resident, p
 
 def staged_config(base: LLM, host_layers: int, staging: bool = True, **kw) -> EngineConfig:
     """Nothing resident, `host_layers` in host RAM (after 3 staging slots when `staging`), the rest streamed."""
-    host = (host_layers + 3 * staging) * host_cost(base)
-    return EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=True), host_memory=host, **kw)
+    host = (host_layers + RING * staging) * host_cost(base)
+    return EngineConfig(
+        ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=True), host_memory=host, **kw
+    )
 
 
 def assert_same_weights(got: LLM, want: LLM) -> None:
@@ -210,7 +221,9 @@ def assert_same_weights(got: LLM, want: LLM) -> None:
 @pytest.mark.parametrize("resident_layers", [0, 1])
 def test_staged_streaming_is_bit_identical_to_the_direct_path(model_dir, resident, staged, resident_layers):
     base, expected = resident
-    config = EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, resident_layers, staged=True))
+    config = EngineConfig(
+        ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, resident_layers, staged=True)
+    )
     llm = LLM(model_dir, config)
     assert llm.weights.staged and not base.weights.staged
     assert llm.policy.layer_tiers == ("device",) * resident_layers + ("nvme",) * (LAYERS - resident_layers)
@@ -247,9 +260,9 @@ def test_staged_memory_is_bounded_and_charged_as_planned(model_dir, resident, st
     base, _ = resident
     llm = LLM(model_dir, staged_config(base, host_layers=2))
     fixed, layer = costs(base, staged=True)
-    assert llm.device_tier.used == llm.kv.nbytes + fixed + 3 * layer  # 3 packed ring slots, no resident layer
+    assert llm.device_tier.used == llm.kv.nbytes + fixed + RING * layer  # RING packed ring slots, no resident layer
     staging = max(host_cost(base, i) for i in range(2, LAYERS))
-    assert llm.host_tier.used == host_cost(base, 0) + host_cost(base, 1) + 3 * staging
+    assert llm.host_tier.used == host_cost(base, 0) + host_cost(base, 1) + RING * staging
     assert llm.host_tier.used <= llm.host_tier.capacity and llm.device_tier.used <= llm.device_tier.capacity
     peaks, used = (llm.device_tier.peak, llm.host_tier.peak), (llm.device_tier.used, llm.host_tier.used)
     for n in (2, 12):  # peaks do not grow with the number of steps
@@ -263,7 +276,7 @@ def test_staged_memory_is_bounded_and_charged_as_planned(model_dir, resident, st
 def test_staged_host_layers_are_read_once_and_copied_every_pass(model_dir, resident, staged):
     base, expected = resident
     llm = LLM(model_dir, staged_config(base, host_layers=LAYERS, staging=False))
-    assert llm.policy.layer_tiers == ("host",) * LAYERS and llm.policy.ring_slots == 3
+    assert llm.policy.layer_tiers == ("host",) * LAYERS and llm.policy.ring_slots == RING
     assert llm.host_tier.used == sum(host_cost(base, i) for i in range(LAYERS))  # nothing streams: no staging
     assert llm.weights.stats.streamed_bytes_per_pass == 0
     read, copied = llm.weights.stats.bytes_read, llm.weights.stats.h2d_bytes
@@ -282,9 +295,11 @@ def test_staged_host_budget_too_small_for_staging_is_a_clear_error(model_dir, re
 
 def test_staged_without_host_budget_stages_and_keeps_no_layer(model_dir, resident, staged):
     base, expected = resident
-    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=True)))
+    llm = LLM(
+        model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=True))
+    )
     assert llm.host_tier.capacity is None and llm.policy.layer_tiers == ("nvme",) * LAYERS
-    assert llm.host_tier.used == 3 * host_cost(base)  # the staging slots and nothing else
+    assert llm.host_tier.used == RING * host_cost(base)  # the staging slots and nothing else
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
 
 
@@ -360,16 +375,18 @@ def bf16_dir(tmp_path_factory):
 
 def test_staged_converts_dtype_on_the_device_after_the_copy(bf16_dir, staged, monkeypatch):
     monkeypatch.setattr(api, "WeightStore", WeightStore)  # the all-resident reference loads the direct way
-    base = LLM(bf16_dir, EngineConfig(kv_cache_bytes=KV, dtype="float32"))
+    base = LLM(bf16_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, dtype="float32"))
     monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, staged=True))
     layout = llm_layout(base)
     scratch = base.device_tier.footprint(max(pack(g, torch.float32).convert_bytes for g in layout.layers))
-    config = EngineConfig(kv_cache_bytes=KV, dtype="float32", device_memory=budget_for(base, 0, staged=True) + scratch)
+    config = EngineConfig(
+        ring_slots=RING, kv_cache_bytes=KV, dtype="float32", device_memory=budget_for(base, 0, staged=True) + scratch
+    )
     llm = LLM(bf16_dir, config)
     assert llm.policy.layer_tiers == ("nvme",) * LAYERS
     fixed, layer = costs(base, staged=True)
     # ring slots hold float32 tensors, and one scratch buffer the bf16 bytes they are converted from
-    assert llm.device_tier.used == llm.kv.nbytes + fixed + 3 * layer + scratch
+    assert llm.device_tier.used == llm.kv.nbytes + fixed + RING * layer + scratch
     assert llm.weights.stats.h2d_bytes_per_pass == sum(g.tensor_bytes for g in layout.layers)  # bf16 bytes
     assert_same_weights(llm, base)
     assert llm.weights.acquire(0)["q_proj"].dtype == torch.float32
@@ -385,11 +402,14 @@ def test_staged_converts_dtype_on_the_device_after_the_copy(bf16_dir, staged, mo
 @needs_cuda
 @pytest.mark.parametrize("host_layers", [0, 1])
 def test_cuda_streamed_logits_equal_all_resident(model_dir, host_layers):
-    base = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device="cuda"))
+    base = LLM(model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device="cuda"))
     assert base.policy.layer_tiers == ("device",) * LAYERS
-    host = (host_layers + 3) * host_cost(base) if host_layers else 0  # host layers and 3 staging slots
+    host = (host_layers + RING) * host_cost(base) if host_layers else 0  # host layers and RING staging slots
     device = budget_for(base, 1, staged=True)
-    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device="cuda", device_memory=device, host_memory=host))
+    llm = LLM(
+        model_dir,
+        EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device="cuda", device_memory=device, host_memory=host),
+    )
     assert llm.policy.layer_tiers == ("device",) + ("host",) * host_layers + ("nvme",) * (LAYERS - 1 - host_layers)
     assert llm.weights.staged and isinstance(llm.weights.copier, CudaCopyEngine)
     for _ in range(2):  # the second pass reuses every slot
@@ -407,10 +427,13 @@ def test_cuda_streamed_logits_equal_all_resident(model_dir, host_layers):
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_copies_run_on_their_own_stream_without_host_syncs(model_dir, monkeypatch):
-    base = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device="cuda"))
+    base = LLM(model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device="cuda"))
     host = LAYERS * host_cost(base)  # every layer in host RAM: no disk read, so the host never has to wait
     device = budget_for(base, 0, staged=True)
-    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device="cuda", device_memory=device, host_memory=host))
+    llm = LLM(
+        model_dir,
+        EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device="cuda", device_memory=device, host_memory=host),
+    )
     assert llm.policy.layer_tiers == ("host",) * LAYERS
     copier = llm.weights.copier
     assert copier.stream != torch.cuda.current_stream()

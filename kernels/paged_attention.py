@@ -107,9 +107,12 @@ def _attend_single_queries(
         valid = pos < lens  # [n, L]; the query sits at lens - 1
         if window is not None:
             valid &= pos > lens - 1 - window
-        # padding slots may hold anything (even NaN): zero them so masked weights of 0 multiply zeros
-        k.masked_fill_(~valid[:, :, None, None], 0)  # k and v are fresh copies (gathered)
-        v.masked_fill_(~valid[:, :, None, None], 0)
+        # padding slots past a context may hold anything (even NaN): zero them, so masked weights of 0 multiply
+        # zeros; k and v are fresh copies (gathered). A slice per sequence writes only the padding, where one
+        # broadcast masked_fill over the whole gather cost as much as the gather itself.
+        for row, s in enumerate(seqs[i:j]):
+            k[row, batch.context_lens[s] :] = 0
+            v[row, batch.context_lens[s] :] = 0
         o = F.scaled_dot_product_attention(
             q[rows][:, :, None, :],  # [n, Hq, 1, D]
             k.transpose(1, 2),

@@ -255,25 +255,35 @@ class LLM:
             raise OffloadError(f"prompt {index}: token id {bad[0]} is outside the vocabulary of {self.spec.vocab_size}")
         return ids
 
-    def generate(self, prompts: str | list[str], params: SamplingParams | None = None) -> list[Completion]:
+    def generate(
+        self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Completion]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         return self.generate_ids(ids, params, prompts)
 
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None) -> list[Completion]:
+    def chat(
+        self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Completion]:
         ids = [self.encode_chat(c, i) for i, c in enumerate(conversations)]
         return self.generate_ids(ids, params)
 
     def generate_ids(
         self,
         prompt_ids: list[list[int]],
-        params: SamplingParams | None = None,
+        params: SamplingParams | list[SamplingParams] | None = None,
         prompts: list[str] | None = None,
     ) -> list[Completion]:
-        """Generate for already-tokenized prompts; one Completion per prompt, in order."""
-        params = params or SamplingParams()
-        seqs = [Sequence(i, list(self._check_ids(ids, i)), params) for i, ids in enumerate(prompt_ids)]
-        gens = {s.seq_id: self._generator(params.seed) for s in seqs}
+        """Generate for already-tokenized prompts; one Completion per prompt, in order. `params` is one for all
+        prompts or one per prompt (each its own length, temperature, seed, stop strings)."""
+        per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_ids)
+        if len(per_prompt) != len(prompt_ids):
+            raise OffloadError(f"{len(per_prompt)} sampling params for {len(prompt_ids)} prompts")
+        seqs = [
+            Sequence(i, list(self._check_ids(ids, i)), p)
+            for i, (ids, p) in enumerate(zip(prompt_ids, per_prompt, strict=True))
+        ]
+        gens = {s.seq_id: self._generator(s.params.seed) for s in seqs}
         batcher = Batcher(self.tables, self._limits(), self.eos_ids)
         for s in seqs:
             batcher.add(s)

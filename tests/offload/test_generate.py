@@ -10,6 +10,7 @@ import pytest
 from conftest import make_checkpoint
 from offload.api import LLM
 from offload.config import EngineConfig, SamplingParams
+from offload.errors import OffloadError
 
 PROMPTS = ["Hello there", "The cat", "zzz", "A much longer prompt than the others, to make the batch ragged"]
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -154,3 +155,21 @@ def test_token_ids_need_no_tokenizer(model_dir, greedy_alone, tmp_path):
     assert c.token_ids == greedy_alone[0].token_ids and c.text == ""
     with pytest.raises(OffloadError, match="no tokenizer"):
         llm.generate("text needs a tokenizer")
+
+
+def test_each_prompt_may_have_its_own_sampling_params(tmp_path):
+    """Per-request lengths and seeds in one batch: each request as if it ran alone."""
+    make_checkpoint(tmp_path, "llama")
+    llm = LLM(tmp_path, EngineConfig(kv_cache_bytes=1 << 20))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = [
+        SamplingParams(max_new_tokens=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=1.0, seed=3),
+        SamplingParams(max_new_tokens=1, ignore_eos=True),
+    ]
+    together = llm.generate_ids(prompts, params)
+    assert [len(c.token_ids) for c in together] == [2, 5, 1]
+    alone = [llm.generate_ids([ids], p)[0].token_ids for ids, p in zip(prompts, params, strict=True)]
+    assert [c.token_ids for c in together] == alone
+    with pytest.raises(OffloadError, match="2 sampling params for 3 prompts"):
+        llm.generate_ids(prompts, params[:2])

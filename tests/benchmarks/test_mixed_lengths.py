@@ -1,0 +1,73 @@
+"""benchmarks/mixed_lengths.py: the padding arithmetic exactly, and both engines counted on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_checkpoint
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "mixed_lengths.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """The script as a module (benchmarks/ is not a package); dataclasses need it in sys.modules while it loads."""
+    spec = importlib.util.spec_from_file_location("mixed_lengths", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+def test_static_cost_counts_each_kind_of_padding(bench):
+    R = bench.Request
+    requests = [R((5,) * 3, 2), R((5,) * 5, 4), R((5,) * 4, 1)]
+    # batch 1: longest prompt 5, longest count 4 -> 2 x (5 + 4 - 1) = 16 positions; batch 2 alone: 4 + 1 - 1 = 4
+    cost = bench.static_cost(requests, batch=2)
+    assert [r.positions for r in requests] == [4, 8, 4]
+    assert cost == bench.PaddingCost(real=16, prompt_padding=2, decode_padding=2)
+    assert cost.computed == 20 and cost.waste == 0.2
+    assert bench.static_cost(requests, batch=1).waste == 0.0
+
+
+def test_workload_is_seeded_and_in_range(bench):
+    w = bench.Workload(requests=50, prompt_min=3, prompt_max=9, new_min=1, new_max=4, seed=7)
+    requests = w.make(vocab=40)
+    assert requests == w.make(vocab=40) != bench.Workload(requests=50, seed=8).make(vocab=40)
+    assert {len(r.prompt_ids) for r in requests} <= set(range(3, 10))
+    assert {r.new_tokens for r in requests} <= set(range(1, 5))
+    assert all(3 <= t < 40 for r in requests for t in r.prompt_ids)
+    with pytest.raises(ValueError, match="prompt lengths 9..3"):
+        bench.Workload(prompt_min=9, prompt_max=3)
+
+
+def test_agreement_counts_positions_and_prefixes(bench):
+    got = bench.agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [7, 5]], first=2)
+    assert got["rate_first_tokens"] == 3 / 4 and got["rate_all_tokens"] == 3 / 5
+    assert got["requests_equal_over_first_tokens"] == 1 and got["requests_equal_throughout"] == 0
+    assert got["mean_common_prefix"] == 1.0
+
+
+def test_both_engines_compute_what_the_arithmetic_says(bench, tmp_path):
+    make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
+    requests = bench.Workload(requests=5, prompt_min=2, prompt_max=20, new_min=1, new_max=6, seed=3).make(vocab=300)
+    static = bench.static_cost(requests, batch=2)
+    theirs = bench.run_transformers(tmp_path, requests, batch=2)
+    ours = bench.run_ours(tmp_path, requests, batch=2)
+    assert theirs.computed_positions == static.computed > static.real
+    batches = bench.static_batches(requests, 2)
+    assert theirs.prefill_passes == len(batches) == 3
+    assert theirs.decode_passes == sum(max(r.new_tokens for r in b) - 1 for b in batches)
+    assert ours.computed_positions == static.real
+    assert ours.extra["preemptions"] == 0
+    for result in (theirs, ours):
+        assert [len(t) for t in result.token_ids] == [r.new_tokens for r in requests]
+        assert result.generated_tokens == sum(r.new_tokens for r in requests)

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from offload.errors import OffloadError
 from offload.hardware import HardwareProfile
 from offload.shapes import ModelShape
-from scheduler.cost import Budgets, Prediction, Workload, best, search
+from scheduler.cost import Budgets, Prediction, Workload, best, capacity, search
 
 GB = 1e9
 
@@ -134,6 +134,7 @@ def report(
 ) -> str:
     from offload.shapes import estimate_sizes
 
+    cap = capacity(hw, budgets)
     lines = [
         f"model     {shape.name} ({shape.architecture}): {shape.num_layers} layers, "
         f"{shape.total_params / 1e9:.2f} B parameters, computed in {dtype}",
@@ -142,8 +143,8 @@ def report(
             f"{e.dtype} {_gb(e.total_bytes)} (largest layer {_gb(e.largest_layer_bytes)}, {e.largest_layer_name})"
             for e in estimate_sizes(shape)
         ),
-        f"hardware  {hw.name} ({hw.device_kind}): device {_gb(budgets.device or hw.device.memory)}, "
-        f"host {_gb(budgets.host or hw.host.memory)}, disk reads {hw.disk_read / GB:.2f} GB/s"
+        f"hardware  {hw.name} ({hw.device_kind}): device {_gb(cap['device'])}, "
+        f"host {_gb(cap['host'])}, disk reads {hw.disk_read / GB:.2f} GB/s"
         + (f", host->device {hw.host_to_device / GB:.0f} GB/s" if hw.host_to_device else ""),
         f"workload  prompt {workload.prompt_len} tokens, {workload.gen_len} new tokens, "
         + (f"{workload.requests} requests" if workload.requests else "one batch of any size"),

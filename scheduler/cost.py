@@ -299,16 +299,18 @@ def _make_context(shape: ModelShape, hw: HardwareProfile, dtype: str | None, rin
     return _Context(shape, hw, dtype, sizes[dtype], ring, block)
 
 
-def _capacity(ctx: _Context, budgets: Budgets) -> dict[str, int]:
-    device = budgets.device if budgets.device is not None else ctx.hw.device.memory
-    host = budgets.host if budgets.host is not None else ctx.hw.host.memory
-    if ctx.on_cpu and budgets.host is None:
-        host = max(ctx.hw.host.memory - device, 0)  # one RAM holds both the device arena and the host tier
+def capacity(hw: HardwareProfile, budgets: Budgets) -> dict[str, int]:
+    """Bytes each tier may hold: the budgets, else the profile's memories (on a CPU machine the host tier gets
+    what RAM the device arena leaves)."""
+    device = budgets.device if budgets.device is not None else hw.device.memory
+    host = budgets.host if budgets.host is not None else hw.host.memory
+    if hw.device_kind == "cpu" and budgets.host is None:
+        host = max(hw.host.memory - device, 0)  # one RAM holds both the device arena and the host tier
     return {"device": device, "host": host}
 
 
 def _overflow(ctx: _Context, memory: dict[str, int], budgets: Budgets) -> dict[str, int]:
-    cap = _capacity(ctx, budgets)
+    cap = capacity(ctx.hw, budgets)
     return {t: memory[t] - cap[t] for t in cap if memory[t] > cap[t]}
 
 
@@ -345,7 +347,7 @@ def place_layers(
     many in host RAM, the rest streamed from disk (every layer costs the same, so this order is optimal)."""
     ctx = _make_context(shape, hw, dtype, ring_slots, block_size)
     n = shape.num_layers
-    cap = _capacity(ctx, budgets)
+    cap = capacity(ctx.hw, budgets)
     w = ctx.weight_bytes(shape.layer_params, weight_bits)
     bare = Candidate(batch, micro_batches, (0, 0, n), kv_tier, weight_bits, kv_bits)
     fixed = _memory(ctx, Candidate(batch, micro_batches, (0, 0, 0), kv_tier, weight_bits, kv_bits), workload)

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from conftest import TINY
 from offload.errors import OffloadError
 from offload.shapes import (
     MODELS_DIR,
@@ -18,15 +19,6 @@ from offload.shapes import (
     shape_from_config,
 )
 
-TINY = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 TINY_OPT = dict(
     vocab_size=300, hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=256
 )

@@ -1,8 +1,9 @@
 """Weight placement and the prefetch pipeline.
 
 Every decoder layer lives in one tier (a `Policy`): "device" layers are read once and stay on the compute
-device; "host" layers are read once into host RAM; "nvme" layers are read from the checkpoint files on every
-pass. The embedding and the head stay on the device. The engine asks for layers in order with `acquire` and
+device; "host" layers are read once into host RAM; "nvme" layers are read on every pass from the checkpoint
+files, or from --offload-dir's converted spill files (tiers/nvme.py) when the checkpoint stores them in another
+dtype. The embedding and the head stay on the device. The engine asks for layers in order with `acquire` and
 hands them back with `release`; layers off the device pass through a ring of buffers (tiers/ring.py) that
 reads and copies them ahead of compute, wrapping around to the first ones of the next step, so memory never
 grows with model size or run length, and resident layers are never read again.

@@ -178,6 +178,7 @@ def _layer_step(
     attn_unit = hw.host if cand.kv_tier == "host" and not ctx.on_cpu else hw.device
     # one micro-batch; every micro-batch of the step costs the same (the last may be smaller: ignored)
     compute = LAYER_OVERHEAD + _gemm_seconds(hw.device, ctx.dtype, s.active_layer_params, active_bytes, rows_per_mb)
+    compute += rows_per_mb * _elementwise_bytes(s, ctx.dtype_bytes) / hw.device.memory_bandwidth
     if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
         compute += s.active_layer_params * ctx.dtype_bytes / hw.device.memory_bandwidth
     if prefill:  # causal attention over the prompt: half of the square, per sequence
@@ -196,6 +197,19 @@ def _layer_step(
         compute += attention
     busy["compute"] = compute
     return busy
+
+
+def _elementwise_bytes(s: ModelShape, dtype_bytes: int) -> float:
+    """Memory traffic of one token's non-GEMM work in one layer (bytes): two RMS norms computed in float32 (about
+    7 passes of 4 bytes each over the hidden state), rotary embedding of q and k, the KV write, two residual adds,
+    and SiLU(gate) * up over the MLP width. Small per token, but it is what a long prefill adds to its GEMMs."""
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    norms = 2 * 7 * 4 * s.hidden_size
+    rope = 5 * (q + kv) * dtype_bytes
+    kv_write = 2 * kv * dtype_bytes
+    residual = 2 * 3 * s.hidden_size * dtype_bytes
+    mlp = 5 * _intermediate(s) * dtype_bytes
+    return norms + rope + kv_write + residual + mlp
 
 
 def _step(ctx: _Context, cand: Candidate, context: int, prefill: bool, prompt_len: int) -> dict[str, float]:

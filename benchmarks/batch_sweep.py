@@ -1,14 +1,14 @@
 """Throughput against batch size under a 600 MB weight budget: measured, predicted by the cost model, the
 physical limit, and Accelerate's disk offload at the same batch.
 
-    python benchmarks/batch_sweep.py [--batches 8,16,32,64,128] [--accelerate-at 8,32] [--budget 600MB]
+    python benchmarks/batch_sweep.py [--batches 8,16,32,64,128] [--accelerate-at BATCHES] [--budget 600MB]
                                      [--work-dir ~/.cache/offload/bench] [--hardware probe|PROFILE]
 
 The checkpoint, the budget and the engines are those of benchmarks/offload_vs_peers.py (a random bf16 Llama of
 TinyLlama-1.1B's shape; 128-token prompts, 16 new tokens, greedy); only the number of prompts varies. At each
 batch it runs, each in its own subprocess after dropping the page cache: our engine under the budget (weights
 budget plus a KV cache sized to the batch), our engine with every weight resident (the compute half of the
-physical limit), and, at the --accelerate-at batches, Accelerate's disk offload (whose KV cache is not budgeted).
+physical limit), and Accelerate's disk offload (at every batch, or the --accelerate-at ones) (whose KV cache is not budgeted).
 The cost model predicts each point from this machine's hardware profile (`offload probe`'s, measured once) and
 the placement the engine chose. Prints a table and the goals; writes benchmarks/results/batch_sweep.json.
 """
@@ -88,7 +88,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench"))
     parser.add_argument("--batches", default="8,16,32,64,128")
-    parser.add_argument("--accelerate-at", default="8,32", help="batches at which to run Accelerate ('' for none)")
+    parser.add_argument(
+        "--accelerate-at", help="batches at which to run Accelerate (default: every batch; '' for none)"
+    )
     parser.add_argument("--budget", default="600MB", help="RAM for weights (the KV cache comes on top)")
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--hardware", default="probe", help="'probe' (this machine, measured once) or a profile")
@@ -97,7 +99,8 @@ def main() -> None:
     args.work_dir = args.work_dir.expanduser()
     args.budget_bytes = parse_size(args.budget, "--budget")
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    accelerate_at = {int(b) for b in args.accelerate_at.split(",") if b.strip()}
+    at = args.accelerate_at if args.accelerate_at is not None else args.batches
+    accelerate_at = {int(b) for b in at.split(",") if b.strip()}
     if args.hardware == "probe":
         from offload.probe import local_profile
 

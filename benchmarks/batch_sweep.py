@@ -8,7 +8,7 @@ The checkpoint, the budget and the engines are those of benchmarks/offload_vs_pe
 TinyLlama-1.1B's shape; 128-token prompts, 16 new tokens, greedy); only the number of prompts varies. At each
 batch it runs, each in its own subprocess after dropping the page cache: our engine under the budget (weights
 budget plus a KV cache sized to the batch), our engine with every weight resident (the compute half of the
-physical limit), and Accelerate's disk offload (at every batch, or the --accelerate-at ones) (whose KV cache is not budgeted).
+physical limit), and Accelerate's disk offload, whose KV cache is not budgeted (every batch, or --accelerate-at's).
 The cost model predicts each point from this machine's hardware profile (`offload probe`'s, measured once) and
 the placement the engine chose. Prints a table and the goals; writes benchmarks/results/batch_sweep.json.
 """

@@ -45,11 +45,11 @@ def paged_attention_ref(
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     singles = [s for s in range(batch.num_seqs) if batch.query_start[s + 1] - batch.query_start[s] == 1]
-    if len(singles) > 1:  # decode tokens: one batched product instead of a call per sequence
+    batched = set(singles) if len(singles) > 1 else set()  # decode tokens: one batched product, not a call each
+    if batched:
         _attend_single_queries(q, k_cache, v_cache, batch, singles, scale, window, out)
-    single = set(singles) if len(singles) > 1 else set()
     for s in range(batch.num_seqs):
-        if s in single:
+        if s in batched:
             continue
         q0, q1, ctx = batch.query_start[s], batch.query_start[s + 1], batch.context_lens[s]
         blocks = batch.block_tables[s, : -(-ctx // block_size)]

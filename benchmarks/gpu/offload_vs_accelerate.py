@@ -42,6 +42,7 @@ def peers_module():
     """benchmarks/offload_vs_peers.py (page-cache and storage-counter helpers), loaded by path."""
     spec = importlib.util.spec_from_file_location("offload_vs_peers", HERE.parent / "offload_vs_peers.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
     spec.loader.exec_module(module)
     return module
 
@@ -104,9 +105,9 @@ def build_checkpoint(work_dir: Path, budget: int) -> Path:
     return model_dir
 
 
-def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(3, vocab, (n, length), generator=gen).tolist()
+def prompts(peers, n: int, length: int) -> list[list[int]]:
+    """The peer benchmark's seeded random prompts (its Workload), n of `length` tokens."""
+    return peers.Workload(prompts=n, prompt_tokens=length).prompt_ids(LAYER_SHAPE["vocab_size"])
 
 
 def run_ours(peers, model_dir: Path, args: argparse.Namespace) -> dict:
@@ -116,7 +117,7 @@ def run_ours(peers, model_dir: Path, args: argparse.Namespace) -> dict:
     from offload.probe import ProbeSizes, probe
 
     hw = probe(args.work_dir, ProbeSizes.quick(), log=lambda line: print(line, file=sys.stderr))
-    ids = prompts(args.requests, args.prompt_len, LAYER_SHAPE["vocab_size"])
+    ids = prompts(peers, args.requests, args.prompt_len)
     base = EngineConfig(device="cuda", dtype="bfloat16", device_memory=args.budget_bytes, host_memory=0)
     config, prediction = plan_engine_config(model_dir, base, [len(p) for p in ids], args.gen_len, hw)
     print(f"ours: {describe(prediction)}", flush=True)
@@ -169,7 +170,7 @@ def run_accelerate_batch(peers, model_dir: Path, args: argparse.Namespace, batch
         dtype=torch.bfloat16,
     )
     model.eval()
-    ids = torch.tensor(prompts(batch, args.prompt_len, LAYER_SHAPE["vocab_size"]), device="cuda")
+    ids = torch.tensor(prompts(peers, batch, args.prompt_len), device="cuda")
     try:
         start = time.perf_counter()
         with torch.inference_mode():

@@ -1,7 +1,7 @@
 """Continuous batching vs transformers' static padded batches, on a mixed-length workload that fits in RAM.
 
-    python benchmarks/mixed_lengths.py [--requests 64] [--batch 16] [--work-dir ~/.cache/offload/bench]
-                                       [--seed 0] [--repeats 2] [--quick] [--out PATH]
+    python benchmarks/mixed_lengths.py [--requests 64] [--batch 16] [--max-seqs N] [--seed 0] [--repeats 2]
+                                       [--work-dir ~/.cache/offload/bench] [--quick] [--out PATH]
 
 Builds (once, in the work dir) a random bf16 Llama (hidden 1024, 8 layers, intermediate 2816, 16 heads, 4 KV
 heads, vocab 32000: 155M parameters, 310 MB of safetensors), then generates for N seeded requests with prompt
@@ -9,8 +9,15 @@ lengths uniform in 16..512 and new-token counts uniform in 8..128, greedy, each 
 
 - transformers: `generate` on static batches of B requests in arrival order, left padded, every batch run to
   its longest request's count (min_new_tokens = max_new_tokens), each output then cut to its own length;
-- ours: offload.api.LLM with every weight resident and max_num_seqs = B, each request with its own
+- ours: offload.api.LLM with every weight resident, each request with its own
   SamplingParams(max_new_tokens=n, ignore_eos=True).
+
+Both get the same KV-cache memory: B copies of the workload's longest request (prompt + new tokens), which is
+at least what transformers' static batches of B hold at their peak (each is B x its longest prompt + count).
+In that memory transformers cannot run a bigger static batch; ours admits requests as their first blocks fit
+(paged KV: a request holds the blocks of the tokens it has, not of the longest one), so more run at once, up
+to --max-seqs (default: no cap but the KV cache). A request that outgrows the free blocks is preempted and
+recomputed later, and those recomputed positions are counted.
 
 A position is one token pushed through the decoder layers. A request's real work is prompt + new - 1 positions
 (its last token is sampled, never fed back). A static batch computes B x (longest prompt + longest count - 1);
@@ -29,6 +36,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -251,7 +259,19 @@ def run_transformers(model_dir: Path, requests: list[Request], batch: int) -> Ru
     return result
 
 
-def run_ours(model_dir: Path, requests: list[Request], batch: int) -> RunResult:
+def kv_budget_tokens(requests: list[Request], batch: int, block: int = 1) -> int:
+    """KV positions both engines get: `batch` copies of the longest request, each rounded up to whole blocks."""
+    longest = max(len(r.prompt_ids) + r.new_tokens for r in requests)
+    return batch * -(-longest // block) * block
+
+
+def static_peak_tokens(requests: list[Request], batch: int) -> int:
+    """KV positions transformers' static batches hold at their largest: a batch's size x (longest prompt + count)."""
+    groups = static_batches(requests, batch)
+    return max(len(g) * (max(len(r.prompt_ids) for r in g) + max(r.new_tokens for r in g)) for g in groups)
+
+
+def run_ours(model_dir: Path, requests: list[Request], batch: int, max_seqs: int | None = None) -> RunResult:
     """Continuous batching with every weight resident, each request with its own max_new_tokens.
 
     LLM.generate_ids takes one SamplingParams for every prompt, so this drives the same loop it runs
@@ -267,13 +287,13 @@ def run_ours(model_dir: Path, requests: list[Request], batch: int) -> RunResult:
     from scheduler.sequence import Sequence
     from tiers.kv import KVCache
 
-    # the KV cache holds `batch` copies of the longest request: admission never waits, nothing is preempted
     block = 16
-    longest = max(len(r.prompt_ids) + r.new_tokens for r in requests)
     spec, _ = load_spec(model_dir)
     per_block = KVCache.block_bytes(spec.num_layers, block, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
-    kv_bytes = batch * -(-longest // block) * per_block
-    config = EngineConfig(dtype="bfloat16", block_size=block, kv_cache_bytes=kv_bytes, max_num_seqs=batch)
+    kv_bytes = kv_budget_tokens(requests, batch, block) // block * per_block
+    config = EngineConfig(
+        dtype="bfloat16", block_size=block, kv_cache_bytes=kv_bytes, max_num_seqs=max_seqs or len(requests)
+    )
     llm = LLM(model_dir, config)
     warm = requests[:2]
     llm.generate_ids([list(r.prompt_ids) for r in warm], SamplingParams(max_new_tokens=2, ignore_eos=True))
@@ -288,10 +308,12 @@ def run_ours(model_dir: Path, requests: list[Request], batch: int) -> RunResult:
     for s in seqs:
         batcher.add(s)
     mixed = 0  # steps computing prompt and decode tokens together
+    running = 0  # most sequences admitted at once
     start = time.perf_counter()
     while batcher.has_work:
         step_start = time.perf_counter()
         plan = batcher.schedule()
+        running = max(running, len(batcher.running))
         out = llm.engine.step(plan)
         tokens = sample(out.logits, [seqs[i].params for i in out.seq_ids], [None] * len(out.seq_ids))
         batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)))
@@ -311,6 +333,8 @@ def run_ours(model_dir: Path, requests: list[Request], batch: int) -> RunResult:
     result.computed_positions = result.prefill_positions + result.decode_positions
     result.extra = {
         "preemptions": batcher.num_preemptions,
+        "most_running": running,
+        "max_num_seqs": config.max_num_seqs,
         "mixed_passes": mixed,
         "kv_cache_bytes": kv_bytes,
         "block_size": block,
@@ -373,8 +397,8 @@ def machine() -> dict:
 def padding_free_estimate(theirs: RunResult, ours: RunResult) -> float:
     """Seconds our schedule would take at transformers' own speeds: its seconds per prefill position and per
     decode pass. theirs.wall_seconds / this is roughly what removing the padding alone buys, before any per-token
-    speed-up; it leans in our favour: a decode pass is charged the same at our smaller batches, and the decode
-    tokens that ride in our mixed prefill steps are free."""
+    speed-up; it is rough: a decode pass is charged the same whatever its batch (ours run more requests at once),
+    and the decode tokens that ride in our mixed prefill steps are free."""
     per_position = theirs.prefill_seconds / max(theirs.prefill_positions, 1)
     per_pass = theirs.decode_seconds / max(theirs.decode_passes, 1)
     return per_position * ours.prefill_positions + per_pass * ours.decode_passes
@@ -424,12 +448,15 @@ def summary(result: RunResult) -> dict:
     }
 
 
-def best_of_runs(model_dir: Path, requests: list[Request], batch: int, repeats: int) -> tuple[RunResult, RunResult]:
+def best_of_runs(
+    model_dir: Path, requests: list[Request], batch: int, max_seqs: int | None, repeats: int
+) -> tuple[RunResult, RunResult]:
     """Each engine `repeats` times, alternating; the fastest run of each. Other processes on a shared machine
     slow a run down, never speed it up; every run's wall time and the load average before it go in `extra`."""
     runs: dict[str, list[RunResult]] = {"transformers": [], "ours": []}
+    engines = (("transformers", run_transformers), ("ours", partial(run_ours, max_seqs=max_seqs)))
     for attempt in range(repeats):
-        for name, run in (("transformers", run_transformers), ("ours", run_ours)):
+        for name, run in engines:
             load = os.getloadavg()[0]
             print(f"run {attempt + 1}/{repeats}: {name} (load average {load:.2f}) ...", end=" ", flush=True)
             result = run(model_dir, requests, batch)
@@ -450,7 +477,10 @@ def best_of_runs(model_dir: Path, requests: list[Request], batch: int, repeats: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, help="requests in the workload (default 64; --quick 8)")
-    parser.add_argument("--batch", type=int, help="static batch size = our max_num_seqs (default 16; --quick 4)")
+    parser.add_argument(
+        "--batch", type=int, help="transformers' static batch; it sizes the KV memory both get (default 16; --quick 4)"
+    )
+    parser.add_argument("--max-seqs", type=int, help="cap on our running requests (default: what the KV cache admits)")
     parser.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each engine, alternating; the fastest counts")
@@ -462,6 +492,8 @@ def main() -> None:
     batch = args.batch or (4 if args.quick else 16)
     if batch < 1:
         raise SystemExit(f"--batch must be at least 1, got {batch}")
+    if args.max_seqs is not None and args.max_seqs < 1:
+        raise SystemExit(f"--max-seqs must be at least 1, got {args.max_seqs}")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     try:
@@ -475,7 +507,7 @@ def main() -> None:
     static = static_cost(requests, batch)
     print(f"{len(requests)} requests, {static.real} real positions, batch {batch}", flush=True)
     load_before = os.getloadavg()
-    theirs, ours = best_of_runs(model_dir, requests, batch, args.repeats)
+    theirs, ours = best_of_runs(model_dir, requests, batch, args.max_seqs, args.repeats)
     load_after = os.getloadavg()
 
     expected = [r.new_tokens for r in requests]
@@ -489,6 +521,12 @@ def main() -> None:
     print(table(theirs, ours, static))
     print(f"transformers positions counted {theirs.computed_positions}, static-batch arithmetic {static.computed}")
     print(f"ours positions counted {ours.computed_positions}, real work {static.real}")
+    budget, peak = kv_budget_tokens(requests, batch, ours.extra["block_size"]), static_peak_tokens(requests, batch)
+    print(
+        f"KV memory for both: {budget} positions ({ours.extra['kv_cache_bytes'] / 1e6:.1f} MB); transformers' static "
+        f"batches of {batch} peak at {peak}; ours ran up to {ours.extra['most_running']} requests at once, "
+        f"{ours.extra['preemptions']} preempted and recomputed"
+    )
     print(
         f"our schedule at transformers' speeds (per prefill position, per decode pass): {estimate:.2f} s, "
         f"{theirs.wall_seconds / estimate:.2f}x: what removing the padding alone buys"
@@ -514,6 +552,9 @@ def main() -> None:
             },
             "workload": asdict(workload),
             "batch": batch,
+            "max_seqs": args.max_seqs,
+            "kv_budget_positions": budget,
+            "static_peak_kv_positions": peak,
             "repeats": args.repeats,
             "quick": args.quick,
         },

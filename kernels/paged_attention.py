@@ -10,12 +10,16 @@ its queries are the last query_lens[s] of its context_lens[s] positions, and att
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 GATHER_BYTES = 64 << 20  # bytes of K/V gathered at once for single-query (decode) sequences
+# padded share of the slots a decode group may gather: sorting by length and cutting groups there halves the
+# bytes moved for mixed lengths (at 32 sequences of 100..600 tokens, one group padded to the longest took 1.7x
+# the time of groups cut at a quarter)
+PADDING_SHARE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +30,8 @@ class PagedBatch:
     context_lens: tuple[int, ...]  # [S] tokens in the cache after this step's writes
     block_tables: torch.Tensor  # [S, max_blocks] int64 block ids, padded with 0
     slot_mapping: torch.Tensor  # [T] int64 cache slot (block * block_size + offset) of each new token
+    # what the attention derives from the batch once and reuses in every layer of the step
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -55,22 +61,69 @@ def paged_attention_ref(
         blocks = batch.block_tables[s, : -(-ctx // block_size)]
         k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
         v = v_cache[blocks].flatten(0, 1)[:ctx]
-        q_pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)[:, None]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        mask = k_pos <= q_pos  # [q_len, ctx]
-        if window is not None:
-            mask &= k_pos > q_pos - window
+        mask = None
+        if q1 - q0 < ctx or (window is not None and window < ctx):  # else plainly causal: is_causal, 15-20% faster
+            q_pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)[:, None]
+            k_pos = torch.arange(ctx, device=q.device)[None, :]
+            mask = k_pos <= q_pos  # [q_len, ctx]
+            if window is not None:
+                mask &= k_pos > q_pos - window
         # a batch dimension of one: 4-D inputs take torch's fused CPU kernel (5-7x faster than the 3-D path)
         o = F.scaled_dot_product_attention(
             q[q0:q1].transpose(0, 1)[None],
             k.transpose(0, 1)[None],
             v.transpose(0, 1)[None],
             attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )  # [1, Hq, q_len, D]
         out[q0:q1] = o[0].transpose(0, 1)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeGroup:
+    """One-query sequences of similar length, gathered and padded to a common number of blocks."""
+
+    lens: tuple[int, ...]  # [n] context lengths
+    rows: torch.Tensor  # [n] int64 rows of their queries in the packed tokens
+    blocks: torch.Tensor  # [n, width] int64 block ids; a row past its own blocks repeats its last one
+    padding: torch.Tensor  # [p] int64 flat indices, into the gathered [n * width * block_size] slots, past a context
+
+
+def _decode_groups(batch: PagedBatch, seqs: list[int], block_size: int, per_block: int) -> list[_DecodeGroup]:
+    """Sort by length and cut into groups whose padding stays under PADDING_SHARE of the slots gathered and
+    whose K/V stay under GATHER_BYTES. The same for every layer of a step: built once, kept on the batch."""
+    key = ("decode", block_size)
+    if key in batch.memo:
+        return batch.memo[key]
+    device = batch.block_tables.device
+    seqs = sorted(seqs, key=lambda s: batch.context_lens[s])
+    nblocks = [-(-batch.context_lens[s] // block_size) for s in seqs]
+    groups, i = [], 0
+    while i < len(seqs):
+        j, held = i + 1, nblocks[i]  # held: blocks of real data in the group
+        while j < len(seqs):
+            gathered = (j - i + 1) * nblocks[j]
+            if gathered * per_block > GATHER_BYTES or gathered - held - nblocks[j] > PADDING_SHARE * gathered:
+                break
+            held += nblocks[j]
+            j += 1
+        width = nblocks[j - 1]
+        members = seqs[i:j]
+        lens = tuple(batch.context_lens[s] for s in members)
+        table = batch.block_tables[torch.tensor(members, device=device), :width]
+        own = torch.tensor(nblocks[i:j], device=device)[:, None]  # [n, 1]
+        col = torch.arange(width, device=device)[None, :]
+        table = torch.where(col < own, table, table.gather(1, own - 1))  # never another sequence's block
+        pos = torch.arange(width * block_size, device=device)[None, :]
+        padding = (pos >= torch.tensor(lens, device=device)[:, None]).flatten().nonzero().flatten()
+        rows = torch.tensor([batch.query_start[s] for s in members], device=device)
+        groups.append(_DecodeGroup(lens, rows, table, padding))
+        i = j
+    batch.memo[key] = groups
+    return groups
 
 
 def _attend_single_queries(
@@ -83,46 +136,39 @@ def _attend_single_queries(
     window: int | None,
     out: torch.Tensor,
 ) -> None:
-    """Sequences with one query each (at position context_len - 1), gathered and padded to a common context,
-    a group at a time so the gathered K/V stay under GATHER_BYTES."""
+    """Sequences with one query each (at position context_len - 1): each group's K/V gathered block by block,
+    its padding slots zeroed (they may hold anything, even NaN, and masked weights of 0 must multiply zeros),
+    then one fused SDPA call per group."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     per_block = 2 * block_size * kv_heads * head_dim * k_cache.element_size()  # K and V of one block, bytes
-    seqs = sorted(seqs, key=lambda s: batch.context_lens[s])  # similar lengths together: less padding
-    i = 0
-    while i < len(seqs):
-        longest = -(-batch.context_lens[seqs[i]] // block_size)
-        j = i + 1
-        while j < len(seqs):
-            longest_j = -(-batch.context_lens[seqs[j]] // block_size)
-            if (j - i + 1) * longest_j * per_block > GATHER_BYTES:
-                break
-            longest, j = longest_j, j + 1
-        group = torch.tensor(seqs[i:j], device=q.device)
-        rows = torch.tensor([batch.query_start[s] for s in seqs[i:j]], device=q.device)
-        lens = torch.tensor([batch.context_lens[s] for s in seqs[i:j]], device=q.device)[:, None]
-        blocks = batch.block_tables[group, :longest]  # [n, blocks]
-        k = k_cache[blocks].flatten(1, 2)  # [n, blocks * block_size, Hkv, D]
-        v = v_cache[blocks].flatten(1, 2)
-        pos = torch.arange(k.shape[1], device=q.device)[None, :]
-        valid = pos < lens  # [n, L]; the query sits at lens - 1
-        if window is not None:
-            valid &= pos > lens - 1 - window
-        # padding slots past a context may hold anything (even NaN): zero them, so masked weights of 0 multiply
-        # zeros; k and v are fresh copies (gathered). A slice per sequence writes only the padding, where one
-        # broadcast masked_fill over the whole gather cost as much as the gather itself.
-        for row, s in enumerate(seqs[i:j]):
-            k[row, batch.context_lens[s] :] = 0
-            v[row, batch.context_lens[s] :] = 0
+    for g in _decode_groups(batch, seqs, block_size, per_block):
+        k = k_cache[g.blocks].flatten(1, 2)  # [n, width * block_size, Hkv, D]
+        v = v_cache[g.blocks].flatten(1, 2)
+        k.view(-1, kv_heads, head_dim)[g.padding] = 0
+        v.view(-1, kv_heads, head_dim)[g.padding] = 0
+        # the query heads sharing a KV head act as that head's queries (all at one position, so one mask row
+        # serves them): no GQA expansion of K/V, 10-15% less time than enable_gqa at 4 query heads per KV head
         o = F.scaled_dot_product_attention(
-            q[rows][:, :, None, :],  # [n, Hq, 1, D]
+            q[g.rows].view(len(g.lens), kv_heads, -1, head_dim),  # [n, Hkv, Hq / Hkv, D]
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=valid[:, None, None, :],
+            attn_mask=_valid(batch, g, k.shape[1], window),
             scale=scale,
-            enable_gqa=True,
-        )  # [n, Hq, 1, D]
-        out[rows] = o[:, :, 0, :]
-        i = j
+        )
+        out[g.rows] = o.flatten(1, 2)
+
+
+def _valid(batch: PagedBatch, group: _DecodeGroup, slots: int, window: int | None) -> torch.Tensor:
+    """[n, 1, 1, slots] bool: the key slots each query attends to (its context, or the last `window` of it)."""
+    key = ("valid", id(group), window)
+    if key not in batch.memo:
+        pos = torch.arange(slots, device=group.rows.device)[None, :]
+        lens = torch.tensor(group.lens, device=group.rows.device)[:, None]
+        valid = pos < lens  # the query sits at lens - 1
+        if window is not None:
+            valid &= pos > lens - 1 - window
+        batch.memo[key] = valid[:, None, None, :]
+    return batch.memo[key]
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch) -> None:

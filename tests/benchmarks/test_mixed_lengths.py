@@ -61,13 +61,28 @@ def test_both_engines_compute_what_the_arithmetic_says(bench, tmp_path):
     requests = bench.Workload(requests=5, prompt_min=2, prompt_max=20, new_min=1, new_max=6, seed=3).make(vocab=300)
     static = bench.static_cost(requests, batch=2)
     theirs = bench.run_transformers(tmp_path, requests, batch=2)
-    ours = bench.run_ours(tmp_path, requests, batch=2)
+    ours = bench.run_ours(tmp_path, requests, batch=2, max_seqs=2)
     assert theirs.computed_positions == static.computed > static.real
     batches = bench.static_batches(requests, 2)
     assert theirs.prefill_passes == len(batches) == 3
     assert theirs.decode_passes == sum(max(r.new_tokens for r in b) - 1 for b in batches)
     assert ours.computed_positions == static.real
-    assert ours.extra["preemptions"] == 0
-    for result in (theirs, ours):
+    assert ours.extra["preemptions"] == 0 and ours.extra["most_running"] == 2
+    # uncapped, in the same KV memory: more run at once
+    free = bench.run_ours(tmp_path, requests, batch=2)
+    assert free.extra["kv_cache_bytes"] == ours.extra["kv_cache_bytes"]
+    assert free.extra["most_running"] > 2
+    assert free.computed_positions >= static.real  # plus what preemption made it recompute
+    assert (free.computed_positions == static.real) == (free.extra["preemptions"] == 0)
+    for result in (theirs, ours, free):
         assert [len(t) for t in result.token_ids] == [r.new_tokens for r in requests]
         assert result.generated_tokens == sum(r.new_tokens for r in requests)
+
+
+def test_kv_budget_covers_the_static_peak(bench):
+    R = bench.Request
+    requests = [R((5,) * 3, 2), R((5,) * 9, 4), R((5,) * 4, 1)]
+    # batch 2: [3+2, 9+4] -> 2 x (9 + 4) = 26; [4+1] alone -> 5. Budget: 2 x the longest (13), by blocks of 4: 2 x 16
+    assert bench.static_peak_tokens(requests, 2) == 26
+    assert bench.kv_budget_tokens(requests, 2) == 26
+    assert bench.kv_budget_tokens(requests, 2, block=4) == 32

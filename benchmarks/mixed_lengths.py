@@ -12,8 +12,8 @@ lengths uniform in 16..512 and new-token counts uniform in 8..128, greedy, each 
 - ours: offload.api.LLM with every weight resident, each request with its own
   SamplingParams(max_new_tokens=n, ignore_eos=True).
 
-Both get the same KV-cache memory: B copies of the workload's longest request (prompt + new tokens), which is
-at least what transformers' static batches of B hold at their peak (each is B x its longest prompt + count).
+Both get the same KV-cache memory: what transformers' static batches of B hold at their peak (a batch holds
+B x (its longest prompt + its longest count) positions), rounded down to whole blocks for ours.
 In that memory transformers cannot run a bigger static batch; ours admits requests as their first blocks fit
 (paged KV: a request holds the blocks of the tokens it has, not of the longest one), so more run at once, up
 to --max-seqs (default: no cap but the KV cache). A request that outgrows the free blocks is preempted and
@@ -259,19 +259,15 @@ def run_transformers(model_dir: Path, requests: list[Request], batch: int) -> Ru
     return result
 
 
-def kv_budget_tokens(requests: list[Request], batch: int, block: int = 1) -> int:
-    """KV positions both engines get: `batch` copies of the longest request, each rounded up to whole blocks."""
-    longest = max(len(r.prompt_ids) + r.new_tokens for r in requests)
-    return batch * -(-longest // block) * block
-
-
 def static_peak_tokens(requests: list[Request], batch: int) -> int:
     """KV positions transformers' static batches hold at their largest: a batch's size x (longest prompt + count)."""
     groups = static_batches(requests, batch)
     return max(len(g) * (max(len(r.prompt_ids) for r in g) + max(r.new_tokens for r in g)) for g in groups)
 
 
-def run_ours(model_dir: Path, requests: list[Request], batch: int, max_seqs: int | None = None) -> RunResult:
+def run_ours(
+    model_dir: Path, requests: list[Request], batch: int, max_seqs: int | None = None, block: int = 16
+) -> RunResult:
     """Continuous batching with every weight resident, each request with its own max_new_tokens.
 
     LLM.generate_ids takes one SamplingParams for every prompt, so this drives the same loop it runs
@@ -287,10 +283,9 @@ def run_ours(model_dir: Path, requests: list[Request], batch: int, max_seqs: int
     from scheduler.sequence import Sequence
     from tiers.kv import KVCache
 
-    block = 16
     spec, _ = load_spec(model_dir)
     per_block = KVCache.block_bytes(spec.num_layers, block, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
-    kv_bytes = kv_budget_tokens(requests, batch, block) // block * per_block
+    kv_bytes = static_peak_tokens(requests, batch) // block * per_block
     config = EngineConfig(
         dtype="bfloat16", block_size=block, kv_cache_bytes=kv_bytes, max_num_seqs=max_seqs or len(requests)
     )
@@ -521,11 +516,11 @@ def main() -> None:
     print(table(theirs, ours, static))
     print(f"transformers positions counted {theirs.computed_positions}, static-batch arithmetic {static.computed}")
     print(f"ours positions counted {ours.computed_positions}, real work {static.real}")
-    budget, peak = kv_budget_tokens(requests, batch, ours.extra["block_size"]), static_peak_tokens(requests, batch)
+    peak = static_peak_tokens(requests, batch)
     print(
-        f"KV memory for both: {budget} positions ({ours.extra['kv_cache_bytes'] / 1e6:.1f} MB); transformers' static "
-        f"batches of {batch} peak at {peak}; ours ran up to {ours.extra['most_running']} requests at once, "
-        f"{ours.extra['preemptions']} preempted and recomputed"
+        f"KV memory: transformers' static batches of {batch} peak at {peak} positions; ours gets as much "
+        f"({ours.extra['kv_cache_bytes'] / 1e6:.1f} MB in blocks of {ours.extra['block_size']}) and ran up to "
+        f"{ours.extra['most_running']} requests at once, {ours.extra['preemptions']} preempted and recomputed"
     )
     print(
         f"our schedule at transformers' speeds (per prefill position, per decode pass): {estimate:.2f} s, "
@@ -553,7 +548,6 @@ def main() -> None:
             "workload": asdict(workload),
             "batch": batch,
             "max_seqs": args.max_seqs,
-            "kv_budget_positions": budget,
             "static_peak_kv_positions": peak,
             "repeats": args.repeats,
             "quick": args.quick,

@@ -20,7 +20,7 @@ class MemoryTier:
         self.device = device
         self.used = 0  # bytes
         self.peak = 0  # bytes
-        self._live: dict[int, int] = {}  # data_ptr -> bytes charged
+        self._live: dict[int, int] = {}  # _key(buffer) -> bytes charged
 
     @property
     def num_free(self) -> int | None:
@@ -39,7 +39,8 @@ class MemoryTier:
         return buf
 
     def adopt(self, tensor: torch.Tensor) -> bool:
-        """Charge an existing tensor to this tier; False (nothing charged) when it does not fit."""
+        """Charge an existing tensor (an opaque packed weight too) to this tier; False (nothing charged) when it
+        does not fit."""
         nbytes = tensor.numel() * tensor.element_size()
         if not self.can_allocate(nbytes):
             return False
@@ -47,14 +48,14 @@ class MemoryTier:
         return True
 
     def free(self, buf: torch.Tensor) -> None:
-        nbytes = self._live.pop(buf.data_ptr(), None)
+        nbytes = self._live.pop(_key(buf), None)
         if nbytes is None:
-            raise ValueError(f"{self.name}: buffer at {buf.data_ptr():#x} was not allocated here")
+            raise ValueError(f"{self.name}: buffer {_key(buf):#x} was not allocated here")
         self.used -= nbytes
 
     def _charge(self, buf: torch.Tensor, nbytes: int) -> None:
         if nbytes:
-            self._live[buf.data_ptr()] = nbytes
+            self._live[_key(buf)] = nbytes
         self.used += nbytes
         self.peak = max(self.peak, self.used)
 
@@ -71,3 +72,8 @@ class MemoryTier:
     def check_integrity(self) -> None:
         assert self.used == sum(self._live.values()), f"{self.name}: used does not match live buffers"
         assert self.capacity is None or self.used <= self.capacity, f"{self.name}: over budget"
+
+
+def _key(t: torch.Tensor) -> int:
+    """What identifies a charged buffer: its data address; an opaque (oneDNN) tensor has none, so the object's."""
+    return id(t) if t.is_mkldnn else t.data_ptr()

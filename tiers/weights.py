@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.linear import pack_weight, packing_pays
 from offload.config import ModelSpec, Policy
 from offload.errors import OffloadError
 from offload.model.checkpoint import TORCH_DTYPES, Checkpoint
@@ -143,6 +144,8 @@ class WeightStore:
 
     staged: None takes the staged path exactly when the device is not the CPU; True forces it on the CPU too
     (the same code then runs with synchronous copies, which is how it is tested on CPU-only machines).
+    prepack: on the direct CPU path, pack resident matrices for the GEMM (kernels.linear.pack_weight); None does
+    where kernels.linear.packing_pays measured it faster. Streamed layers stay dense: they change every pass.
     """
 
     def __init__(
@@ -154,6 +157,7 @@ class WeightStore:
         host_tier: HostTier,
         dtype: torch.dtype,
         staged: bool | None = None,
+        prepack: bool | None = None,
     ) -> None:
         if len(policy.layer_tiers) != len(layout.layers):
             raise ValueError(f"policy places {len(policy.layer_tiers)} layers, the model has {len(layout.layers)}")
@@ -164,6 +168,9 @@ class WeightStore:
         if not self.staged and self.device.type != "cpu":
             raise ValueError(f"reads land in device memory only on a CPU device, not on {self.device}: use staged")
         self.copier: CopyEngine | None = make_copy_engine(self.device) if self.staged else None
+        # resident matrices packed for the CPU's GEMM (None: wherever kernels.linear measures that it pays)
+        cpu_direct = not self.staged and self.device.type == "cpu"
+        self.prepack = cpu_direct and (packing_pays(dtype) if prepack is None else prepack)
         self.stall_seconds = 0.0  # time spent waiting for reads while loading
         self.h2d_bytes = 0  # bytes copied host -> device while loading
         self.layouts = layout.layers
@@ -181,7 +188,9 @@ class WeightStore:
             loaded = self._load_staged(groups)
         else:
             tiers = [device_tier, device_tier, *(self._tier(policy.layer_tiers[i]) for i in resident)]
-            loaded = [self._load_direct(g, t) for g, t in zip(groups, tiers, strict=True)]
+            # every group but the embedding (a table of rows, not a product) may be packed for the CPU's GEMM
+            packs = [False, *[self.prepack] * (len(groups) - 1)]
+            loaded = [self._load_direct(g, t, p) for g, t, p in zip(groups, tiers, packs, strict=True)]
         self.embed, self.head, *layers = loaded
         self.head.setdefault("lm_head", self.embed["embed"])  # tied embeddings
         self._resident: dict[int, Weights] = dict(zip(resident, layers, strict=True))
@@ -195,12 +204,15 @@ class WeightStore:
     def _tier(self, name: str) -> MemoryTier:
         return self.device_tier if name == "device" else self.host_tier
 
-    def _load_direct(self, layout: GroupLayout, tier: MemoryTier) -> Weights:
-        """Read a group once into `tier` and keep it; tensors in another dtype are converted (charged to `tier`)."""
+    def _load_direct(self, layout: GroupLayout, tier: MemoryTier, prepack: bool) -> Weights:
+        """Read a group once into `tier` and keep it; tensors in another dtype are converted (charged to `tier`).
+        With `prepack`, its matrices are packed for `kernels.linear` and the read buffer goes."""
         buf = take(tier, layout.slot_bytes, "resident weights")
         self._wait(read(self.backend, layout, buf))
         out = convert(layout.views(buf), self.dtype, tier, keep=[])
         base = buf.untyped_storage().data_ptr()
+        if prepack and any(t.dim() == 2 for t in out.values()):
+            return _packed(out, buf, tier)
         if all(t.untyped_storage().data_ptr() != base for t in out.values()):
             tier.free(buf)  # every tensor was converted: the read buffer is garbage, and must not stay charged
         return out
@@ -259,7 +271,8 @@ class WeightStore:
         def total(tier: str) -> int:
             return sum(self.layouts[i].tensor_bytes for i, t in enumerate(self.policy.layer_tiers) if t == tier)
 
-        fixed = {t.data_ptr(): t.numel() * t.element_size() for t in (*self.embed.values(), *self.head.values())}
+        # by object: a tied head is the embedding itself, and a packed weight has no data pointer
+        fixed = {id(t): t.numel() * t.element_size() for t in (*self.embed.values(), *self.head.values())}
         streamed = [i for i, t in enumerate(self.policy.layer_tiers) if t == "nvme"]
         copied = [i for i in range(len(self.layouts)) if i not in self._resident] if self.staged else []
         return WeightStats(
@@ -272,3 +285,22 @@ class WeightStore:
             read_seconds=self.backend.read_seconds,
             stall_seconds=self.stall_seconds + self._ring.stall_seconds,
         )
+
+
+def _packed(weights: Weights, buf: torch.Tensor, tier: MemoryTier) -> Weights:
+    """`weights` with every matrix packed by kernels.linear.pack_weight and the rest copied out of `buf`, charged
+    to `tier` in place of `buf` and of the converted copies (the same bytes: packing only reorders them)."""
+    base = buf.untyped_storage().data_ptr()
+    in_buf = {n for n, t in weights.items() if t.untyped_storage().data_ptr() == base}
+    out = {n: pack_weight(t) if t.dim() == 2 else t.clone() if n in in_buf else t for n, t in weights.items()}
+    for n, t in weights.items():
+        if n not in in_buf and t.dim() == 2:
+            tier.free(t)  # a converted copy, charged on its own, now replaced
+    tier.free(buf)
+    for n, t in out.items():
+        if (n in in_buf or t.dim() == 2) and not tier.adopt(t):
+            raise OffloadError(
+                f"--{tier.name}-memory budget of {tier.capacity} bytes cannot hold {n} packed for the CPU "
+                f"({t.numel() * t.element_size()} bytes; {tier.used} already in use)"
+            )
+    return out

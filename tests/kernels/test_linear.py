@@ -38,3 +38,39 @@ def test_the_choice_is_measured_once_per_dtype(dtype):
     assert isinstance(first, bool)
     assert kl.upcast_is_faster(dtype) is first
     assert kl.upcast_is_faster.cache_info().hits >= 1
+
+
+def _packable(dtype: torch.dtype) -> bool:
+    try:
+        kl.pack_weight(torch.ones(4, 4, dtype=dtype))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_weight_gives_torch_s_own_product(dtype, rows, bias):
+    """Packing only reorders the weight: the product is F.linear's up to the order of accumulation (an element
+    may round to the neighbouring value), for any row count (the weight is packed once, without knowing them) and
+    for inputs that are views; it is no further from the exact product than F.linear is."""
+    if not _packable(dtype):
+        pytest.skip(f"this CPU's oneDNN does not pack {dtype}")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 48, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
+    packed = kl.pack_weight(w)
+    assert packed.is_mkldnn and packed.shape == w.shape and packed.numel() * packed.element_size() == w.nbytes
+    x = torch.randn(48, rows, generator=g).to(dtype).t()  # [rows, 48], not contiguous
+    got, dense = linear(x, packed, b), F.linear(x, w, b)
+    ulp = 2.0 ** -(8 if dtype == torch.bfloat16 else 11)  # relative spacing of the dtype's values near 1 (at most)
+    torch.testing.assert_close(got, dense, atol=ulp, rtol=2 * ulp)
+    exact = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert (got.float() - exact).abs().max() <= 1.5 * (dense.float() - exact).abs().max() + ulp
+
+
+def test_packing_is_never_chosen_for_float32_and_is_measured_once():
+    assert kl.packing_pays(torch.float32) is False
+    first = kl.packing_pays(torch.bfloat16)
+    assert kl.packing_pays(torch.bfloat16) is first and kl.packing_pays.cache_info().hits >= 1

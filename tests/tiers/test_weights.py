@@ -466,3 +466,32 @@ def test_resident_layers_converted_whole_release_their_read_buffers(tmp_path):
     llm.device_tier.check_integrity()
     checkpoint = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     assert llm.device_tier.used - llm.kv.nbytes < 0.75 * checkpoint  # about half: the bf16 copies alone
+
+
+def test_prepacked_resident_weights_give_identical_logits_in_the_same_bytes(bf16_dir, monkeypatch):
+    """On the CPU resident matrices may be packed for the GEMM: the logits stay those of the dense weights (up to
+    the GEMM's order of accumulation), the embedding stays a plain table, and the tier is charged the tensors' own
+    bytes in place of the read buffers."""
+    from kernels.linear import pack_weight
+
+    try:
+        pack_weight(torch.ones(4, 4, dtype=torch.bfloat16))
+    except RuntimeError:
+        pytest.skip("this CPU's oneDNN does not pack bfloat16")
+    config = EngineConfig(ring_slots=RING, kv_cache_bytes=KV, dtype="bfloat16")
+    monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, prepack=False))
+    dense = LLM(bf16_dir, config)
+    monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, prepack=True))
+    packed = LLM(bf16_dir, config)
+    layer = packed.weights.acquire(0)
+    assert layer["q_proj"].is_mkldnn and not layer["input_norm"].is_mkldnn
+    assert packed.weights.head["lm_head"].is_mkldnn and not packed.weights.embed["embed"].is_mkldnn
+    assert not dense.weights.acquire(0)["q_proj"].is_mkldnn
+    for got, want in zip(packed.score(PROMPTS), dense.score(PROMPTS), strict=True):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    packed.device_tier.check_integrity()
+    layout, tier = llm_layout(packed), packed.device_tier
+    # each packed group (the head and every layer) is charged its tensors' bytes instead of its read buffer's
+    groups = [layout.head, *layout.layers]
+    saved = sum(tier.footprint(g.slot_bytes) - g.tensor_bytes for g in groups)
+    assert packed.device_tier.used == dense.device_tier.used - saved

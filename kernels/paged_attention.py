@@ -88,7 +88,7 @@ class _DecodeGroup:
 
     lens: tuple[int, ...]  # [n] context lengths
     rows: torch.Tensor  # [n] int64 rows of their queries in the packed tokens
-    blocks: torch.Tensor  # [n, width] int64 block ids; a row past its own blocks repeats its last one
+    blocks: torch.Tensor  # [n, width] int64 block ids, rows padded as the block table pads them
     padding: torch.Tensor  # [p] int64 flat indices, into the gathered [n * width * block_size] slots, past a context
 
 
@@ -114,9 +114,6 @@ def _decode_groups(batch: PagedBatch, seqs: list[int], block_size: int, per_bloc
         members = seqs[i:j]
         lens = tuple(batch.context_lens[s] for s in members)
         table = batch.block_tables[torch.tensor(members, device=device), :width]
-        own = torch.tensor(nblocks[i:j], device=device)[:, None]  # [n, 1]
-        col = torch.arange(width, device=device)[None, :]
-        table = torch.where(col < own, table, table.gather(1, own - 1))  # never another sequence's block
         pos = torch.arange(width * block_size, device=device)[None, :]
         padding = (pos >= torch.tensor(lens, device=device)[:, None]).flatten().nonzero().flatten()
         rows = torch.tensor([batch.query_start[s] for s in members], device=device)

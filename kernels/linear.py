@@ -89,19 +89,26 @@ def packing_pays(dtype: torch.dtype) -> bool:
     except RuntimeError:  # this CPU's oneDNN has no kernel for the dtype
         return False
 
-    def best(fn, x: torch.Tensor) -> float:
-        fn(x)  # warm-up: the first call picks kernels
-        times = []
-        for _ in range(7):
-            start = time.perf_counter()
-            fn(x)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     small, large = (torch.randn(rows, 1024, generator=gen).to(dtype) for rows in (16, 256))
-
-    def packed_over_dense(x: torch.Tensor) -> float:
-        return best(lambda x: linear(x, packed), x) / best(lambda x: F.linear(x, w), x)
-
     # decode sizes must gain; prefill sizes, where packing saves little, must not lose more than timing noise
-    return packed_over_dense(small) < 1.0 and packed_over_dense(large) < 1.1
+    return _time_ratio(packed, w, small) < 1.0 and _time_ratio(packed, w, large) < 1.1
+
+
+def _time_ratio(packed: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rounds: int = 9) -> float:
+    """Packed time over dense time for x @ w.T: the median of back-to-back pairs, so that a shared machine's
+    drift, which moves both of a pair together, cancels (minima of seven runs of one, then seven of the other,
+    once turned packing off for a whole benchmark run on a noisy VM, its decode-sized products then ~1.5x slower)."""
+
+    def seconds(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    run_packed, run_dense = (lambda: linear(x, packed)), (lambda: F.linear(x, w))
+    run_packed(), run_dense()  # warm-up: the first calls pick kernels
+    ratios = []
+    for i in range(rounds):
+        order = (run_packed, run_dense) if i % 2 == 0 else (run_dense, run_packed)  # alternate which goes first
+        took = {fn: seconds(fn) for fn in order}
+        ratios.append(took[run_packed] / took[run_dense])
+    return sorted(ratios)[rounds // 2]

@@ -59,8 +59,8 @@ def paged_attention_ref(
             continue
         q0, q1, ctx = batch.query_start[s], batch.query_start[s + 1], batch.context_lens[s]
         blocks = batch.block_tables[s, : -(-ctx // block_size)]
-        k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:ctx]
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
         mask = None
         if q1 - q0 < ctx or (window is not None and window < ctx):  # else plainly causal: is_causal, 15-20% faster
             q_pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)[:, None]
@@ -88,13 +88,20 @@ class _DecodeGroup:
 
     lens: tuple[int, ...]  # [n] context lengths
     rows: torch.Tensor  # [n] int64 rows of their queries in the packed tokens
-    blocks: torch.Tensor  # [n, width] int64 block ids, rows padded as the block table pads them
-    padding: torch.Tensor  # [p] int64 flat indices, into the gathered [n * width * block_size] slots, past a context
+    blocks: torch.Tensor  # [n, width] int64 block ids; a shorter row repeats its own first block as padding
+    stale: torch.Tensor  # [p] int64 flat indices, into the gathered [n * width * block_size] slots, to zero
 
 
 def _decode_groups(batch: PagedBatch, seqs: list[int], block_size: int, per_block: int) -> list[_DecodeGroup]:
     """Sort by length and cut into groups whose padding stays under PADDING_SHARE of the slots gathered and
-    whose K/V stay under GATHER_BYTES. The same for every layer of a step: built once, kept on the batch."""
+    whose K/V stay under GATHER_BYTES. The same for every layer of a step: built once, kept on the batch.
+
+    Masked slots get a weight of exactly 0, which only makes them vanish if they hold finite numbers, and a
+    cache slot no sequence has written may hold anything. So a row's padding blocks repeat the sequence's own
+    first block (its own keys, finite unless its own output is lost anyway), and only the slots that would
+    show what the sequence has not written are zeroed: past its context in its last block, and, when the
+    context is shorter than one block, the same offsets in the repeats. That is a few slots per sequence,
+    against a quarter of the group for zeroing every padding slot."""
     key = ("decode", block_size)
     if key in batch.memo:
         return batch.memo[key]
@@ -112,12 +119,15 @@ def _decode_groups(batch: PagedBatch, seqs: list[int], block_size: int, per_bloc
             j += 1
         width = nblocks[j - 1]
         members = seqs[i:j]
-        lens = tuple(batch.context_lens[s] for s in members)
-        table = batch.block_tables[torch.tensor(members, device=device), :width]
-        pos = torch.arange(width * block_size, device=device)[None, :]
-        padding = (pos >= torch.tensor(lens, device=device)[:, None]).flatten().nonzero().flatten()
+        lens = torch.tensor([batch.context_lens[s] for s in members], device=device)[:, None]  # [n, 1]
+        owned = torch.tensor(nblocks[i:j], device=device)[:, None]  # [n, 1] blocks each sequence holds
+        table = batch.block_tables[torch.tensor(members, device=device), :width]  # [n, width]
+        table = torch.where(torch.arange(width, device=device)[None, :] < owned, table, table[:, :1])
+        pos = torch.arange(width * block_size, device=device)[None, :]  # [1, slots] position each slot shows
+        shown = torch.where(pos < owned * block_size, pos, pos % block_size)  # a repeat shows block 0's positions
+        stale = (shown >= lens).flatten().nonzero().flatten()
         rows = torch.tensor([batch.query_start[s] for s in members], device=device)
-        groups.append(_DecodeGroup(lens, rows, table, padding))
+        groups.append(_DecodeGroup(tuple(lens.flatten().tolist()), rows, table, stale))
         i = j
     batch.memo[key] = groups
     return groups
@@ -134,19 +144,21 @@ def _attend_single_queries(
     out: torch.Tensor,
 ) -> None:
     """Sequences with one query each (at position context_len - 1): each group's K/V gathered block by block,
-    its padding slots zeroed (they may hold anything, even NaN, and masked weights of 0 must multiply zeros),
-    then one fused SDPA call per group."""
+    the slots showing what no sequence wrote zeroed (see `_decode_groups`), then one fused SDPA call per group."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     per_block = 2 * block_size * kv_heads * head_dim * k_cache.element_size()  # K and V of one block, bytes
     for g in _decode_groups(batch, seqs, block_size, per_block):
-        k = k_cache[g.blocks].flatten(1, 2)  # [n, width * block_size, Hkv, D]
-        v = v_cache[g.blocks].flatten(1, 2)
-        k.view(-1, kv_heads, head_dim)[g.padding] = 0
-        v.view(-1, kv_heads, head_dim)[g.padding] = 0
+        n = len(g.lens)
+        # index_select along blocks copies whole rows: 4-6x faster than indexing by the 2-D table
+        # [n, width * block_size, Hkv, D]
+        k = k_cache.index_select(0, g.blocks.flatten()).view(n, -1, kv_heads, head_dim)
+        v = v_cache.index_select(0, g.blocks.flatten()).view(n, -1, kv_heads, head_dim)
+        k.view(-1, kv_heads, head_dim).index_fill_(0, g.stale, 0)
+        v.view(-1, kv_heads, head_dim).index_fill_(0, g.stale, 0)
         # the query heads sharing a KV head act as that head's queries (all at one position, so one mask row
         # serves them): no GQA expansion of K/V, 10-15% less time than enable_gqa at 4 query heads per KV head
         o = F.scaled_dot_product_attention(
-            q[g.rows].view(len(g.lens), kv_heads, -1, head_dim),  # [n, Hkv, Hq / Hkv, D]
+            q[g.rows].view(n, kv_heads, -1, head_dim),  # [n, Hkv, Hq / Hkv, D]
             k.transpose(1, 2),
             v.transpose(1, 2),
             attn_mask=_valid(batch, g, k.shape[1], window),

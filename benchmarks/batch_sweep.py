@@ -9,8 +9,12 @@ TinyLlama-1.1B's shape; 128-token prompts, 16 new tokens, greedy); only the numb
 batch it runs, each in its own subprocess after dropping the page cache: our engine under the budget (weights
 budget plus a KV cache sized to the batch), our engine with every weight resident (the compute half of the
 physical limit), and Accelerate's disk offload, whose KV cache is not budgeted (every batch, or --accelerate-at's).
-The cost model predicts each point from this machine's hardware profile (`offload probe`'s, measured once) and
-the placement the engine chose. Prints a table and the goals; writes benchmarks/results/batch_sweep.json.
+The cost model predicts each point from this machine's hardware profile and the placement the engine chose.
+With `--hardware probe`, the profile's disk is `offload probe`'s (measured once) and its compute (GEMM rates and
+memory bandwidth) is measured again just before each point: a shared VM's speed drifts by up to 2x within the
+hour a sweep takes, and a profile from the start would judge the cost model by that drift. The prediction from
+the start-of-sweep profile is reported beside it. Prints a table and the goals; writes
+benchmarks/results/batch_sweep.json.
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, w
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'batch':>5} {'ours tok/s':>10} {'predicted':>9} {'error':>6} {'limit s':>8} {'ours s':>7} {'/limit':>6} "
-        f"{'bound':>7} {'accel tok/s':>11} {'ours/accel':>10} {'accel RSS MB':>12} {'ours RSS MB':>11}"
+        f"{'batch':>5} {'ours tok/s':>10} {'predicted':>9} {'error':>6} {'@start':>6} {'limit s':>8} {'ours s':>7} "
+        f"{'/limit':>6} {'bound':>7} {'accel tok/s':>11} {'ours/accel':>10} {'accel RSS MB':>12} {'ours RSS MB':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -58,7 +62,8 @@ def table(rows: list[dict]) -> str:
         )
         lines.append(
             f"{r['batch']:>5} {r['tokens_per_second']:10.3f} {r['predicted_tokens_per_second']:9.3f} "
-            f"{r['prediction_error']:+6.0%} {r['limit_seconds']:8.2f} {r['wall_seconds']:7.2f} "
+            f"{r['prediction_error']:+6.0%} {r['prediction_error_start_profile']:+6.0%} "
+            f"{r['limit_seconds']:8.2f} {r['wall_seconds']:7.2f} "
             f"{r['wall_seconds'] / r['limit_seconds']:5.2f}x {r['predicted_bound']:>7} {acc_cols} "
             f"{r['peak_rss_bytes'] / 1e6:11.0f}"
         )
@@ -83,6 +88,7 @@ def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
 
 def main() -> None:
     from offload.hardware import load_profile
+    from offload.probe import local_profile, remeasure_compute
     from tiers.budget import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -101,12 +107,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     at = args.accelerate_at if args.accelerate_at is not None else args.batches
     accelerate_at = {int(b) for b in at.split(",") if b.strip()}
-    if args.hardware == "probe":
-        from offload.probe import local_profile
-
-        hw = local_profile()
-    else:
-        hw = load_profile(args.hardware)
+    hw = local_profile() if args.hardware == "probe" else load_profile(args.hardware)
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
     model_dir = peers.ensure_checkpoint(args.work_dir, args.layers)
@@ -118,13 +119,15 @@ def main() -> None:
     for batch in batches:
         args.prompts = batch
         workload = peers.Workload(prompts=batch)
+        point_hw = remeasure_compute(hw) if args.hardware == "probe" else hw
         ours = peers.run_worker("ours", model_dir, args, cache_paths)
         resident = peers.run_worker("resident", model_dir, args, cache_paths)
         if ours.status != "ok" or resident.status != "ok":
             print(f"batch {batch}: ours {ours.status}, resident {resident.status}; stopping the sweep")
             break
         limit = peers.physical_limit(ours.streamed_bytes_per_pass, raw["median_gbps"], resident.pass_seconds)
-        pred = predict_point(model_dir, hw, ours, batch, workload)
+        pred = predict_point(model_dir, point_hw, ours, batch, workload)
+        start_pred = predict_point(model_dir, hw, ours, batch, workload)
         row = {
             "batch": batch,
             "tokens_per_second": ours.tokens_per_second,
@@ -134,6 +137,8 @@ def main() -> None:
             "predicted_tokens_per_second": pred.tokens_per_second,
             "predicted_seconds": pred.total_seconds,
             "prediction_error": pred.tokens_per_second / ours.tokens_per_second - 1,
+            "prediction_error_start_profile": start_pred.tokens_per_second / ours.tokens_per_second - 1,
+            "point_bf16_tflops": point_hw.device.matmul_flops.get("bfloat16", 0) / 1e12,
             "predicted_bound": pred.bound,
             "predicted_busy_seconds": pred.resources,
             "peak_rss_bytes": ours.peak_rss_bytes,

@@ -3,7 +3,7 @@
 - disk: a test file written with O_DIRECT and fsync, dropped from the page cache, then read back with the
   pread backend (tiers.io) in large extents, several in flight, into aligned buffers; the file is always removed.
 - memory bandwidth: a large tensor copy, counted as bytes read + bytes written per second.
-- matmul: [rows, k] x [k, n] through kernels.linear per dtype, best of a few runs after a warm-up; every row
+- matmul: [rows, k] x [k, n] through kernels.linear per dtype, the median of a few runs after a warm-up; every row
   count goes into matmul_curve, the largest one's rate is matmul_flops.
 - on CUDA the same on the GPU, plus pinned host-to-device and device-to-host copies; on a CPU-only machine the
   device is the host's RAM (device_kind "cpu", links 0).
@@ -17,6 +17,7 @@ import itertools
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -106,7 +107,7 @@ def probe(
         f"with the pread backend in {format_size(sizes.extent_bytes)} requests, {sizes.depth} in flight"
         + ("" if disk.direct else " (buffered: the filesystem refused O_DIRECT; pages evicted first)"),
         f"memory: a {format_size(sizes.copy_bytes)} tensor copy, bytes read + written per second",
-        f"matmul: kernels.linear on [rows, {sizes.k}] x [{sizes.k}, {sizes.n}], best of >= {MIN_REPEATS} runs "
+        f"matmul: kernels.linear on [rows, {sizes.k}] x [{sizes.k}, {sizes.n}], median of >= {MIN_REPEATS} runs "
         f"after a warm-up, weights cycled through {format_size(sizes.weight_pool_bytes)} of copies, matmul_tflops at "
         f"{sizes.rows[-1]} rows, {torch.get_num_threads()} torch threads",
     ]
@@ -171,7 +172,7 @@ def measure_copy(device: torch.device, nbytes: int, min_seconds: float = 0.2) ->
     """Memory bandwidth in bytes/s: a `nbytes` tensor copy moves 2 * nbytes (read + write)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), device, min_seconds)
+    return 2 * src.numel() * 4 / _typical_seconds(lambda: dst.copy_(src), device, min_seconds)
 
 
 def measure_matmul(
@@ -196,7 +197,7 @@ def measure_matmul(
     curve = []
     for r in rows:
         x = x_all[:r]  # [r, k]
-        seconds = _best_seconds(lambda x=x: linear(x, next(weights)), device, min_seconds)
+        seconds = _typical_seconds(lambda x=x: linear(x, next(weights)), device, min_seconds)
         curve.append((r, 2 * r * k * n / seconds))
     return tuple(curve)
 
@@ -205,8 +206,8 @@ def measure_links(device: torch.device, nbytes: int, min_seconds: float = 0.2) -
     """(host-to-device, device-to-host) bytes/s of copies between pinned host memory and `device`."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h2d = nbytes / _best_seconds(lambda: dev.copy_(host, non_blocking=True), device, min_seconds)
-    d2h = nbytes / _best_seconds(lambda: host.copy_(dev, non_blocking=True), device, min_seconds)
+    h2d = nbytes / _typical_seconds(lambda: dev.copy_(host, non_blocking=True), device, min_seconds)
+    d2h = nbytes / _typical_seconds(lambda: host.copy_(dev, non_blocking=True), device, min_seconds)
     return h2d, d2h
 
 
@@ -235,6 +236,28 @@ def run_probe(out: str | None, directory: str | None, disk_bytes: str | None, qu
     print(f"saved {path}\n")
     print(format_profile(profile))
     return path
+
+
+def remeasure_compute(
+    profile: HardwareProfile, dtypes: tuple[str, ...] = ("bfloat16",), sizes: ProbeSizes | None = None
+) -> HardwareProfile:
+    """`profile` with this machine's memory bandwidth and `dtypes` GEMM rates measured again now (quick sizes,
+    a few seconds), its disk and links kept. For a benchmark that predicts each of its points: a shared VM's
+    compute speed drifts by up to 2x within an hour, and a profile measured at the start then judges the cost
+    model by the drift. CPU-only profiles: on CUDA the device, not the host, would need measuring."""
+    if profile.device_kind != "cpu":
+        raise OffloadError(f"remeasure_compute measures CPU-only profiles; {profile.name!r} is {profile.device_kind}")
+    sizes = sizes or ProbeSizes.quick()
+    cpu = torch.device("cpu")
+    bandwidth = measure_copy(cpu, sizes.copy_bytes, sizes.min_seconds)
+    fresh = _compute_unit(cpu, profile.host.memory, bandwidth, sizes, dtypes, lambda _: None)
+    old = profile.host
+    unit = dataclasses.replace(
+        fresh,
+        matmul_flops={**old.matmul_flops, **fresh.matmul_flops},
+        matmul_curve={**old.matmul_curve, **fresh.matmul_curve},
+    )
+    return dataclasses.replace(profile, device=unit, host=unit)
 
 
 def local_profile_path() -> Path:
@@ -282,8 +305,10 @@ def _compute_unit(
     )
 
 
-def _best_seconds(fn: Callable[[], object], device: torch.device, min_seconds: float) -> float:
-    """Shortest wall time of `fn` over at least MIN_REPEATS runs and `min_seconds`, after one warm-up."""
+def _typical_seconds(fn: Callable[[], object], device: torch.device, min_seconds: float) -> float:
+    """Median wall time of `fn` over at least MIN_REPEATS runs and `min_seconds`, after one warm-up. The median,
+    not the shortest: a rate the engine sustains (on this project's shared VMs a probe taking the shortest runs
+    once rated bf16 products at 512 rows 2.3x faster than at 2048, a brief fast spell the engine never saw)."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -291,14 +316,13 @@ def _best_seconds(fn: Callable[[], object], device: torch.device, min_seconds: f
 
     fn()
     sync()
-    best, total, runs = float("inf"), 0.0, 0
-    while runs < MIN_REPEATS or (total < min_seconds and runs < 100):
+    times: list[float] = []
+    while len(times) < MIN_REPEATS or (sum(times) < min_seconds and len(times) < 100):
         start = time.perf_counter()
         fn()
         sync()
-        seconds = time.perf_counter() - start
-        best, total, runs = min(best, seconds), total + seconds, runs + 1
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _write_test_file(path: Path, nbytes: int, extent: int) -> float:

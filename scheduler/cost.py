@@ -25,8 +25,12 @@ KV_TIERS = ("device", "host")
 # Python and dispatch cost of one decoder layer for one micro-batch in this engine (seconds); small against
 # the GEMMs except for tiny models, and what keeps a 1-token step from being predicted as free.
 LAYER_OVERHEAD = 150e-6
-# per sequence per layer: the paged attention reference loops over sequences (seconds)
+# per sequence per layer: the paged attention reference attends each prefill chunk in its own call and builds
+# each step's decode groups from Python lists (seconds)
 SEQ_OVERHEAD = 40e-6
+# passes over a decode step's K/V bytes: the torch reference gathers each sequence's blocks (a read and a write)
+# before the fused kernel reads the copy; a kernel reading the blocks in place would make this 1
+DECODE_KV_PASSES = 3
 QUANT_GROUP = 64  # weights per scale and zero point when weights are quantized (FlexGen's group size)
 
 
@@ -185,7 +189,7 @@ def _layer_step(
         flops = 2.0 * attn_params * context * context / 2 * seqs_per_mb
         attention = flops / matmul_rate(attn_unit, ctx.dtype, context)
     else:  # one query per sequence reads its whole cache: memory-bound
-        attention = seqs_per_mb * context * kv_layer_bytes / attn_unit.memory_bandwidth
+        attention = DECODE_KV_PASSES * seqs_per_mb * context * kv_layer_bytes / attn_unit.memory_bandwidth
     attention += seqs_per_mb * SEQ_OVERHEAD
     compute *= cand.micro_batches
     attention *= cand.micro_batches

@@ -80,6 +80,33 @@ def test_probed_profile_saves_and_loads(tiny_profile, tmp_path):
         assert [f for _, f in curve] == pytest.approx([f for _, f in p.host.matmul_curve[dtype]], rel=1e-5)
 
 
+def test_timings_are_the_median_not_the_shortest(monkeypatch):
+    # a run that is briefly twice as fast must not set the rate: the engine sustains the typical one
+    clock = iter([0.0, 1.0, 1.0, 1.5, 1.5, 2.5, 2.5, 3.5])  # runs of 1.0, 0.5, 1.0, 1.0 s
+    monkeypatch.setattr(probe_mod.time, "perf_counter", lambda: next(clock))
+    assert probe_mod._typical_seconds(lambda: None, torch.device("cpu"), min_seconds=3.4) == 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="remeasures CPU-only profiles")
+def test_remeasure_compute_replaces_rates_and_keeps_disk_and_other_dtypes(tiny_profile):
+    p, _ = tiny_profile
+    q = probe_mod.remeasure_compute(p, ("bfloat16",), TINY)
+    assert (q.disk_read, q.disk_write, q.name, q.source) == (p.disk_read, p.disk_write, p.name, p.source)
+    assert q.device == q.host and q.host.memory == p.host.memory
+    assert q.host.matmul_curve["float32"] == p.host.matmul_curve["float32"]  # not measured again: kept
+    assert [r for r, _ in q.host.matmul_curve["bfloat16"]] == [1, 8, 64]
+    assert q.host.matmul_curve["bfloat16"] is not p.host.matmul_curve.get("bfloat16")
+    assert q.host.matmul_flops["bfloat16"] == q.host.matmul_curve["bfloat16"][-1][1]
+
+
+def test_remeasure_compute_refuses_a_cuda_profile(tiny_profile):
+    import dataclasses
+
+    p, _ = tiny_profile
+    with pytest.raises(OffloadError, match="CPU-only profiles; 'x' is cuda"):
+        probe_mod.remeasure_compute(dataclasses.replace(p, name="x", device_kind="cuda"))
+
+
 def test_disk_test_file_is_removed_on_interrupt(tmp_path, monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt

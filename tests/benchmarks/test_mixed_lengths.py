@@ -85,3 +85,11 @@ def test_static_peak_pairs_a_batch_longest_prompt_with_its_longest_count(bench):
     # batch 2: [9+2, 3+4] -> 2 x (9 + 4) = 26, more than two copies of its longest request (11); [4+1] alone -> 5
     assert bench.static_peak_tokens(requests, 2) == 26
     assert bench.static_peak_tokens(requests, 1) == 11
+
+
+def test_verdict_ratio_is_taken_within_each_round(bench):
+    # the machine sped up in round 3: pairing the fastest of each engine would mix rounds; each round is a ratio
+    theirs, ours = bench.RunResult("transformers"), bench.RunResult("ours")
+    theirs.extra["runs"] = [{"wall_seconds": s} for s in (50.0, 52.0, 40.0)]
+    ours.extra["runs"] = [{"wall_seconds": s} for s in (25.0, 20.0, 20.0)]
+    assert bench.round_speedups(theirs, ours) == [2.0, 2.6, 2.0]

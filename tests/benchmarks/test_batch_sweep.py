@@ -1,0 +1,68 @@
+"""benchmarks/batch_sweep.py: the goals it prints are judged from the rows exactly, and its table names both
+predictions (from compute measured at the point, and from the start-of-sweep profile)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    """The script as a module; it imports its sibling offload_vs_peers by name, so that one is registered first."""
+    names = []
+    try:
+        for name in ("offload_vs_peers", "batch_sweep"):
+            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            names.append(name)
+            spec.loader.exec_module(module)
+        yield module
+    finally:
+        for name in names:
+            del sys.modules[name]
+
+
+def row(batch: int, tps: float, predicted: float, wall: float, limit: float, bound: str = "disk", **extra) -> dict:
+    return {
+        "batch": batch,
+        "tokens_per_second": tps,
+        "predicted_tokens_per_second": predicted,
+        "prediction_error": predicted / tps - 1,
+        "prediction_error_start_profile": 2 * predicted / tps - 1,
+        "wall_seconds": wall,
+        "limit_seconds": limit,
+        "predicted_bound": bound,
+        "peak_rss_bytes": 1e9,
+        **extra,
+    }
+
+
+def test_goals_pass_and_fail_on_the_rows(sweep):
+    good = [row(8, 4.0, 4.4, 30.0, 32.0), row(16, 7.0, 6.0, 33.0, 35.0), row(32, 6.9, 7.5, 40.0, 41.0)]
+    verdicts = [v for _, _, v in sweep.goals(good)]
+    assert verdicts == ["PASS", "PASS", "PASS"]  # 6.9 >= 0.97 x 7.0: a dip inside timing noise still rises
+
+    slow = good[:2] + [row(32, 6.0, 7.5, 52.0, 41.0)]  # 1.27x the limit, +25% predicted, a 14% drop while disk-bound
+    goals = sweep.goals(slow)
+    assert [v for _, _, v in goals] == ["FAIL", "FAIL", "FAIL"]
+    assert [value for _, value, _ in goals] == ["1.27x", "25%", "no"]
+
+    compute_bound = [row(8, 4.0, 4.4, 30.0, 32.0, bound="compute"), row(16, 3.0, 3.1, 30.0, 32.0)]
+    assert sweep.goals(compute_bound)[2][1:] == ("yes", "PASS")  # past the compute bound a drop is allowed
+
+
+def test_table_shows_both_predictions_and_the_peer(sweep):
+    acc = {"status": "ok", "tokens_per_second": 2.0, "peak_rss_bytes": 2.1e9}
+    lines = sweep.table([row(8, 4.0, 4.4, 30.0, 32.0, accelerate=acc), row(16, 7.0, 6.3, 33.0, 35.0)]).splitlines()
+    assert lines[0].split()[:6] == ["batch", "ours", "tok/s", "predicted", "error", "@start"]
+    first, second = lines[2].split(), lines[3].split()
+    assert first[:5] == ["8", "4.000", "4.400", "+10%", "+120%"]
+    assert "2.00x" in first and "2100" in first  # Accelerate's rate ratio and its peak RSS in MB
+    assert second[:5] == ["16", "7.000", "6.300", "-10%", "+80%"] and second[-4:-1] == ["-", "-", "-"]

@@ -11,10 +11,10 @@ budget plus a KV cache sized to the batch), our engine with every weight residen
 physical limit), and Accelerate's disk offload, whose KV cache is not budgeted (every batch, or --accelerate-at's).
 The cost model predicts each point from this machine's hardware profile and the placement the engine chose.
 With `--hardware probe`, the profile's disk is `offload probe`'s (measured once) and its compute (GEMM rates and
-memory bandwidth) is measured again just before each point: a shared VM's speed drifts by up to 2x within the
-hour a sweep takes, and a profile from the start would judge the cost model by that drift. The prediction from
-the start-of-sweep profile is reported beside it. Prints a table and the goals; writes
-benchmarks/results/batch_sweep.json.
+memory bandwidth) is measured again just before and just after our run at each point, and the two averaged: a
+shared VM's speed drifts by up to 2x within the hour a sweep takes, and a profile from the start would judge the
+cost model by that drift. The prediction from the start-of-sweep profile is reported beside it. Prints a table
+and the goals; writes benchmarks/results/batch_sweep.json.
 """
 
 from __future__ import annotations
@@ -44,6 +44,23 @@ def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, w
     work = Workload(workload.prompt_tokens, workload.new_tokens, batch)
     budgets = Budgets(device=result.extra["device_memory"], host=0)
     return predict(load_shape(str(model_dir)), hw, work, cand, dtype="bfloat16", budgets=budgets)
+
+
+def mean_compute(a, b):
+    """The profile with each GEMM rate and the memory bandwidth averaged over two measurements (just before and
+    just after a run), so one fast or slow spell of the VM during a few-second probe weighs half as much."""
+    from dataclasses import replace
+
+    def mean_curve(x, y):
+        return tuple((rows, (fx + fy) / 2) for (rows, fx), (_, fy) in zip(x, y, strict=True))
+
+    unit = replace(
+        a.device,
+        memory_bandwidth=(a.device.memory_bandwidth + b.device.memory_bandwidth) / 2,
+        matmul_flops={k: (v + b.device.matmul_flops[k]) / 2 for k, v in a.device.matmul_flops.items()},
+        matmul_curve={k: mean_curve(v, b.device.matmul_curve[k]) for k, v in a.device.matmul_curve.items()},
+    )
+    return replace(a, device=unit, host=unit)
 
 
 def table(rows: list[dict]) -> str:
@@ -119,8 +136,10 @@ def main() -> None:
     for batch in batches:
         args.prompts = batch
         workload = peers.Workload(prompts=batch)
-        point_hw = remeasure_compute(hw) if args.hardware == "probe" else hw
+        before = remeasure_compute(hw) if args.hardware == "probe" else hw
         ours = peers.run_worker("ours", model_dir, args, cache_paths)
+        after = remeasure_compute(hw) if args.hardware == "probe" else hw
+        point_hw = mean_compute(before, after)
         resident = peers.run_worker("resident", model_dir, args, cache_paths)
         if ours.status != "ok" or resident.status != "ok":
             print(f"batch {batch}: ours {ours.status}, resident {resident.status}; stopping the sweep")
@@ -139,6 +158,9 @@ def main() -> None:
             "prediction_error": pred.tokens_per_second / ours.tokens_per_second - 1,
             "prediction_error_start_profile": start_pred.tokens_per_second / ours.tokens_per_second - 1,
             "point_bf16_tflops": point_hw.device.matmul_flops.get("bfloat16", 0) / 1e12,
+            "point_bf16_tflops_before_after": [
+                p.device.matmul_flops.get("bfloat16", 0) / 1e12 for p in (before, after)
+            ],
             "predicted_bound": pred.bound,
             "predicted_busy_seconds": pred.resources,
             "peak_rss_bytes": ours.peak_rss_bytes,

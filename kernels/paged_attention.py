@@ -88,7 +88,7 @@ class _DecodeGroup:
 
     lens: tuple[int, ...]  # [n] context lengths
     rows: torch.Tensor  # [n] int64 rows of their queries in the packed tokens
-    blocks: torch.Tensor  # [n, width] int64 block ids; a shorter row repeats its own first block as padding
+    blocks: torch.Tensor  # [n * width] int64 block ids, row by row; a short row repeats its own first block
     stale: torch.Tensor  # [p] int64 flat indices, into the gathered [n * width * block_size] slots, to zero
 
 
@@ -127,7 +127,7 @@ def _decode_groups(batch: PagedBatch, seqs: list[int], block_size: int, per_bloc
         shown = torch.where(pos < owned * block_size, pos, pos % block_size)  # a repeat shows block 0's positions
         stale = (shown >= lens).flatten().nonzero().flatten()
         rows = torch.tensor([batch.query_start[s] for s in members], device=device)
-        groups.append(_DecodeGroup(tuple(lens.flatten().tolist()), rows, table, stale))
+        groups.append(_DecodeGroup(tuple(lens.flatten().tolist()), rows, table.flatten(), stale))
         i = j
     batch.memo[key] = groups
     return groups
@@ -151,8 +151,8 @@ def _attend_single_queries(
         n = len(g.lens)
         # index_select along blocks copies whole rows: 4-6x faster than indexing by the 2-D table
         # [n, width * block_size, Hkv, D]
-        k = k_cache.index_select(0, g.blocks.flatten()).view(n, -1, kv_heads, head_dim)
-        v = v_cache.index_select(0, g.blocks.flatten()).view(n, -1, kv_heads, head_dim)
+        k = k_cache.index_select(0, g.blocks).view(n, -1, kv_heads, head_dim)
+        v = v_cache.index_select(0, g.blocks).view(n, -1, kv_heads, head_dim)
         k.view(-1, kv_heads, head_dim).index_fill_(0, g.stale, 0)
         v.view(-1, kv_heads, head_dim).index_fill_(0, g.stale, 0)
         # the query heads sharing a KV head act as that head's queries (all at one position, so one mask row

@@ -18,7 +18,8 @@ import torch
 from offload.config import EngineConfig
 from offload.errors import OffloadError
 from offload.hardware import HardwareProfile
-from scheduler.cost import Budgets, Prediction, Workload, best, search
+from scheduler.cost import Budgets, Prediction, Workload
+from scheduler.search import best, search
 from tiers.budget import format_size
 from tiers.kv import KVCache
 

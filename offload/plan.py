@@ -17,7 +17,8 @@ from dataclasses import asdict
 from offload.errors import OffloadError
 from offload.hardware import HardwareProfile
 from offload.shapes import ModelShape
-from scheduler.cost import Budgets, Prediction, Workload, best, capacity, search
+from scheduler.cost import Budgets, Prediction, Workload, capacity
+from scheduler.search import best, search
 
 GB = 1e9
 

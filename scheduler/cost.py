@@ -6,22 +6,19 @@ over its layers plus the head; a batch costs one prefill step and gen_len - 1 de
 grows by one token each. Compute is a roofline: the larger of the FLOPs over the GEMM rate at that many rows
 (measured by `offload probe`, or a derated datasheet figure) and the bytes read over memory bandwidth.
 
-Plain numbers in, plain numbers out: no tensors, no files. `offload plan` prints what `search` returns;
-the engine asks `search` for its batch when the user does not fix one.
+Plain numbers in, plain numbers out: no tensors, no files. The search over policies is `scheduler.search`.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from offload.errors import OffloadError
 from offload.hardware import ComputeUnit, HardwareProfile
 from offload.shapes import ModelShape
 
-KV_TIERS = ("device", "host")
 # Python and dispatch cost of one decoder layer for one micro-batch in this engine (seconds); small against
 # the GEMMs except for tiny models, and what keeps a 1-token step from being predicted as free.
 LAYER_OVERHEAD = 150e-6
@@ -142,7 +139,7 @@ def _gemm_seconds(unit: ComputeUnit, dtype: str, params: int, weight_bytes: floa
 
 
 @dataclass(frozen=True, slots=True)
-class _Context:
+class Context:
     shape: ModelShape
     hw: HardwareProfile
     dtype: str  # compute dtype
@@ -166,7 +163,7 @@ class _Context:
 
 
 def _layer_step(
-    ctx: _Context, cand: Candidate, tier: str, rows_per_mb: int, seqs_per_mb: int, context: int, prefill: bool
+    ctx: Context, cand: Candidate, tier: str, rows_per_mb: int, seqs_per_mb: int, context: int, prefill: bool
 ) -> dict[str, float]:
     """Seconds one decoder layer keeps each resource busy in one step (they overlap: the layer costs the max)."""
     s, hw = ctx.shape, ctx.hw
@@ -216,7 +213,7 @@ def _elementwise_bytes(s: ModelShape, dtype_bytes: int) -> float:
     return norms + rope + kv_write + residual + mlp
 
 
-def _step(ctx: _Context, cand: Candidate, context: int, prefill: bool, prompt_len: int) -> dict[str, float]:
+def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len: int) -> dict[str, float]:
     """Seconds one step keeps each resource busy, summed over layers, each layer at its slowest resource."""
     s = ctx.shape
     seqs = cand.micro_batch
@@ -237,7 +234,8 @@ def _step(ctx: _Context, cand: Candidate, context: int, prefill: bool, prompt_le
     return total
 
 
-def _memory(ctx: _Context, cand: Candidate, workload: Workload) -> dict[str, int]:
+def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, int]:
+    """Peak bytes `cand` holds per tier: weights, KV cache, activations, ring and staging buffers."""
     s = ctx.shape
     n_dev, n_host, n_disk = cand.layers
     w = ctx.weight_bytes(s.layer_params, cand.weight_bits)
@@ -281,7 +279,7 @@ def predict(
     block_size: int = 16,
 ) -> Prediction:
     """Time and memory of `cand` on `hw` for `workload`."""
-    ctx = _make_context(shape, hw, dtype, ring_slots, block_size)
+    ctx = make_context(shape, hw, dtype, ring_slots, block_size)
     if sum(cand.layers) != shape.num_layers:
         raise ValueError(f"candidate places {sum(cand.layers)} layers, the model has {shape.num_layers}")
     prefill = _step(ctx, cand, workload.prompt_len, True, workload.prompt_len)
@@ -294,7 +292,7 @@ def predict(
             resources[k] += step[k]
     requests = workload.requests if workload.requests is not None else cand.batch
     rounds = -(-requests // cand.batch)
-    memory = _memory(ctx, cand, workload)
+    memory = tier_memory(ctx, cand, workload)
     return Prediction(
         candidate=cand,
         prefill_seconds=prefill["wall"],
@@ -308,13 +306,14 @@ def predict(
     )
 
 
-def _make_context(shape: ModelShape, hw: HardwareProfile, dtype: str | None, ring: int, block: int) -> _Context:
+def make_context(shape: ModelShape, hw: HardwareProfile, dtype: str | None, ring: int, block: int) -> Context:
+    """What every prediction for this model on this machine shares; fails early, in one line, on a bad dtype."""
     dtype = dtype or shape.dtype
     sizes = {"float32": 4, "float16": 2, "bfloat16": 2}
     if dtype not in sizes:
         raise OffloadError(f"dtype {dtype!r} is not one of {', '.join(sizes)}")
     matmul_rate(hw.device, dtype, 1)  # fails early, naming the dtype, when the device has no such GEMM
-    return _Context(shape, hw, dtype, sizes[dtype], ring, block)
+    return Context(shape, hw, dtype, sizes[dtype], ring, block)
 
 
 def capacity(hw: HardwareProfile, budgets: Budgets) -> dict[str, int]:
@@ -327,12 +326,12 @@ def capacity(hw: HardwareProfile, budgets: Budgets) -> dict[str, int]:
     return {"device": device, "host": host}
 
 
-def _overflow(ctx: _Context, memory: dict[str, int], budgets: Budgets) -> dict[str, int]:
+def _overflow(ctx: Context, memory: dict[str, int], budgets: Budgets) -> dict[str, int]:
     cap = capacity(ctx.hw, budgets)
     return {t: memory[t] - cap[t] for t in cap if memory[t] > cap[t]}
 
 
-def _unsupported(ctx: _Context, cand: Candidate) -> tuple[str, ...]:
+def _unsupported(ctx: Context, cand: Candidate) -> tuple[str, ...]:
     missing = []
     if cand.kv_tier != "device":
         missing.append("KV cache in host RAM")
@@ -341,101 +340,3 @@ def _unsupported(ctx: _Context, cand: Candidate) -> tuple[str, ...]:
     if cand.kv_bits < 8 * ctx.dtype_bytes:
         missing.append(f"{cand.kv_bits}-bit KV cache")
     return tuple(missing)
-
-
-# ---- the search ----------------------------------------------------------------------------------------------
-
-
-def place_layers(
-    shape: ModelShape,
-    hw: HardwareProfile,
-    workload: Workload,
-    batch: int,
-    micro_batches: int,
-    kv_tier: str = "device",
-    weight_bits: int = 16,
-    kv_bits: int = 16,
-    *,
-    dtype: str | None = None,
-    budgets: Budgets = Budgets(),
-    ring_slots: int = 3,
-    block_size: int = 16,
-) -> Candidate:
-    """The candidate with as many layers on the device as fit beside the KV cache and activations, then as
-    many in host RAM, the rest streamed from disk (every layer costs the same, so this order is optimal)."""
-    ctx = _make_context(shape, hw, dtype, ring_slots, block_size)
-    n = shape.num_layers
-    cap = capacity(ctx.hw, budgets)
-    w = ctx.weight_bytes(shape.layer_params, weight_bits)
-    bare = Candidate(batch, micro_batches, (0, 0, n), kv_tier, weight_bits, kv_bits)
-    fixed = _memory(ctx, Candidate(batch, micro_batches, (0, 0, 0), kv_tier, weight_bits, kv_bits), workload)
-    device_room = cap["device"] - fixed["device"]
-    host_room = cap["host"] - fixed["host"]
-    if n * w <= device_room:
-        return Candidate(batch, micro_batches, (n, 0, 0), kv_tier, weight_bits, kv_bits)
-    # on a CPU machine host layers are read in place; on CUDA they pass through the device ring like disk layers
-    n_dev = max(0, min(n, int(device_room // w)))
-    n_host = max(0, min(n - n_dev, int(host_room // w)))
-    if ctx.on_cpu and n_dev + n_host == n:
-        return Candidate(batch, micro_batches, (n_dev, n_host, 0), kv_tier, weight_bits, kv_bits)
-    device_room -= ring_slots * w  # something passes through the ring of device slots
-    if device_room < 0:
-        return bare  # does not fit: `predict` reports by how much
-    n_dev = min(n, int(device_room // w))
-    n_host = max(0, min(n - n_dev, int(host_room // w)))
-    if n_dev + n_host < n and not ctx.on_cpu:  # disk reads land in pinned staging buffers on the way
-        n_host = max(0, min(n - n_dev, int((host_room - ring_slots * w) // w)))
-    return Candidate(batch, micro_batches, (n_dev, n_host, n - n_dev - n_host), kv_tier, weight_bits, kv_bits)
-
-
-def search(
-    shape: ModelShape,
-    hw: HardwareProfile,
-    workload: Workload,
-    *,
-    dtype: str | None = None,
-    budgets: Budgets = Budgets(),
-    batches: Iterable[int] | None = None,
-    micro_batches: Iterable[int] = (1, 2, 4, 8, 16, 32),
-    kv_tiers: Iterable[str] = KV_TIERS,
-    quantized: bool = False,
-    ring_slots: int = 3,
-    block_size: int = 16,
-) -> list[Prediction]:
-    """Every candidate's prediction, best first: those that fit by throughput, then the rest by overflow.
-
-    quantized: also 8- and 4-bit weights and KV cache, besides the compute dtype's own width.
-    """
-    full = 8 * _make_context(shape, hw, dtype, ring_slots, block_size).dtype_bytes
-    weight_bits = kv_bits = (full, 8, 4) if quantized else (full,)
-    if batches is None:
-        top = workload.requests or 4096
-        batches = sorted({1 << i for i in range(13) if 1 << i <= top} | ({top} if workload.requests else set()))
-    kw = dict(dtype=dtype, budgets=budgets, ring_slots=ring_slots, block_size=block_size)
-    out = []
-    for batch in batches:
-        for mb in micro_batches:
-            if mb > batch:
-                continue
-            for kv_tier in kv_tiers:
-                if kv_tier == "host" and hw.device_kind == "cpu":
-                    continue  # host RAM is the device's own memory: no different from "device"
-                for wb in weight_bits:
-                    for kb in kv_bits:
-                        cand = place_layers(shape, hw, workload, batch, mb, kv_tier, wb, kb, **kw)
-                        out.append(predict(shape, hw, workload, cand, **kw))
-    return rank(out)
-
-
-def rank(predictions: list[Prediction]) -> list[Prediction]:
-    fits = sorted((p for p in predictions if p.fits), key=lambda p: (-p.tokens_per_second, p.memory["device"]))
-    rest = sorted((p for p in predictions if not p.fits), key=lambda p: sum(p.overflow.values()))
-    return fits + rest
-
-
-def best(predictions: list[Prediction], runnable_only: bool = False) -> Prediction | None:
-    """The fastest prediction that fits (and that this engine can run, when asked)."""
-    for p in predictions:
-        if p.fits and (not runnable_only or not p.unsupported):
-            return p
-    return None

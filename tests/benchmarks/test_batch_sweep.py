@@ -66,3 +66,22 @@ def test_table_shows_both_predictions_and_the_peer(sweep):
     assert first[:5] == ["8", "4.000", "4.400", "+10%", "+120%"]
     assert "2.00x" in first and "2100" in first  # Accelerate's rate ratio and its peak RSS in MB
     assert second[:5] == ["16", "7.000", "6.300", "-10%", "+80%"] and second[-4:-1] == ["-", "-", "-"]
+
+
+def test_mean_compute_averages_each_rate_and_keeps_the_rest(sweep):
+    from offload.hardware import ComputeUnit, HardwareProfile
+
+    def profile(scale: float) -> HardwareProfile:
+        unit = ComputeUnit(
+            memory=8 << 30,
+            memory_bandwidth=10e9 * scale,
+            matmul_flops={"bfloat16": 4e11 * scale},
+            matmul_curve={"bfloat16": ((1, 1e10 * scale), (2048, 4e11 * scale))},
+        )
+        return HardwareProfile("p", "cpu", unit, unit, 0.0, 0.0, 1e9, 5e8, "test")
+
+    mean = sweep.mean_compute(profile(1.0), profile(2.0))
+    assert mean.device == mean.host
+    assert mean.device.memory_bandwidth == 15e9 and mean.device.matmul_flops == {"bfloat16": 6e11}
+    assert mean.device.matmul_curve == {"bfloat16": ((1, 1.5e10), (2048, 6e11))}
+    assert (mean.disk_read, mean.disk_write, mean.device.memory) == (1e9, 5e8, 8 << 30)

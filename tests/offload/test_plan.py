@@ -9,7 +9,8 @@ import pytest
 from offload.cli import main
 from offload.hardware import load_profile
 from offload.shapes import load_shape
-from scheduler.cost import Budgets, Workload, best, search
+from scheduler.cost import Budgets, Workload
+from scheduler.search import best, search
 
 FLEXGEN_OPT175B_T4 = 0.69  # tokens/s FlexGen published for OPT-175B on a T4, 208 GB DRAM, SSD; prompt 512, gen 32
 

@@ -1,4 +1,4 @@
-"""scheduler.cost: hand-computed step times, layer placement under budgets, and the search's ranking."""
+"""scheduler.cost and scheduler.search: hand-computed step times, layer placement under budgets, the ranking."""
 
 from __future__ import annotations
 
@@ -10,18 +10,8 @@ import pytest
 from offload.errors import OffloadError
 from offload.hardware import ComputeUnit, HardwareProfile
 from offload.shapes import ModelShape
-from scheduler.cost import (
-    LAYER_OVERHEAD,
-    SEQ_OVERHEAD,
-    Budgets,
-    Candidate,
-    Workload,
-    best,
-    matmul_rate,
-    place_layers,
-    predict,
-    search,
-)
+from scheduler.cost import LAYER_OVERHEAD, SEQ_OVERHEAD, Budgets, Candidate, Workload, matmul_rate, predict
+from scheduler.search import best, place_layers, search
 
 MB = 10**6
 

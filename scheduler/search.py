@@ -1,0 +1,112 @@
+"""The search over policies: place each candidate's layers under the budgets, predict it with the cost model,
+and rank the predictions by throughput. `offload plan` prints what `search` returns; the engine asks it for its
+batch when the user does not fix one.
+
+Plain numbers in, plain numbers out, like the cost model it drives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from offload.hardware import HardwareProfile
+from offload.shapes import ModelShape
+from scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity, make_context, predict, tier_memory
+
+KV_TIERS = ("device", "host")
+WHOLE_MACHINE = Budgets()  # no budget: every tier as big as the hardware profile says (frozen, safe to share)
+
+
+def place_layers(
+    shape: ModelShape,
+    hw: HardwareProfile,
+    workload: Workload,
+    batch: int,
+    micro_batches: int,
+    kv_tier: str = "device",
+    weight_bits: int = 16,
+    kv_bits: int = 16,
+    *,
+    dtype: str | None = None,
+    budgets: Budgets = WHOLE_MACHINE,
+    ring_slots: int = 3,
+    block_size: int = 16,
+) -> Candidate:
+    """The candidate with as many layers on the device as fit beside the KV cache and activations, then as
+    many in host RAM, the rest streamed from disk (every layer costs the same, so this order is optimal)."""
+    ctx = make_context(shape, hw, dtype, ring_slots, block_size)
+    n = shape.num_layers
+    cap = capacity(ctx.hw, budgets)
+    w = ctx.weight_bytes(shape.layer_params, weight_bits)
+    bare = Candidate(batch, micro_batches, (0, 0, n), kv_tier, weight_bits, kv_bits)
+    fixed = tier_memory(ctx, Candidate(batch, micro_batches, (0, 0, 0), kv_tier, weight_bits, kv_bits), workload)
+    device_room = cap["device"] - fixed["device"]
+    host_room = cap["host"] - fixed["host"]
+    if n * w <= device_room:
+        return Candidate(batch, micro_batches, (n, 0, 0), kv_tier, weight_bits, kv_bits)
+    # on a CPU machine host layers are read in place; on CUDA they pass through the device ring like disk layers
+    n_dev = max(0, min(n, int(device_room // w)))
+    n_host = max(0, min(n - n_dev, int(host_room // w)))
+    if ctx.on_cpu and n_dev + n_host == n:
+        return Candidate(batch, micro_batches, (n_dev, n_host, 0), kv_tier, weight_bits, kv_bits)
+    device_room -= ring_slots * w  # something passes through the ring of device slots
+    if device_room < 0:
+        return bare  # does not fit: `predict` reports by how much
+    n_dev = min(n, int(device_room // w))
+    n_host = max(0, min(n - n_dev, int(host_room // w)))
+    if n_dev + n_host < n and not ctx.on_cpu:  # disk reads land in pinned staging buffers on the way
+        n_host = max(0, min(n - n_dev, int((host_room - ring_slots * w) // w)))
+    return Candidate(batch, micro_batches, (n_dev, n_host, n - n_dev - n_host), kv_tier, weight_bits, kv_bits)
+
+
+def search(
+    shape: ModelShape,
+    hw: HardwareProfile,
+    workload: Workload,
+    *,
+    dtype: str | None = None,
+    budgets: Budgets = WHOLE_MACHINE,
+    batches: Iterable[int] | None = None,
+    micro_batches: Iterable[int] = (1, 2, 4, 8, 16, 32),
+    kv_tiers: Iterable[str] = KV_TIERS,
+    quantized: bool = False,
+    ring_slots: int = 3,
+    block_size: int = 16,
+) -> list[Prediction]:
+    """Every candidate's prediction, best first: those that fit by throughput, then the rest by overflow.
+
+    quantized: also 8- and 4-bit weights and KV cache, besides the compute dtype's own width.
+    """
+    full = 8 * make_context(shape, hw, dtype, ring_slots, block_size).dtype_bytes
+    weight_bits = kv_bits = (full, 8, 4) if quantized else (full,)
+    if batches is None:
+        top = workload.requests or 4096
+        batches = sorted({1 << i for i in range(13) if 1 << i <= top} | ({top} if workload.requests else set()))
+    kw = dict(dtype=dtype, budgets=budgets, ring_slots=ring_slots, block_size=block_size)
+    out = []
+    for batch in batches:
+        for mb in micro_batches:
+            if mb > batch:
+                continue
+            for kv_tier in kv_tiers:
+                if kv_tier == "host" and hw.device_kind == "cpu":
+                    continue  # host RAM is the device's own memory: no different from "device"
+                for wb in weight_bits:
+                    for kb in kv_bits:
+                        cand = place_layers(shape, hw, workload, batch, mb, kv_tier, wb, kb, **kw)
+                        out.append(predict(shape, hw, workload, cand, **kw))
+    return rank(out)
+
+
+def rank(predictions: list[Prediction]) -> list[Prediction]:
+    fits = sorted((p for p in predictions if p.fits), key=lambda p: (-p.tokens_per_second, p.memory["device"]))
+    rest = sorted((p for p in predictions if not p.fits), key=lambda p: sum(p.overflow.values()))
+    return fits + rest
+
+
+def best(predictions: list[Prediction], runnable_only: bool = False) -> Prediction | None:
+    """The fastest prediction that fits (and that this engine can run, when asked)."""
+    for p in predictions:
+        if p.fits and (not runnable_only or not p.unsupported):
+            return p
+    return None

@@ -2,7 +2,7 @@
 physical limit, and Accelerate's disk offload at the same batch.
 
     python benchmarks/batch_sweep.py [--batches 8,16,32,64,128] [--accelerate-at BATCHES] [--budget 600MB]
-                                     [--work-dir ~/.cache/offload/bench] [--hardware probe|PROFILE]
+                                     [--repeats 1] [--work-dir ~/.cache/offload/bench] [--hardware probe|PROFILE]
 
 The checkpoint, the budget and the engines are those of benchmarks/offload_vs_peers.py (a random bf16 Llama of
 TinyLlama-1.1B's shape; 128-token prompts, 16 new tokens, greedy); only the number of prompts varies. At each
@@ -13,8 +13,9 @@ The cost model predicts each point from this machine's hardware profile and the 
 With `--hardware probe`, the profile's disk is `offload probe`'s (measured once) and its compute (GEMM rates and
 memory bandwidth) is measured again just before and just after our run at each point, and the two averaged: a
 shared VM's speed drifts by up to 2x within the hour a sweep takes, and a profile from the start would judge the
-cost model by that drift. The prediction from the start-of-sweep profile is reported beside it. Prints a table
-and the goals; writes benchmarks/results/batch_sweep.json.
+cost model by that drift. The prediction from the start-of-sweep profile is reported beside it. With --repeats N,
+ours runs N times per point, each between its own two probes, and the run with the median prediction error is
+the point (every run is in the JSON). Prints a table and the goals; writes benchmarks/results/batch_sweep.json.
 """
 
 from __future__ import annotations
@@ -117,8 +118,13 @@ def main() -> None:
     parser.add_argument("--budget", default="600MB", help="RAM for weights (the KV cache comes on top)")
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--hardware", default="probe", help="'probe' (this machine, measured once) or a profile")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of ours per point, each between two probes; the median error's"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     args.work_dir = args.work_dir.expanduser()
     args.budget_bytes = parse_size(args.budget, "--budget")
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -136,16 +142,24 @@ def main() -> None:
     for batch in batches:
         args.prompts = batch
         workload = peers.Workload(prompts=batch)
-        before = remeasure_compute(hw) if args.hardware == "probe" else hw
-        ours = peers.run_worker("ours", model_dir, args, cache_paths)
-        after = remeasure_compute(hw) if args.hardware == "probe" else hw
-        point_hw = mean_compute(before, after)
+        runs = []
+        for _ in range(args.repeats):
+            before = remeasure_compute(hw) if args.hardware == "probe" else hw
+            ours = peers.run_worker("ours", model_dir, args, cache_paths)
+            if ours.status != "ok":
+                break
+            after = remeasure_compute(hw) if args.hardware == "probe" else hw
+            pred = predict_point(model_dir, mean_compute(before, after), ours, batch, workload)
+            runs.append((ours, pred, before, after))
         resident = peers.run_worker("resident", model_dir, args, cache_paths)
-        if ours.status != "ok" or resident.status != "ok":
+        if len(runs) < args.repeats or resident.status != "ok":
             print(f"batch {batch}: ours {ours.status}, resident {resident.status}; stopping the sweep")
             break
+        # the run whose prediction error is the median one: its time, prediction and probes stay together
+        runs.sort(key=lambda run: run[1].tokens_per_second / run[0].tokens_per_second)
+        ours, pred, before, after = runs[len(runs) // 2]
+        point_hw = mean_compute(before, after)
         limit = peers.physical_limit(ours.streamed_bytes_per_pass, raw["median_gbps"], resident.pass_seconds)
-        pred = predict_point(model_dir, point_hw, ours, batch, workload)
         start_pred = predict_point(model_dir, hw, ours, batch, workload)
         row = {
             "batch": batch,
@@ -166,6 +180,15 @@ def main() -> None:
             "peak_rss_bytes": ours.peak_rss_bytes,
             "ours": asdict(ours) | {"token_ids": None},
             "resident": asdict(resident) | {"token_ids": None},
+            "runs": [
+                {
+                    "tokens_per_second": o.tokens_per_second,
+                    "predicted_tokens_per_second": p.tokens_per_second,
+                    "prediction_error": p.tokens_per_second / o.tokens_per_second - 1,
+                    "bf16_tflops_before_after": [h.device.matmul_flops.get("bfloat16", 0) / 1e12 for h in (b, a)],
+                }
+                for o, p, b, a in runs
+            ],
         }
         if batch in accelerate_at:
             acc = peers.run_worker("accelerate", model_dir, args, cache_paths)

@@ -8,14 +8,14 @@ The checkpoint, the budget and the engines are those of benchmarks/offload_vs_pe
 TinyLlama-1.1B's shape; 128-token prompts, 16 new tokens, greedy); only the number of prompts varies. At each
 batch it runs, each in its own subprocess after dropping the page cache: our engine under the budget (weights
 budget plus a KV cache sized to the batch), our engine with every weight resident (the compute half of the
-physical limit), and Accelerate's disk offload, whose KV cache is not budgeted (every batch, or --accelerate-at's).
-The cost model predicts each point from this machine's hardware profile and the placement the engine chose.
-With `--hardware probe`, the profile's disk is `offload probe`'s (measured once) and its compute (GEMM rates and
-memory bandwidth) is measured again just before and just after our run at each point, and the two averaged: a
-shared VM's speed drifts by up to 2x within the hour a sweep takes, and a profile from the start would judge the
-cost model by that drift. The prediction from the start-of-sweep profile is reported beside it. With --repeats N,
-ours runs N times per point, each between its own two probes, and the run with the median prediction error is
-the point (every run is in the JSON). Prints a table and the goals; writes benchmarks/results/batch_sweep.json.
+physical limit), and Accelerate's disk offload, whose KV cache is not budgeted (every batch, or
+--accelerate-at's). The cost model predicts each point from this machine's hardware profile and the placement the
+engine chose. With `--hardware probe`, the profile (disk read speed, GEMM rates, memory bandwidth) is measured
+again just before and just after our run at each point, and the two averaged: a shared VM's speed drifts by up to
+2x within the hour a sweep takes, and a profile from the start would judge the cost model by that drift. The
+prediction from the start-of-sweep profile is reported beside it. With --repeats N, ours runs N times per point,
+each between its own two probes, and the run with the median prediction error is the point (every run is in the
+JSON). Prints a table and the goals; writes benchmarks/results/batch_sweep.json.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, w
     return predict(load_shape(str(model_dir)), hw, work, cand, dtype="bfloat16", budgets=budgets)
 
 
-def mean_compute(a, b):
-    """The profile with each GEMM rate and the memory bandwidth averaged over two measurements (just before and
-    just after a run), so one fast or slow spell of the VM during a few-second probe weighs half as much."""
+def mean_profile(a, b):
+    """The profile with each GEMM rate, the memory bandwidth and the disk's speeds averaged over two measurements
+    (just before and just after a run), so one fast or slow spell of the VM during a probe weighs half as much."""
     from dataclasses import replace
 
     def mean_curve(x, y):
@@ -61,7 +61,13 @@ def mean_compute(a, b):
         matmul_flops={k: (v + b.device.matmul_flops[k]) / 2 for k, v in a.device.matmul_flops.items()},
         matmul_curve={k: mean_curve(v, b.device.matmul_curve[k]) for k, v in a.device.matmul_curve.items()},
     )
-    return replace(a, device=unit, host=unit)
+    return replace(
+        a,
+        device=unit,
+        host=unit,
+        disk_read=(a.disk_read + b.disk_read) / 2,
+        disk_write=(a.disk_write + b.disk_write) / 2,
+    )
 
 
 def table(rows: list[dict]) -> str:
@@ -106,7 +112,7 @@ def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
 
 def main() -> None:
     from offload.hardware import load_profile
-    from offload.probe import local_profile, remeasure_compute
+    from offload.probe import local_profile, remeasure
     from tiers.budget import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -144,12 +150,12 @@ def main() -> None:
         workload = peers.Workload(prompts=batch)
         runs = []
         for _ in range(args.repeats):
-            before = remeasure_compute(hw) if args.hardware == "probe" else hw
+            before = remeasure(hw, disk_dir=args.work_dir) if args.hardware == "probe" else hw
             ours = peers.run_worker("ours", model_dir, args, cache_paths)
             if ours.status != "ok":
                 break
-            after = remeasure_compute(hw) if args.hardware == "probe" else hw
-            pred = predict_point(model_dir, mean_compute(before, after), ours, batch, workload)
+            after = remeasure(hw, disk_dir=args.work_dir) if args.hardware == "probe" else hw
+            pred = predict_point(model_dir, mean_profile(before, after), ours, batch, workload)
             runs.append((ours, pred, before, after))
         resident = peers.run_worker("resident", model_dir, args, cache_paths)
         if len(runs) < args.repeats or resident.status != "ok":
@@ -158,7 +164,7 @@ def main() -> None:
         # the run whose prediction error is the median one: its time, prediction and probes stay together
         runs.sort(key=lambda run: run[1].tokens_per_second / run[0].tokens_per_second)
         ours, pred, before, after = runs[len(runs) // 2]
-        point_hw = mean_compute(before, after)
+        point_hw = mean_profile(before, after)
         limit = peers.physical_limit(ours.streamed_bytes_per_pass, raw["median_gbps"], resident.pass_seconds)
         start_pred = predict_point(model_dir, hw, ours, batch, workload)
         row = {
@@ -172,6 +178,7 @@ def main() -> None:
             "prediction_error": pred.tokens_per_second / ours.tokens_per_second - 1,
             "prediction_error_start_profile": start_pred.tokens_per_second / ours.tokens_per_second - 1,
             "point_bf16_tflops": point_hw.device.matmul_flops.get("bfloat16", 0) / 1e12,
+            "point_disk_read_gbps": point_hw.disk_read / 1e9,
             "point_bf16_tflops_before_after": [
                 p.device.matmul_flops.get("bfloat16", 0) / 1e12 for p in (before, after)
             ],
@@ -186,6 +193,7 @@ def main() -> None:
                     "predicted_tokens_per_second": p.tokens_per_second,
                     "prediction_error": p.tokens_per_second / o.tokens_per_second - 1,
                     "bf16_tflops_before_after": [h.device.matmul_flops.get("bfloat16", 0) / 1e12 for h in (b, a)],
+                    "disk_read_gbps_before_after": [h.disk_read / 1e9 for h in (b, a)],
                 }
                 for o, p, b, a in runs
             ],

@@ -238,15 +238,19 @@ def run_probe(out: str | None, directory: str | None, disk_bytes: str | None, qu
     return path
 
 
-def remeasure_compute(
-    profile: HardwareProfile, dtypes: tuple[str, ...] = ("bfloat16",), sizes: ProbeSizes | None = None
+def remeasure(
+    profile: HardwareProfile,
+    dtypes: tuple[str, ...] = ("bfloat16",),
+    sizes: ProbeSizes | None = None,
+    disk_dir: str | Path | None = None,
 ) -> HardwareProfile:
     """`profile` with this machine's memory bandwidth and `dtypes` GEMM rates measured again now (quick sizes,
-    a few seconds), its disk and links kept. For a benchmark that predicts each of its points: a shared VM's
-    compute speed drifts by up to 2x within an hour, and a profile measured at the start then judges the cost
-    model by the drift. CPU-only profiles: on CUDA the device, not the host, would need measuring."""
+    a few seconds), and its disk too when `disk_dir` is given; the rest kept. For a benchmark that predicts each
+    of its points: a shared VM's compute speed drifts by up to 2x within an hour (its virtual disk's by a third),
+    and a profile measured at the start then judges the cost model by the drift. CPU-only profiles: on CUDA the
+    device, not the host, would need measuring."""
     if profile.device_kind != "cpu":
-        raise OffloadError(f"remeasure_compute measures CPU-only profiles; {profile.name!r} is {profile.device_kind}")
+        raise OffloadError(f"remeasure measures CPU-only profiles; {profile.name!r} is {profile.device_kind}")
     sizes = sizes or ProbeSizes.quick()
     cpu = torch.device("cpu")
     bandwidth = measure_copy(cpu, sizes.copy_bytes, sizes.min_seconds)
@@ -257,7 +261,11 @@ def remeasure_compute(
         matmul_flops={**old.matmul_flops, **fresh.matmul_flops},
         matmul_curve={**old.matmul_curve, **fresh.matmul_curve},
     )
-    return dataclasses.replace(profile, device=unit, host=unit)
+    profile = dataclasses.replace(profile, device=unit, host=unit)
+    if disk_dir is not None:
+        disk = measure_disk(disk_dir, sizes.disk_bytes, sizes.extent_bytes, sizes.depth)
+        profile = dataclasses.replace(profile, disk_read=disk.read, disk_write=disk.write)
+    return profile
 
 
 def local_profile_path() -> Path:

@@ -68,7 +68,7 @@ def test_table_shows_both_predictions_and_the_peer(sweep):
     assert second[:5] == ["16", "7.000", "6.300", "-10%", "+80%"] and second[-4:-1] == ["-", "-", "-"]
 
 
-def test_mean_compute_averages_each_rate_and_keeps_the_rest(sweep):
+def test_mean_profile_averages_each_rate_and_keeps_the_rest(sweep):
     from offload.hardware import ComputeUnit, HardwareProfile
 
     def profile(scale: float) -> HardwareProfile:
@@ -78,10 +78,10 @@ def test_mean_compute_averages_each_rate_and_keeps_the_rest(sweep):
             matmul_flops={"bfloat16": 4e11 * scale},
             matmul_curve={"bfloat16": ((1, 1e10 * scale), (2048, 4e11 * scale))},
         )
-        return HardwareProfile("p", "cpu", unit, unit, 0.0, 0.0, 1e9, 5e8, "test")
+        return HardwareProfile("p", "cpu", unit, unit, 0.0, 0.0, 1e9 * scale, 5e8 * scale, "test")
 
-    mean = sweep.mean_compute(profile(1.0), profile(2.0))
+    mean = sweep.mean_profile(profile(1.0), profile(2.0))
     assert mean.device == mean.host
     assert mean.device.memory_bandwidth == 15e9 and mean.device.matmul_flops == {"bfloat16": 6e11}
     assert mean.device.matmul_curve == {"bfloat16": ((1, 1.5e10), (2048, 6e11))}
-    assert (mean.disk_read, mean.disk_write, mean.device.memory) == (1e9, 5e8, 8 << 30)
+    assert (mean.disk_read, mean.disk_write, mean.device.memory) == (1.5e9, 7.5e8, 8 << 30)

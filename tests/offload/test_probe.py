@@ -88,23 +88,26 @@ def test_timings_are_the_median_not_the_shortest(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="remeasures CPU-only profiles")
-def test_remeasure_compute_replaces_rates_and_keeps_disk_and_other_dtypes(tiny_profile):
+def test_remeasure_replaces_rates_and_keeps_disk_and_other_dtypes(tiny_profile, tmp_path):
     p, _ = tiny_profile
-    q = probe_mod.remeasure_compute(p, ("bfloat16",), TINY)
+    q = probe_mod.remeasure(p, ("bfloat16",), TINY)
     assert (q.disk_read, q.disk_write, q.name, q.source) == (p.disk_read, p.disk_write, p.name, p.source)
     assert q.device == q.host and q.host.memory == p.host.memory
     assert q.host.matmul_curve["float32"] == p.host.matmul_curve["float32"]  # not measured again: kept
     assert [r for r, _ in q.host.matmul_curve["bfloat16"]] == [1, 8, 64]
     assert q.host.matmul_curve["bfloat16"] is not p.host.matmul_curve.get("bfloat16")
     assert q.host.matmul_flops["bfloat16"] == q.host.matmul_curve["bfloat16"][-1][1]
+    with_disk = probe_mod.remeasure(p, ("bfloat16",), TINY, disk_dir=tmp_path)
+    assert with_disk.disk_read > 0 and with_disk.disk_read != p.disk_read and with_disk.disk_write != p.disk_write
+    assert list(tmp_path.iterdir()) == []  # the test file is gone
 
 
-def test_remeasure_compute_refuses_a_cuda_profile(tiny_profile):
+def test_remeasure_refuses_a_cuda_profile(tiny_profile):
     import dataclasses
 
     p, _ = tiny_profile
     with pytest.raises(OffloadError, match="CPU-only profiles; 'x' is cuda"):
-        probe_mod.remeasure_compute(dataclasses.replace(p, name="x", device_kind="cuda"))
+        probe_mod.remeasure(dataclasses.replace(p, name="x", device_kind="cuda"))
 
 
 def test_disk_test_file_is_removed_on_interrupt(tmp_path, monkeypatch):

@@ -47,6 +47,15 @@ def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, w
     return predict(load_shape(str(model_dir)), hw, work, cand, dtype="bfloat16", budgets=budgets)
 
 
+def error(pred, result: peers.EngineResult) -> float:
+    """Predicted over measured tokens/s, minus one: + when the cost model is too optimistic."""
+    return pred.tokens_per_second / result.tokens_per_second - 1
+
+
+def bf16_tflops(profile) -> float:
+    return profile.device.matmul_flops.get("bfloat16", 0) / 1e12
+
+
 def mean_profile(a, b):
     """The profile with each GEMM rate, the memory bandwidth and the disk's speeds averaged over two measurements
     (just before and just after a run), so one fast or slow spell of the VM during a probe weighs half as much."""
@@ -123,9 +132,14 @@ def main() -> None:
     )
     parser.add_argument("--budget", default="600MB", help="RAM for weights (the KV cache comes on top)")
     parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--hardware", default="probe", help="'probe' (this machine, measured once) or a profile")
     parser.add_argument(
-        "--repeats", type=int, default=1, help="runs of ours per point, each between two probes; the median error's"
+        "--hardware", default="probe", help="'probe' (this machine, measured around each run) or a profile file or name"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of ours per point, each between two probes; the median prediction error's run counts",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -162,7 +176,7 @@ def main() -> None:
             print(f"batch {batch}: ours {ours.status}, resident {resident.status}; stopping the sweep")
             break
         # the run whose prediction error is the median one: its time, prediction and probes stay together
-        runs.sort(key=lambda run: run[1].tokens_per_second / run[0].tokens_per_second)
+        runs.sort(key=lambda run: error(run[1], run[0]))
         ours, pred, before, after = runs[len(runs) // 2]
         point_hw = mean_profile(before, after)
         limit = peers.physical_limit(ours.streamed_bytes_per_pass, raw["median_gbps"], resident.pass_seconds)
@@ -175,13 +189,11 @@ def main() -> None:
             "resident_seconds": resident.wall_seconds,
             "predicted_tokens_per_second": pred.tokens_per_second,
             "predicted_seconds": pred.total_seconds,
-            "prediction_error": pred.tokens_per_second / ours.tokens_per_second - 1,
-            "prediction_error_start_profile": start_pred.tokens_per_second / ours.tokens_per_second - 1,
-            "point_bf16_tflops": point_hw.device.matmul_flops.get("bfloat16", 0) / 1e12,
+            "prediction_error": error(pred, ours),
+            "prediction_error_start_profile": error(start_pred, ours),
+            "point_bf16_tflops": bf16_tflops(point_hw),
             "point_disk_read_gbps": point_hw.disk_read / 1e9,
-            "point_bf16_tflops_before_after": [
-                p.device.matmul_flops.get("bfloat16", 0) / 1e12 for p in (before, after)
-            ],
+            "point_bf16_tflops_before_after": [bf16_tflops(before), bf16_tflops(after)],
             "predicted_bound": pred.bound,
             "predicted_busy_seconds": pred.resources,
             "peak_rss_bytes": ours.peak_rss_bytes,
@@ -191,8 +203,8 @@ def main() -> None:
                 {
                     "tokens_per_second": o.tokens_per_second,
                     "predicted_tokens_per_second": p.tokens_per_second,
-                    "prediction_error": p.tokens_per_second / o.tokens_per_second - 1,
-                    "bf16_tflops_before_after": [h.device.matmul_flops.get("bfloat16", 0) / 1e12 for h in (b, a)],
+                    "prediction_error": error(p, o),
+                    "bf16_tflops_before_after": [bf16_tflops(b), bf16_tflops(a)],
                     "disk_read_gbps_before_after": [h.disk_read / 1e9 for h in (b, a)],
                 }
                 for o, p, b, a in runs

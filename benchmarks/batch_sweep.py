@@ -57,18 +57,25 @@ def bf16_tflops(profile) -> float:
 
 
 def mean_profile(a, b):
-    """The profile with each GEMM rate, the memory bandwidth and the disk's speeds averaged over two measurements
-    (just before and just after a run), so one fast or slow spell of the VM during a probe weighs half as much."""
+    """The profile with each measured rate (GEMM, the rest of a layer, memory bandwidth, the disk's speeds) averaged
+    over two measurements (just before and just after a run), so one fast or slow spell of the VM during a probe
+    weighs half as much."""
     from dataclasses import replace
 
+    from offload.hardware import CURVES
+
     def mean_curve(x, y):
-        return tuple((rows, (fx + fy) / 2) for (rows, fx), (_, fy) in zip(x, y, strict=True))
+        return tuple((size, (fx + fy) / 2) for (size, fx), (_, fy) in zip(x, y, strict=True))
+
+    def mean_curves(key):
+        x, y = getattr(a.device, key), getattr(b.device, key)
+        return {dtype: mean_curve(curve, y[dtype]) for dtype, curve in x.items()}
 
     unit = replace(
         a.device,
         memory_bandwidth=(a.device.memory_bandwidth + b.device.memory_bandwidth) / 2,
         matmul_flops={k: (v + b.device.matmul_flops[k]) / 2 for k, v in a.device.matmul_flops.items()},
-        matmul_curve={k: mean_curve(v, b.device.matmul_curve[k]) for k, v in a.device.matmul_curve.items()},
+        **{key: mean_curves(key) for key in CURVES},
     )
     return replace(
         a,

@@ -48,6 +48,17 @@ class ComputeUnit:
     # dtype -> ((rows, FLOP/s), ...) measured by `offload probe` for [rows, k] x [k, n] products, rows ascending;
     # empty for published profiles (the cost model then uses matmul_flops and the memory roofline alone)
     matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # what `offload probe` measures of the rest of a layer through the engine's own code, dtype -> ((size, rate),
+    # ...) with sizes ascending; empty for published profiles (the cost model then prices this work at the memory
+    # bandwidth and the GEMM rate). On a CPU these run far below the memory roofline: a float32 RMS norm or a
+    # 128-token causal attention is a chain of small kernels, not one streaming pass.
+    # rows -> bytes/s: a layer's non-GEMM work (norms, rotary, SiLU * up, residual adds, KV write) at that many
+    # rows, as the bytes the cost model counts for it (scheduler.cost.elementwise_bytes) per second
+    elementwise_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # prompt tokens -> FLOP/s: causal attention of whole prompts of that length, one call per sequence
+    prefill_attention_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # context tokens -> bytes/s: one query per sequence over a paged K/V cache of that length (K and V bytes read)
+    decode_attention_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +98,7 @@ def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile
     for key in ("name", "source"):
         if not isinstance(top[key], str) or not top[key].strip():
             raise OffloadError(f"{where}: {key}: must be a non-empty string, got {top[key]!r}")
-    device = _fields(top["device"], where, "device", ("kind", *_UNIT_FIELDS), ("matmul_curve",))
+    device = _fields(top["device"], where, "device", ("kind", *_UNIT_FIELDS), tuple(CURVES))
     kind = device["kind"]
     if kind not in DEVICE_KINDS:
         raise OffloadError(f"{where}: device.kind: unknown kind {kind!r} (known: {', '.join(DEVICE_KINDS)})")
@@ -201,16 +212,33 @@ def format_profile(p: HardwareProfile) -> str:
         f"links     {links}",
         f"disk      read {_short(p.disk_read / GB)} GB/s, write {_short(p.disk_write / GB)} GB/s",
     ]
-    curves = [(label, d, c) for label, u in (("device", p.device), ("host", p.host)) for d, c in u.matmul_curve.items()]
-    if curves:
-        lines += ["", "matmul TFLOP/s by rows of [rows, k] x [k, n]:"]
-        for label, dtype, curve in curves:
-            points = "  ".join(f"{rows}: {_short(flops / TFLOP)}" for rows, flops in curve)
-            lines.append(f"  {label:<6} {dtype:<8}  {points}")
+    units = (("device", p.device),) if p.device == p.host else (("device", p.device), ("host", p.host))
+    for key, (x, unit_name, scale) in CURVES.items():
+        curves = [(label, d, c) for label, u in units for d, c in getattr(u, key).items()]
+        if curves:
+            lines += ["", f"{_CURVE_TITLES[key]}, {unit_name} by {x}:"]
+            for label, dtype, curve in curves:
+                points = "  ".join(f"{size}: {_short(rate / scale)}" for size, rate in curve)
+                lines.append(f"  {label:<6} {dtype:<8}  {points}")
     return "\n".join(lines)
 
 
+_CURVE_TITLES = {
+    "matmul_curve": "matmul [rows, k] x [k, n]",
+    "elementwise_curve": "a layer's non-GEMM work (bytes as the cost model counts them)",
+    "prefill_attention_curve": "causal attention of whole prompts",
+    "decode_attention_curve": "one query per sequence over a paged K/V cache (K and V bytes)",
+}
+
+
 _UNIT_FIELDS = ("memory_gb", "memory_bandwidth_gbps", "matmul_tflops")
+# the optional measured curves: JSON field -> (the x of a point, the unit of its rate, that unit in base units)
+CURVES = {
+    "matmul_curve": ("rows", "TFLOP/s", TFLOP),
+    "elementwise_curve": ("rows", "GB/s", GB),
+    "prefill_attention_curve": ("tokens", "TFLOP/s", TFLOP),
+    "decode_attention_curve": ("tokens", "GB/s", GB),
+}
 
 
 def _columns(rows: list[list[str]]) -> list[str]:
@@ -276,37 +304,40 @@ def _dtype_map(data: Any, where: str, name: str) -> dict:
 
 
 def _unit(data: dict, where: str, field_path: str) -> ComputeUnit:
-    optional = ("matmul_curve", "kind") if field_path == "device" else ("matmul_curve",)
+    optional = (*CURVES, "kind") if field_path == "device" else tuple(CURVES)
     data = _fields(data, where, field_path, _UNIT_FIELDS, optional)
     flops_name = f"{field_path}.matmul_tflops"
     flops = _dtype_map(data["matmul_tflops"], where, flops_name)
-    curve: dict[str, tuple[tuple[int, float], ...]] = {}
-    if "matmul_curve" in data:
-        curve_name = f"{field_path}.matmul_curve"
-        for dtype, points in _dtype_map(data["matmul_curve"], where, curve_name).items():
-            curve[dtype] = _curve(points, where, f"{curve_name}.{dtype}")
+    curves: dict[str, dict[str, tuple[tuple[int, float], ...]]] = {key: {} for key in CURVES}
+    for key in CURVES:
+        if key in data:
+            curve_name = f"{field_path}.{key}"
+            for dtype, points in _dtype_map(data[key], where, curve_name).items():
+                curves[key][dtype] = _curve(points, where, f"{curve_name}.{dtype}", *CURVES[key])
     return ComputeUnit(
         memory=round(_number(data, where, field_path, "memory_gb") * GB),
         memory_bandwidth=_number(data, where, field_path, "memory_bandwidth_gbps") * GB,
         matmul_flops={dtype: _number(flops, where, flops_name, dtype) * TFLOP for dtype in flops},
-        matmul_curve=curve,
+        **curves,
     )
 
 
-def _curve(points: Any, where: str, name: str) -> tuple[tuple[int, float], ...]:
-    """[[rows, TFLOP/s], ...] with rows ascending -> ((rows, FLOP/s), ...)."""
+def _curve(points: Any, where: str, name: str, x: str, unit: str, scale: float) -> tuple[tuple[int, float], ...]:
+    """[[x, rate], ...] with x ascending, the rate in `unit` -> ((x, rate * scale), ...)."""
+    pair = f"[{x}, {unit}]"
     if not isinstance(points, list) or not points:
-        raise OffloadError(f"{where}: {name}: must be a non-empty list of [rows, TFLOP/s] pairs, got {points!r}")
+        raise OffloadError(f"{where}: {name}: must be a non-empty list of {pair} pairs, got {points!r}")
     curve = []
     for i, point in enumerate(points):
         if not isinstance(point, list) or len(point) != 2:
-            raise OffloadError(f"{where}: {name}[{i}]: must be a [rows, TFLOP/s] pair, got {point!r}")
-        rows = point[0]
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-            raise OffloadError(f"{where}: {name}[{i}]: rows must be a positive integer, got {rows!r}")
-        if curve and rows <= curve[-1][0]:
-            raise OffloadError(f"{where}: {name}[{i}]: rows must ascend, got {rows} after {curve[-1][0]}")
-        curve.append((rows, _number({"tflops": point[1]}, where, f"{name}[{i}]", "tflops") * TFLOP))
+            raise OffloadError(f"{where}: {name}[{i}]: must be a {pair} pair, got {point!r}")
+        size = point[0]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise OffloadError(f"{where}: {name}[{i}]: {x} must be a positive integer, got {size!r}")
+        if curve and size <= curve[-1][0]:
+            raise OffloadError(f"{where}: {name}[{i}]: {x} must ascend, got {size} after {curve[-1][0]}")
+        label = {"TFLOP/s": "tflops", "GB/s": "gbps"}[unit]  # the number's name in errors
+        curve.append((size, _number({label: point[1]}, where, f"{name}[{i}]", label) * scale))
     return tuple(curve)
 
 
@@ -316,10 +347,9 @@ def _unit_to_json(unit: ComputeUnit) -> dict:
         "memory_bandwidth_gbps": _human(unit.memory_bandwidth / GB),
         "matmul_tflops": {d: _human(f / TFLOP) for d, f in unit.matmul_flops.items()},
     }
-    if unit.matmul_curve:
-        out["matmul_curve"] = {
-            d: [[rows, _human(f / TFLOP)] for rows, f in curve] for d, curve in unit.matmul_curve.items()
-        }
+    for key, (_, _, scale) in CURVES.items():
+        if curves := getattr(unit, key):
+            out[key] = {d: [[size, _human(rate / scale)] for size, rate in curve] for d, curve in curves.items()}
     return out
 
 

@@ -5,6 +5,11 @@
 - memory bandwidth: a large tensor copy, counted as bytes read + bytes written per second.
 - matmul: [rows, k] x [k, n] through kernels.linear per dtype, the median of a few runs after a warm-up; every row
   count goes into matmul_curve, the largest one's rate is matmul_flops.
+- the rest of a layer of hidden size k, through the engine's own functions: its non-GEMM work at each row count
+  (RMS norms, rotary, KV write, SiLU * up, residual adds; elementwise_curve), causal attention of whole prompts of
+  a few lengths (prefill_attention_curve) and one decode query per sequence over paged caches of a few lengths
+  (decode_attention_curve). On a CPU these run far below the memory roofline, and a cost model that priced them
+  there predicted long prefills 10-20% too fast.
 - on CUDA the same on the GPU, plus pinned host-to-device and device-to-host copies; on a CPU-only machine the
   device is the host's RAM (device_kind "cpu", links 0).
 """
@@ -28,9 +33,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from offload.errors import OffloadError
-from offload.hardware import ComputeUnit, HardwareProfile, format_profile, save_profile
+from offload.hardware import CURVES, ComputeUnit, HardwareProfile, format_profile, save_profile
 from tiers.budget import format_size, parse_size
 from tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache, make_backend
 
@@ -52,6 +58,9 @@ class ProbeSizes:
     k: int = 4096  # inner dimension of the measured products
     n: int = 4096  # output features of the measured products
     rows: tuple[int, ...] = (1, 8, 32, 128, 512, 2048)  # ascending
+    head_dim: int = 128  # attention: k // head_dim query heads, a quarter as many K/V heads
+    attention_tokens: tuple[int, ...] = (16, 128, 512, 2048)  # prompt and cache lengths measured, ascending
+    decode_seqs: int = 32  # sequences of each measured decode step
     # bytes of weight copies each product cycles through: more than the caches hold, so small-row rates include
     # streaming the weight from memory, as in the engine, instead of a cache-resident repeat
     weight_pool_bytes: int = 1 << 30
@@ -66,8 +75,14 @@ class ProbeSizes:
                 raise OffloadError(f"{name.replace('_', '-')}: must not be negative, got {getattr(self, name)}")
         if self.extent_bytes % ALIGN:
             raise OffloadError(f"extent-bytes: must be a multiple of {ALIGN}, got {self.extent_bytes}")
-        if not self.rows or self.rows[0] < 1 or list(self.rows) != sorted(set(self.rows)):
-            raise OffloadError(f"rows: must be positive and ascending, got {self.rows}")
+        for name in ("rows", "attention_tokens"):
+            sizes = getattr(self, name)
+            if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)):
+                raise OffloadError(f"{name.replace('_', '-')}: must be positive and ascending, got {sizes}")
+        if self.head_dim < 1 or self.k % (4 * self.head_dim):
+            raise OffloadError(f"k: must be a multiple of 4 x head-dim ({4 * self.head_dim}), got {self.k}")
+        if self.decode_seqs < 1:
+            raise OffloadError(f"decode-seqs: must be positive, got {self.decode_seqs}")
 
     @classmethod
     def quick(cls) -> ProbeSizes:
@@ -80,6 +95,8 @@ class ProbeSizes:
             n=2048,
             weight_pool_bytes=512 * MiB,
             min_seconds=0.05,
+            head_dim=64,
+            attention_tokens=(16, 128, 512),
         )
 
 
@@ -110,6 +127,9 @@ def probe(
         f"matmul: kernels.linear on [rows, {sizes.k}] x [{sizes.k}, {sizes.n}], median of >= {MIN_REPEATS} runs "
         f"after a warm-up, weights cycled through {format_size(sizes.weight_pool_bytes)} of copies, matmul_tflops at "
         f"{sizes.rows[-1]} rows, {torch.get_num_threads()} torch threads",
+        f"rest of a layer: hidden {sizes.k}, {sizes.k // sizes.head_dim} heads of {sizes.head_dim} "
+        f"({sizes.k // sizes.head_dim // 4} K/V heads), MLP {sizes.k * 11 // 4}; prompts of {sizes.rows[-1]} tokens "
+        f"in all, {sizes.decode_seqs} decode sequences",
     ]
     names = [_cpu_model()]
     if torch.cuda.is_available():
@@ -202,6 +222,97 @@ def measure_matmul(
     return tuple(curve)
 
 
+def measure_elementwise(
+    device: torch.device, dtype: str, rows: tuple[int, ...], hidden: int, head_dim: int, min_seconds: float = 0.2
+) -> tuple[tuple[int, float], ...]:
+    """((rows, bytes/s), ...) of a layer's non-GEMM work, as the engine's Llama layer does it: the input norm,
+    rotary embedding of q and k, the KV-cache write, a residual add, the post-attention norm, SiLU(gate) * up and
+    the second residual add; bytes as scheduler.cost.elementwise_bytes counts them."""
+    from offload.model.llama import rms_norm
+    from offload.model.rope import apply_rope
+    from scheduler.cost import elementwise_bytes
+
+    heads, kv_heads, inter = hidden // head_dim, hidden // head_dim // 4, hidden * 11 // 4
+    gen = torch.Generator().manual_seed(0)
+    dt = getattr(torch, dtype)
+    n = rows[-1]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+
+    x, attn_out, down_out = rand(n, hidden), rand(n, hidden), rand(n, hidden)  # [n, hidden]
+    q, k, v = rand(n, heads, head_dim), rand(n, kv_heads, head_dim), rand(n, kv_heads, head_dim)
+    cos, sin = rand(n, head_dim), rand(n, head_dim)  # [n, head_dim]
+    gate, up = rand(n, inter), rand(n, inter)  # [n, inter]
+    norm_weight = torch.ones(hidden, device=device, dtype=dt)
+    k_cache, v_cache = torch.zeros_like(k), torch.zeros_like(v)  # one slot per row, in a shuffled order
+    slots = torch.randperm(n, generator=gen).to(device)
+
+    def rest(r: int) -> torch.Tensor:
+        rms_norm(x[:r], norm_weight, 1e-5)
+        q_rot, k_rot = apply_rope(q[:r], cos[:r], sin[:r]), apply_rope(k[:r], cos[:r], sin[:r])
+        k_cache[slots[:r]] = k_rot
+        v_cache[slots[:r]] = v[:r]
+        h = x[:r] + attn_out[:r]
+        rms_norm(h, norm_weight, 1e-5)
+        F.silu(gate[:r]) * up[:r]
+        return h + down_out[:r] + q_rot[:, 0, :1]  # q_rot used, so nothing is skipped
+
+    per_row = elementwise_bytes(hidden, heads * head_dim, kv_heads * head_dim, inter, dt.itemsize)
+    return tuple((r, r * per_row / _typical_seconds(lambda r=r: rest(r), device, min_seconds)) for r in rows)
+
+
+def measure_attention(
+    device: torch.device,
+    dtype: str,
+    lengths: tuple[int, ...],
+    hidden: int,
+    head_dim: int,
+    prefill_tokens: int,
+    decode_seqs: int,
+    min_seconds: float = 0.2,
+    block_size: int = 16,
+) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
+    """Through kernels.paged_attention over a paged cache whose blocks are scattered: ((prompt tokens, FLOP/s), ...)
+    of causal attention over whole prompts of each length (as many prompts as fill `prefill_tokens`), and
+    ((context tokens, bytes/s), ...) of one decode query for each of `decode_seqs` sequences over a cache of that
+    length (the K and V bytes of the context per second). FLOPs as the cost model counts them: 2 x (QK + PV) over
+    half of the square."""
+    from kernels.paged_attention import PagedBatch, paged_attention
+
+    heads, kv_heads = hidden // head_dim, hidden // head_dim // 4
+    gen = torch.Generator().manual_seed(0)
+    dt = getattr(torch, dtype)
+    scale = head_dim**-0.5
+
+    def step(query_lens: list[int], context: int) -> Callable[[], torch.Tensor]:
+        per_seq = -(-context // block_size)
+        blocks = torch.randperm(len(query_lens) * per_seq, generator=gen)  # scattered, as after many steps
+        tables = blocks.view(len(query_lens), per_seq)  # [seqs, blocks per sequence]
+        positions = [torch.arange(context - n, context) for n in query_lens]
+        slots = torch.cat(
+            [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions, strict=True)]
+        )
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        batch = PagedBatch(tuple(starts), (context,) * len(query_lens), tables.to(device), slots.to(device))
+        cache = (blocks.numel(), block_size, kv_heads, head_dim)
+        k_cache = torch.randn(cache, generator=gen).to(device=device, dtype=dt)
+        v_cache = torch.randn(cache, generator=gen).to(device=device, dtype=dt)
+        q = torch.randn(starts[-1], heads, head_dim, generator=gen).to(device=device, dtype=dt)
+        return lambda: paged_attention(q, k_cache, v_cache, batch, scale)
+
+    prefill, decode = [], []
+    for n in lengths:
+        seqs = max(prefill_tokens // n, 1)
+        flops = seqs * 2.0 * (2 * heads * head_dim) * n * n / 2
+        prefill.append((n, flops / _typical_seconds(step([n] * seqs, n), device, min_seconds)))
+        kv_bytes = decode_seqs * n * 2 * kv_heads * head_dim * dt.itemsize
+        decode.append((n, kv_bytes / _typical_seconds(step([1] * decode_seqs, n), device, min_seconds)))
+    return tuple(prefill), tuple(decode)
+
+
 def measure_links(device: torch.device, nbytes: int, min_seconds: float = 0.2) -> tuple[float, float]:
     """(host-to-device, device-to-host) bytes/s of copies between pinned host memory and `device`."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -259,7 +370,7 @@ def remeasure(
     unit = dataclasses.replace(
         fresh,
         matmul_flops={**old.matmul_flops, **fresh.matmul_flops},
-        matmul_curve={**old.matmul_curve, **fresh.matmul_curve},
+        **{key: {**getattr(old, key), **getattr(fresh, key)} for key in CURVES},
     )
     profile = dataclasses.replace(profile, device=unit, host=unit)
     if disk_dir is not None:
@@ -299,17 +410,31 @@ def _compute_unit(
     dtypes: tuple[str, ...],
     say: Callable[[str], None],
 ) -> ComputeUnit:
-    curves = {}
+    curves, elementwise, prefill, decode = {}, {}, {}, {}
     for dtype in dtypes:
-        say(f"{'host' if device.type == 'cpu' else 'device'}: {dtype} matmul")
+        say(f"{'host' if device.type == 'cpu' else 'device'}: {dtype} matmul, elementwise work and attention")
         curves[dtype] = measure_matmul(
             device, dtype, sizes.rows, sizes.k, sizes.n, sizes.min_seconds, sizes.weight_pool_bytes
+        )
+        elementwise[dtype] = measure_elementwise(device, dtype, sizes.rows, sizes.k, sizes.head_dim, sizes.min_seconds)
+        prefill[dtype], decode[dtype] = measure_attention(
+            device,
+            dtype,
+            sizes.attention_tokens,
+            sizes.k,
+            sizes.head_dim,
+            sizes.rows[-1],
+            sizes.decode_seqs,
+            sizes.min_seconds,
         )
     return ComputeUnit(
         memory=memory,
         memory_bandwidth=bandwidth,
         matmul_flops={dtype: curve[-1][1] for dtype, curve in curves.items()},
         matmul_curve=curves,
+        elementwise_curve=elementwise,
+        prefill_attention_curve=prefill,
+        decode_attention_curve=decode,
     )
 
 

@@ -4,7 +4,12 @@ In the spirit of FlexGen's. The prefetch pipeline overlaps a layer's disk read, 
 the compute of the layer before it, so a layer costs the slowest of those resources; a step costs the sum
 over its layers plus the head; a batch costs one prefill step and gen_len - 1 decode steps at a context that
 grows by one token each. Compute is a roofline: the larger of the FLOPs over the GEMM rate at that many rows
-(measured by `offload probe`, or a derated datasheet figure) and the bytes read over memory bandwidth.
+(measured by `offload probe`, or a derated datasheet figure) and the bytes read over memory bandwidth. The rest of
+a layer (norms, rotary, SiLU * up, attention) is priced at the rates the probe measured through the engine's own
+code where the profile has them, else at the memory bandwidth and the GEMM rate.
+
+A micro-batch is a token budget, as in the engine: a prefill of `batch` prompts runs in `micro_batches` pieces,
+and a decode step's one token per sequence fills as few micro-batches of that budget as it needs (usually one).
 
 Plain numbers in, plain numbers out: no tensors, no files. The search over policies is `scheduler.search`.
 """
@@ -22,11 +27,11 @@ from offload.shapes import ModelShape
 # Python and dispatch cost of one decoder layer for one micro-batch in this engine (seconds); small against
 # the GEMMs except for tiny models, and what keeps a 1-token step from being predicted as free.
 LAYER_OVERHEAD = 150e-6
-# per sequence per layer: the paged attention reference attends each prefill chunk in its own call and builds
-# each step's decode groups from Python lists (seconds)
+# Where the profile has no measured attention curves (published cards): per sequence per layer, the paged attention
+# reference attends each prefill chunk in its own call and builds each step's decode groups from Python lists
+# (seconds); and the passes over a decode step's K/V bytes: the torch reference gathers each sequence's blocks (a
+# read and a write) before the fused kernel reads the copy; a kernel reading the blocks in place would make this 1
 SEQ_OVERHEAD = 40e-6
-# passes over a decode step's K/V bytes: the torch reference gathers each sequence's blocks (a read and a write)
-# before the fused kernel reads the copy; a kernel reading the blocks in place would make this 1
 DECODE_KV_PASSES = 3
 QUANT_GROUP = 64  # weights per scale and zero point when weights are quantized (FlexGen's group size)
 
@@ -66,7 +71,13 @@ class Candidate:
 
     @property
     def micro_batch(self) -> int:
+        """Sequences per prefill micro-batch."""
         return -(-self.batch // self.micro_batches)
+
+    def decode_micro_batches(self, prompt_len: int) -> int:
+        """Micro-batches of a decode step: one token per sequence in micro-batches of the prefill's token budget."""
+        budget = -(-self.batch * prompt_len // self.micro_batches)
+        return -(-self.batch // budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,19 +122,25 @@ class Prediction:
 # ---- machine -------------------------------------------------------------------------------------------------
 
 
+def curve_rate(curve: tuple[tuple[int, float], ...], size: int) -> float:
+    """The rate of a measured curve at `size`, interpolated in log(size). Below the first point the time stays
+    that of the first point (a small call costs its fixed overhead), so the rate scales with size; above the last
+    point the rate stays flat."""
+    xs = [math.log(x) for x, _ in curve]
+    x = math.log(max(size, 1))
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return curve[0][1] * size / curve[0][0]
+    if i == len(xs):
+        return curve[-1][1]
+    f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return curve[i - 1][1] + f * (curve[i][1] - curve[i - 1][1])
+
+
 def matmul_rate(unit: ComputeUnit, dtype: str, rows: int) -> float:
-    """FLOP/s of a GEMM with `rows` rows: the measured curve interpolated in log(rows), else the flat rate."""
-    curve = unit.matmul_curve.get(dtype)
-    if curve:
-        xs = [math.log(r) for r, _ in curve]
-        x = math.log(max(rows, 1))
-        i = bisect.bisect_left(xs, x)
-        if i == 0:
-            return curve[0][1] * rows / curve[0][0]  # below the first point the rate scales with rows
-        if i == len(xs):
-            return curve[-1][1]
-        f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return curve[i - 1][1] + f * (curve[i][1] - curve[i - 1][1])
+    """FLOP/s of a GEMM with `rows` rows: the measured curve, else the flat rate."""
+    if curve := unit.matmul_curve.get(dtype):
+        return curve_rate(curve, rows)
     if dtype not in unit.matmul_flops:
         known = ", ".join(sorted(unit.matmul_flops)) or "none"
         raise OffloadError(f"the hardware profile gives no {dtype} matmul rate (it has: {known}); pick another dtype")
@@ -163,10 +180,13 @@ class Context:
 
 
 def _layer_step(
-    ctx: Context, cand: Candidate, tier: str, rows_per_mb: int, seqs_per_mb: int, context: int, prefill: bool
+    ctx: Context, cand: Candidate, tier: str, micro_batches: int, seqs_per_mb: int, context: int, prefill: bool
 ) -> dict[str, float]:
-    """Seconds one decoder layer keeps each resource busy in one step (they overlap: the layer costs the max)."""
+    """Seconds one decoder layer keeps each resource busy in one step (they overlap: the layer costs the max).
+    Every micro-batch of the step costs the same (the last may be smaller: ignored); a prefill micro-batch holds
+    `seqs_per_mb` whole prompts of `context` tokens, a decode one `seqs_per_mb` tokens."""
     s, hw = ctx.shape, ctx.hw
+    rows_per_mb = seqs_per_mb * (context if prefill else 1)
     w_bytes = ctx.weight_bytes(s.layer_params, cand.weight_bits)
     active_bytes = ctx.weight_bytes(s.active_layer_params, cand.weight_bits)
     busy = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0}
@@ -174,25 +194,17 @@ def _layer_step(
         busy["disk"] = w_bytes / hw.disk_read
     if tier != "device" and not ctx.on_cpu:
         busy["link"] = w_bytes / hw.host_to_device
-    attn_params = 2 * s.num_heads * s.head_dim  # flops per query per context token = 2 * this (QK and PV)
-    kv_layer_bytes = 2 * s.num_kv_heads * s.head_dim * cand.kv_bits / 8  # one token, one layer
     attn_unit = hw.host if cand.kv_tier == "host" and not ctx.on_cpu else hw.device
-    # one micro-batch; every micro-batch of the step costs the same (the last may be smaller: ignored)
     compute = LAYER_OVERHEAD + _gemm_seconds(hw.device, ctx.dtype, s.active_layer_params, active_bytes, rows_per_mb)
-    compute += rows_per_mb * _elementwise_bytes(s, ctx.dtype_bytes) / hw.device.memory_bandwidth
+    compute += _elementwise_seconds(ctx, rows_per_mb)
     if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
         compute += s.active_layer_params * ctx.dtype_bytes / hw.device.memory_bandwidth
-    if prefill:  # causal attention over the prompt: half of the square, per sequence
-        flops = 2.0 * attn_params * context * context / 2 * seqs_per_mb
-        attention = flops / matmul_rate(attn_unit, ctx.dtype, context)
-    else:  # one query per sequence reads its whole cache: memory-bound
-        attention = DECODE_KV_PASSES * seqs_per_mb * context * kv_layer_bytes / attn_unit.memory_bandwidth
-    attention += seqs_per_mb * SEQ_OVERHEAD
-    compute *= cand.micro_batches
-    attention *= cand.micro_batches
+    attention = seqs_per_mb * _attention_seconds(ctx, attn_unit, cand.kv_bits, context, prefill)
+    compute *= micro_batches
+    attention *= micro_batches
     if attn_unit is hw.host and not ctx.on_cpu:
         busy["host"] = attention  # the CPU attends while the device runs the GEMMs
-        q_and_out = 2 * rows_per_mb * s.num_heads * s.head_dim * ctx.dtype_bytes * cand.micro_batches
+        q_and_out = 2 * rows_per_mb * s.num_heads * s.head_dim * ctx.dtype_bytes * micro_batches
         busy["link"] += q_and_out / hw.host_to_device
     else:
         compute += attention
@@ -200,29 +212,53 @@ def _layer_step(
     return busy
 
 
-def _elementwise_bytes(s: ModelShape, dtype_bytes: int) -> float:
+def _attention_seconds(ctx: Context, unit: ComputeUnit, kv_bits: int, context: int, prefill: bool) -> float:
+    """One sequence's attention in one layer: its whole prompt of `context` tokens (causal: half of the square),
+    or one decode query over a cache of `context` tokens (memory-bound)."""
+    s = ctx.shape
+    if prefill:
+        flops = 2.0 * (2 * s.num_heads * s.head_dim) * context * context / 2  # QK and PV
+        if curve := unit.prefill_attention_curve.get(ctx.dtype):
+            return flops / curve_rate(curve, context)
+        return flops / matmul_rate(unit, ctx.dtype, context) + SEQ_OVERHEAD
+    kv_bytes = context * 2 * s.num_kv_heads * s.head_dim * kv_bits / 8
+    if kv_bits >= 8 * ctx.dtype_bytes and (curve := unit.decode_attention_curve.get(ctx.dtype)):
+        return kv_bytes / curve_rate(curve, context)
+    return DECODE_KV_PASSES * kv_bytes / unit.memory_bandwidth + SEQ_OVERHEAD
+
+
+def _elementwise_seconds(ctx: Context, rows: int) -> float:
+    s, unit = ctx.shape, ctx.hw.device
+    traffic = rows * elementwise_bytes(
+        s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, _intermediate(s), ctx.dtype_bytes
+    )
+    if curve := unit.elementwise_curve.get(ctx.dtype):
+        return traffic / curve_rate(curve, rows)
+    return traffic / unit.memory_bandwidth
+
+
+def elementwise_bytes(hidden: int, q: int, kv: int, intermediate: int, dtype_bytes: int) -> int:
     """Memory traffic of one token's non-GEMM work in one layer (bytes): two RMS norms computed in float32 (about
-    7 passes of 4 bytes each over the hidden state), rotary embedding of q and k, the KV write, two residual adds,
-    and SiLU(gate) * up over the MLP width. Small per token, but it is what a long prefill adds to its GEMMs."""
-    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    norms = 2 * 7 * 4 * s.hidden_size
+    7 passes of 4 bytes each over the hidden state), rotary embedding of q and k (widths `q` and `kv`), the KV
+    write, two residual adds, and SiLU(gate) * up over the MLP width. The probe measures its rate in these units."""
+    norms = 2 * 7 * 4 * hidden
     rope = 5 * (q + kv) * dtype_bytes
     kv_write = 2 * kv * dtype_bytes
-    residual = 2 * 3 * s.hidden_size * dtype_bytes
-    mlp = 5 * _intermediate(s) * dtype_bytes
+    residual = 2 * 3 * hidden * dtype_bytes
+    mlp = 5 * intermediate * dtype_bytes
     return norms + rope + kv_write + residual + mlp
 
 
 def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len: int) -> dict[str, float]:
     """Seconds one step keeps each resource busy, summed over layers, each layer at its slowest resource."""
     s = ctx.shape
-    seqs = cand.micro_batch
-    rows = seqs * (prompt_len if prefill else 1)
+    micro_batches = cand.micro_batches if prefill else cand.decode_micro_batches(prompt_len)
+    seqs = -(-cand.batch // micro_batches)
     total = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0, "wall": 0.0}
     for tier, count in zip(("device", "host", "disk"), cand.layers, strict=True):
         if not count:
             continue
-        busy = _layer_step(ctx, cand, tier, rows, seqs, context, prefill)
+        busy = _layer_step(ctx, cand, tier, micro_batches, seqs, context, prefill)
         for k, v in busy.items():
             total[k] += count * v
         total["wall"] += count * max(busy.values())

@@ -32,6 +32,9 @@ def tiny_profile(**changes) -> HardwareProfile:
         memory_bandwidth=12.5e9,
         matmul_flops={"float32": 0.25e12, "bfloat16": 1.5e12},
         matmul_curve={"float32": ((1, 1.0e9), (8, 7.5e9), (2048, 0.25e12))},
+        elementwise_curve={"float32": ((1, 0.5e9), (2048, 9.5e9))},
+        prefill_attention_curve={"float32": ((16, 2e9), (512, 40e9))},
+        decode_attention_curve={"float32": ((16, 1e9), (512, 3e9))},
     )
     fields = dict(
         name="tiny",
@@ -147,6 +150,9 @@ def _delete(path: str):
         (_set("device.matmul_curve", {"float16": [[0, 1.0]]}), ["matmul_curve.float16[0]: rows must be a positive"]),
         (_set("device.matmul_curve", {"float16": [[8, -1.0]]}), ["matmul_curve.float16[0].tflops: must not be neg"]),
         (_set("device.matmul_curve", {"int4": [[8, 1.0]]}), ["device.matmul_curve.int4: unknown dtype"]),
+        (_set("host.elementwise_curve", {"float16": [[8, 0]]}), ["elementwise_curve.float16[0].gbps: must be pos"]),
+        (_set("device.prefill_attention_curve", {"float16": [[0, 1.0]]}), ["[0]: tokens must be a positive integer"]),
+        (_set("device.decode_attention_curve", {"float16": [8, 1.0]}), ["float16[0]: must be a [tokens, GB/s] pair"]),
     ],
 )
 def test_validation_names_the_file_and_the_field(tmp_path, edit, fragments):
@@ -167,6 +173,9 @@ def test_a_cpu_profile_may_have_no_links_and_keeps_its_curves(tmp_path):
     data = profile_to_json(p)
     assert data["links"] == {"host_to_device_gbps": 0, "device_to_host_gbps": 0}
     assert data["device"]["matmul_curve"] == {"float32": [[1, 0.001], [8, 0.0075], [2048, 0.25]]}
+    assert data["device"]["elementwise_curve"] == {"float32": [[1, 0.5], [2048, 9.5]]}  # GB/s
+    assert data["device"]["prefill_attention_curve"] == {"float32": [[16, 0.002], [512, 0.04]]}  # TFLOP/s
+    assert data["device"]["decode_attention_curve"] == {"float32": [[16, 1], [512, 3]]}  # GB/s
     assert parse_profile(data) == p
     save_profile(p, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == p
@@ -209,6 +218,10 @@ def test_format_profile_shows_every_fact():
         assert fragment in text
     text = format_profile(tiny_profile())
     assert "none (the device is the host)" in text and "2048: 0.25" in text
+    assert "non-GEMM work (bytes as the cost model counts them), GB/s by rows:" in text and "2048: 9.5" in text
+    assert "causal attention of whole prompts, TFLOP/s by tokens:" in text and "512: 0.04" in text
+    assert "paged K/V cache (K and V bytes), GB/s by tokens:" in text and "16: 1  512: 3" in text
+    assert text.count("  device float32") == 4 and "  host " not in text  # host is the device: shown once
 
 
 def test_parse_does_not_modify_its_input():

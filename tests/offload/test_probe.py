@@ -30,6 +30,9 @@ TINY = ProbeSizes(
     rows=(1, 8, 64),
     weight_pool_bytes=1 * MiB,
     min_seconds=0.0,
+    head_dim=16,  # 16 query heads, 4 K/V heads
+    attention_tokens=(4, 32),
+    decode_seqs=3,
 )
 
 
@@ -52,9 +55,33 @@ def test_probe_measures_every_unit(tiny_profile):
             assert [rows for rows, _ in curve] == [1, 8, 64]
             assert all(flops > 0 for _, flops in curve)
             assert unit.matmul_flops[dtype] == curve[-1][1]  # the largest product's rate
+        assert unit.elementwise_curve.keys() == unit.matmul_curve.keys()
+        for dtype in unit.matmul_curve:
+            assert [rows for rows, _ in unit.elementwise_curve[dtype]] == [1, 8, 64]
+            assert [n for n, _ in unit.prefill_attention_curve[dtype]] == [4, 32]
+            assert [n for n, _ in unit.decode_attention_curve[dtype]] == [4, 32]
+            for curve in (unit.elementwise_curve, unit.prefill_attention_curve, unit.decode_attention_curve):
+                assert all(rate > 0 for _, rate in curve[dtype])
     assert p.disk_read > 0 and p.disk_write > 0
     assert p.name.startswith("local (") and p.source.startswith("offload probe ")
     assert "kernels.linear on [rows, 256] x [256, 128]" in p.source
+    assert "hidden 256, 16 heads of 16 (4 K/V heads), MLP 704" in p.source
+
+
+def test_attention_rates_count_the_work_the_cost_model_counts(monkeypatch):
+    # every timed call takes exactly 1 s: the rates are then the FLOPs and bytes the probe says each call does
+    monkeypatch.setattr(probe_mod, "_typical_seconds", lambda fn, device, min_seconds: (fn(), 1.0)[1])
+    prefill, decode = probe_mod.measure_attention(torch.device("cpu"), "bfloat16", (4, 32), 256, 16, 64, 3, 0.0)
+    heads, kv_heads, d = 16, 4, 16
+    # 64 prompt tokens: 16 prompts of 4 tokens, 2 of 32; causal: half of the square, QK and PV, 2 FLOPs each
+    assert prefill == ((4, 16 * 2 * 2 * heads * d * 4 * 4 / 2), (32, 2 * 2 * 2 * heads * d * 32 * 32 / 2))
+    # 3 sequences each reading K and V (bf16) of their whole context
+    assert decode == ((4, 3 * 4 * 2 * kv_heads * d * 2), (32, 3 * 32 * 2 * kv_heads * d * 2))
+    elementwise = probe_mod.measure_elementwise(torch.device("cpu"), "float32", (1, 8), 256, 16, 0.0)
+    from scheduler.cost import elementwise_bytes
+
+    per_row = elementwise_bytes(256, 256, 64, 704, 4)
+    assert elementwise == ((1, per_row), (8, 8 * per_row))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only layout")
@@ -74,10 +101,12 @@ def test_probed_profile_saves_and_loads(tiny_profile, tmp_path):
     assert (q.name, q.device_kind, q.source) == (p.name, p.device_kind, p.source)
     assert q.host.memory == p.host.memory
     assert q.disk_read == pytest.approx(p.disk_read, rel=1e-5)
-    assert q.host.matmul_curve.keys() == p.host.matmul_curve.keys()
-    for dtype, curve in q.host.matmul_curve.items():
-        assert [r for r, _ in curve] == [r for r, _ in p.host.matmul_curve[dtype]]
-        assert [f for _, f in curve] == pytest.approx([f for _, f in p.host.matmul_curve[dtype]], rel=1e-5)
+    for key in ("matmul_curve", "elementwise_curve", "prefill_attention_curve", "decode_attention_curve"):
+        loaded, measured = getattr(q.host, key), getattr(p.host, key)
+        assert loaded.keys() == measured.keys()
+        for dtype, curve in loaded.items():
+            assert [r for r, _ in curve] == [r for r, _ in measured[dtype]]
+            assert [f for _, f in curve] == pytest.approx([f for _, f in measured[dtype]], rel=1e-5)
 
 
 def test_timings_are_the_median_not_the_shortest(monkeypatch):
@@ -97,6 +126,9 @@ def test_remeasure_replaces_rates_and_keeps_disk_and_other_dtypes(tiny_profile, 
     assert [r for r, _ in q.host.matmul_curve["bfloat16"]] == [1, 8, 64]
     assert q.host.matmul_curve["bfloat16"] is not p.host.matmul_curve.get("bfloat16")
     assert q.host.matmul_flops["bfloat16"] == q.host.matmul_curve["bfloat16"][-1][1]
+    for key in ("elementwise_curve", "prefill_attention_curve", "decode_attention_curve"):
+        fresh, old = getattr(q.host, key), getattr(p.host, key)
+        assert fresh["float32"] == old["float32"] and fresh["bfloat16"] is not old.get("bfloat16")
     with_disk = probe_mod.remeasure(p, ("bfloat16",), TINY, disk_dir=tmp_path)
     assert with_disk.disk_read > 0 and with_disk.disk_read != p.disk_read and with_disk.disk_write != p.disk_write
     assert list(tmp_path.iterdir()) == []  # the test file is gone
@@ -194,6 +226,9 @@ def test_missing_dir_is_one_line(capsys, tmp_path):
         (dict(rows=(8, 1)), "rows: must be positive and ascending"),
         (dict(depth=0), "depth: must be positive"),
         (dict(min_seconds=-1.0), "min-seconds: must not be negative"),
+        (dict(k=256, head_dim=128), r"k: must be a multiple of 4 x head-dim \(512\), got 256"),
+        (dict(attention_tokens=(128, 16)), "attention-tokens: must be positive and ascending"),
+        (dict(decode_seqs=0), "decode-seqs: must be positive"),
     ],
 )
 def test_probe_sizes_are_checked(changes, message):

@@ -98,6 +98,55 @@ def test_compute_bound_prefill_is_the_roofline_of_its_gemms_and_attention():
     assert p.bound == "compute"
 
 
+def test_measured_curves_price_the_rest_of_a_layer():
+    # the probe's elementwise and attention curves replace the memory-bandwidth and GEMM-rate guesses
+    import dataclasses
+
+    plain = cpu_machine(flops=1e11)
+    measured = dataclasses.replace(
+        plain.device,
+        elementwise_curve={"bfloat16": ((1, 1e8), (100, 2e9), (1000, 4e9))},
+        prefill_attention_curve={"bfloat16": ((10, 1e8), (100, 1e9))},
+        decode_attention_curve={"bfloat16": ((10, 1e8), (1000, 2e9))},
+    )
+    hw = dataclasses.replace(plain, device=measured, host=measured)
+    cand = Candidate(batch=2, micro_batches=1, layers=(4, 0, 0))
+    p = predict(SHAPE, hw, Workload(prompt_len=100, gen_len=2), cand)
+    q = predict(SHAPE, plain, Workload(prompt_len=100, gen_len=2), cand)
+    rows, per_token = 200, 3584 + 960 + 128 + 768 + 51_440  # the elementwise bytes of the test above
+    # 200 rows: halfway between 100 and 1000 rows in log, 3e9 bytes/s; prefill attention at 100 tokens: 1e9 FLOP/s
+    elementwise = rows * per_token / (2e9 + math.log(2) / math.log(10) * 2e9)
+    attention = 2 * 2.0 * (2 * 4 * 16) * 100 * 100 / 2 / 1e9  # no SEQ_OVERHEAD: the measured calls include it
+    plain_elementwise = rows * per_token / 1e10
+    plain_attention = 2.0 * (2 * 4 * 16) * 100 * 100 / 2 * 2 / 1e11 + 2 * SEQ_OVERHEAD
+    delta = 4 * (elementwise + attention - plain_elementwise - plain_attention)
+    assert p.prefill_seconds - q.prefill_seconds == pytest.approx(delta)
+    # decode: 2 queries over 101 tokens of K and V (2 heads x 16, bf16), at the curve's rate at 101 tokens
+    kv = 101 * 2 * 2 * 16 * 2
+    decode_rate = 1e8 + math.log(10.1) / math.log(100) * (2e9 - 1e8)
+    one_row = 1 * per_token
+    decode_delta = 4 * (
+        2 * kv / decode_rate
+        - 2 * (3 * kv / 1e10 + SEQ_OVERHEAD)
+        + 2 * one_row / (1e8 + math.log(2) / math.log(100) * (2e9 - 1e8))  # 2 rows on the elementwise curve
+        - 2 * one_row / 1e10
+    )
+    assert p.decode_seconds - q.decode_seconds == pytest.approx(decode_delta)
+
+
+def test_a_decode_step_fills_micro_batches_of_the_prefill_token_budget():
+    # 8 prompts of 64 tokens in 4 micro-batches: a budget of 128 tokens, which one decode step of 8 tokens fits
+    hw = cpu_machine(flops=1e11)
+    work = Workload(prompt_len=64, gen_len=4)
+    split = predict(SHAPE, hw, work, Candidate(8, 4, (4, 0, 0)))
+    whole = predict(SHAPE, hw, work, Candidate(8, 1, (4, 0, 0)))
+    assert split.decode_seconds == whole.decode_seconds
+    assert split.prefill_seconds > whole.prefill_seconds  # 4 x LAYER_OVERHEAD, smaller GEMMs: never cheaper
+    assert Candidate(8, 4, (4, 0, 0)).decode_micro_batches(64) == 1
+    assert Candidate(8, 8, (4, 0, 0)).decode_micro_batches(1) == 8  # a budget of one token: one per micro-batch
+    assert Candidate(10, 4, (4, 0, 0)).decode_micro_batches(2) == 2  # a budget of 5 tokens: 10 tokens need 2
+
+
 def test_throughput_rises_with_batch_while_disk_bound_then_flattens():
     hw = cpu_machine(disk_read=1e9, flops=1e10)
     work = Workload(prompt_len=16, gen_len=8)

@@ -1,4 +1,5 @@
-"""`offload probe`: measure this machine into a HardwareProfile, through the engine's own I/O and GEMM paths.
+"""`offload probe`: measure this machine into a HardwareProfile, through the engine's own I/O and compute paths
+(the compute rates are offload.rates).
 
 - disk: a test file written with O_DIRECT and fsync, dropped from the page cache, then read back with the
   pread backend (tiers.io) in large extents, several in flight, into aligned buffers; the file is always removed.
@@ -18,11 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import itertools
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -33,17 +32,23 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from offload.errors import OffloadError
 from offload.hardware import CURVES, ComputeUnit, HardwareProfile, format_profile, save_profile
+from offload.rates import (
+    MIN_REPEATS,
+    measure_attention,
+    measure_copy,
+    measure_elementwise,
+    measure_links,
+    measure_matmul,
+)
 from tiers.budget import format_size, parse_size
 from tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache, make_backend
 
 MiB = 1 << 20
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
 DISK_HEADROOM = 64 * MiB  # bytes the disk test leaves free beyond its own file
-MIN_REPEATS = 3  # timed runs per measurement, after one warm-up run
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,140 +193,6 @@ def measure_disk(directory: str | Path, nbytes: int, extent: int = 64 * MiB, dep
     return DiskSpeed(nbytes / read_seconds, nbytes / write_seconds, direct)
 
 
-def measure_copy(device: torch.device, nbytes: int, min_seconds: float = 0.2) -> float:
-    """Memory bandwidth in bytes/s: a `nbytes` tensor copy moves 2 * nbytes (read + write)."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _typical_seconds(lambda: dst.copy_(src), device, min_seconds)
-
-
-def measure_matmul(
-    device: torch.device,
-    dtype: str,
-    rows: tuple[int, ...],
-    k: int,
-    n: int,
-    min_seconds: float = 0.2,
-    weight_pool_bytes: int = 0,
-) -> tuple[tuple[int, float], ...]:
-    """((rows, FLOP/s), ...) of kernels.linear for [rows, k] x [k, n] in `dtype`; successive products cycle
-    through copies of the weight that together take at least `weight_pool_bytes`."""
-    from kernels.linear import linear
-
-    gen = torch.Generator().manual_seed(0)
-    dt = getattr(torch, dtype)
-    w = torch.randn(n, k, generator=gen).to(device=device, dtype=dt)  # [n, k]
-    pool = [w] + [w.clone() for _ in range(1, -(-weight_pool_bytes // (w.numel() * w.element_size())))]
-    weights = itertools.cycle(pool)
-    x_all = torch.randn(rows[-1], k, generator=gen).to(device=device, dtype=dt)  # [max rows, k]
-    curve = []
-    for r in rows:
-        x = x_all[:r]  # [r, k]
-        seconds = _typical_seconds(lambda x=x: linear(x, next(weights)), device, min_seconds)
-        curve.append((r, 2 * r * k * n / seconds))
-    return tuple(curve)
-
-
-def measure_elementwise(
-    device: torch.device, dtype: str, rows: tuple[int, ...], hidden: int, head_dim: int, min_seconds: float = 0.2
-) -> tuple[tuple[int, float], ...]:
-    """((rows, bytes/s), ...) of a layer's non-GEMM work, as the engine's Llama layer does it: the input norm,
-    rotary embedding of q and k, the KV-cache write, a residual add, the post-attention norm, SiLU(gate) * up and
-    the second residual add; bytes as scheduler.cost.elementwise_bytes counts them."""
-    from offload.model.llama import rms_norm
-    from offload.model.rope import apply_rope
-    from scheduler.cost import elementwise_bytes
-
-    heads, kv_heads, inter = hidden // head_dim, hidden // head_dim // 4, hidden * 11 // 4
-    gen = torch.Generator().manual_seed(0)
-    dt = getattr(torch, dtype)
-    n = rows[-1]
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
-
-    x, attn_out, down_out = rand(n, hidden), rand(n, hidden), rand(n, hidden)  # [n, hidden]
-    q, k, v = rand(n, heads, head_dim), rand(n, kv_heads, head_dim), rand(n, kv_heads, head_dim)
-    cos, sin = rand(n, head_dim), rand(n, head_dim)  # [n, head_dim]
-    gate, up = rand(n, inter), rand(n, inter)  # [n, inter]
-    norm_weight = torch.ones(hidden, device=device, dtype=dt)
-    k_cache, v_cache = torch.zeros_like(k), torch.zeros_like(v)  # one slot per row, in a shuffled order
-    slots = torch.randperm(n, generator=gen).to(device)
-
-    def rest(r: int) -> torch.Tensor:
-        rms_norm(x[:r], norm_weight, 1e-5)
-        q_rot, k_rot = apply_rope(q[:r], cos[:r], sin[:r]), apply_rope(k[:r], cos[:r], sin[:r])
-        k_cache[slots[:r]] = k_rot
-        v_cache[slots[:r]] = v[:r]
-        h = x[:r] + attn_out[:r]
-        rms_norm(h, norm_weight, 1e-5)
-        F.silu(gate[:r]) * up[:r]
-        return h + down_out[:r] + q_rot[:, 0, :1]  # q_rot used, so nothing is skipped
-
-    per_row = elementwise_bytes(hidden, heads * head_dim, kv_heads * head_dim, inter, dt.itemsize)
-    return tuple((r, r * per_row / _typical_seconds(lambda r=r: rest(r), device, min_seconds)) for r in rows)
-
-
-def measure_attention(
-    device: torch.device,
-    dtype: str,
-    lengths: tuple[int, ...],
-    hidden: int,
-    head_dim: int,
-    prefill_tokens: int,
-    decode_seqs: int,
-    min_seconds: float = 0.2,
-    block_size: int = 16,
-) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
-    """Through kernels.paged_attention over a paged cache whose blocks are scattered: ((prompt tokens, FLOP/s), ...)
-    of causal attention over whole prompts of each length (as many prompts as fill `prefill_tokens`), and
-    ((context tokens, bytes/s), ...) of one decode query for each of `decode_seqs` sequences over a cache of that
-    length (the K and V bytes of the context per second). FLOPs as the cost model counts them: 2 x (QK + PV) over
-    half of the square."""
-    from kernels.paged_attention import PagedBatch, paged_attention
-
-    heads, kv_heads = hidden // head_dim, hidden // head_dim // 4
-    gen = torch.Generator().manual_seed(0)
-    dt = getattr(torch, dtype)
-    scale = head_dim**-0.5
-
-    def step(query_lens: list[int], context: int) -> Callable[[], torch.Tensor]:
-        per_seq = -(-context // block_size)
-        blocks = torch.randperm(len(query_lens) * per_seq, generator=gen)  # scattered, as after many steps
-        tables = blocks.view(len(query_lens), per_seq)  # [seqs, blocks per sequence]
-        positions = [torch.arange(context - n, context) for n in query_lens]
-        slots = torch.cat(
-            [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions, strict=True)]
-        )
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        batch = PagedBatch(tuple(starts), (context,) * len(query_lens), tables.to(device), slots.to(device))
-        cache = (blocks.numel(), block_size, kv_heads, head_dim)
-        k_cache = torch.randn(cache, generator=gen).to(device=device, dtype=dt)
-        v_cache = torch.randn(cache, generator=gen).to(device=device, dtype=dt)
-        q = torch.randn(starts[-1], heads, head_dim, generator=gen).to(device=device, dtype=dt)
-        return lambda: paged_attention(q, k_cache, v_cache, batch, scale)
-
-    prefill, decode = [], []
-    for n in lengths:
-        seqs = max(prefill_tokens // n, 1)
-        flops = seqs * 2.0 * (2 * heads * head_dim) * n * n / 2
-        prefill.append((n, flops / _typical_seconds(step([n] * seqs, n), device, min_seconds)))
-        kv_bytes = decode_seqs * n * 2 * kv_heads * head_dim * dt.itemsize
-        decode.append((n, kv_bytes / _typical_seconds(step([1] * decode_seqs, n), device, min_seconds)))
-    return tuple(prefill), tuple(decode)
-
-
-def measure_links(device: torch.device, nbytes: int, min_seconds: float = 0.2) -> tuple[float, float]:
-    """(host-to-device, device-to-host) bytes/s of copies between pinned host memory and `device`."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h2d = nbytes / _typical_seconds(lambda: dev.copy_(host, non_blocking=True), device, min_seconds)
-    d2h = nbytes / _typical_seconds(lambda: host.copy_(dev, non_blocking=True), device, min_seconds)
-    return h2d, d2h
-
-
 def run_probe(out: str | None, directory: str | None, disk_bytes: str | None, quick: bool) -> Path:
     """`offload probe`: measure, print the table, save the profile to `out` (default: the cache); returns the path."""
     from offload.demo import demo_cache_dir
@@ -436,26 +307,6 @@ def _compute_unit(
         prefill_attention_curve=prefill,
         decode_attention_curve=decode,
     )
-
-
-def _typical_seconds(fn: Callable[[], object], device: torch.device, min_seconds: float) -> float:
-    """Median wall time of `fn` over at least MIN_REPEATS runs and `min_seconds`, after one warm-up. The median,
-    not the shortest: a rate the engine sustains (on this project's shared VMs a probe taking the shortest runs
-    once rated bf16 products at 512 rows 2.3x faster than at 2048, a brief fast spell the engine never saw)."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    sync()
-    times: list[float] = []
-    while len(times) < MIN_REPEATS or (sum(times) < min_seconds and len(times) < 100):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _write_test_file(path: Path, nbytes: int, extent: int) -> float:

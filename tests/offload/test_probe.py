@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import offload.probe as probe_mod
+import offload.rates as rates
 from offload.cli import main
 from offload.errors import OffloadError
 from offload.hardware import load_profile
@@ -70,14 +71,14 @@ def test_probe_measures_every_unit(tiny_profile):
 
 def test_attention_rates_count_the_work_the_cost_model_counts(monkeypatch):
     # every timed call takes exactly 1 s: the rates are then the FLOPs and bytes the probe says each call does
-    monkeypatch.setattr(probe_mod, "_typical_seconds", lambda fn, device, min_seconds: (fn(), 1.0)[1])
-    prefill, decode = probe_mod.measure_attention(torch.device("cpu"), "bfloat16", (4, 32), 256, 16, 64, 3, 0.0)
+    monkeypatch.setattr(rates, "typical_seconds", lambda fn, device, min_seconds: (fn(), 1.0)[1])
+    prefill, decode = rates.measure_attention(torch.device("cpu"), "bfloat16", (4, 32), 256, 16, 64, 3, 0.0)
     heads, kv_heads, d = 16, 4, 16
     # 64 prompt tokens: 16 prompts of 4 tokens, 2 of 32; causal: half of the square, QK and PV, 2 FLOPs each
     assert prefill == ((4, 16 * 2 * 2 * heads * d * 4 * 4 / 2), (32, 2 * 2 * 2 * heads * d * 32 * 32 / 2))
     # 3 sequences each reading K and V (bf16) of their whole context
     assert decode == ((4, 3 * 4 * 2 * kv_heads * d * 2), (32, 3 * 32 * 2 * kv_heads * d * 2))
-    elementwise = probe_mod.measure_elementwise(torch.device("cpu"), "float32", (1, 8), 256, 16, 0.0)
+    elementwise = rates.measure_elementwise(torch.device("cpu"), "float32", (1, 8), 256, 16, 0.0)
     from scheduler.cost import elementwise_bytes
 
     per_row = elementwise_bytes(256, 256, 64, 704, 4)
@@ -112,8 +113,8 @@ def test_probed_profile_saves_and_loads(tiny_profile, tmp_path):
 def test_timings_are_the_median_not_the_shortest(monkeypatch):
     # a run that is briefly twice as fast must not set the rate: the engine sustains the typical one
     clock = iter([0.0, 1.0, 1.0, 1.5, 1.5, 2.5, 2.5, 3.5])  # runs of 1.0, 0.5, 1.0, 1.0 s
-    monkeypatch.setattr(probe_mod.time, "perf_counter", lambda: next(clock))
-    assert probe_mod._typical_seconds(lambda: None, torch.device("cpu"), min_seconds=3.4) == 1.0
+    monkeypatch.setattr(rates.time, "perf_counter", lambda: next(clock))
+    assert rates.typical_seconds(lambda: None, torch.device("cpu"), min_seconds=3.4) == 1.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="remeasures CPU-only profiles")

@@ -76,6 +76,7 @@ def mean_profile(a, b):
         memory_bandwidth=(a.device.memory_bandwidth + b.device.memory_bandwidth) / 2,
         matmul_flops={k: (v + b.device.matmul_flops[k]) / 2 for k, v in a.device.matmul_flops.items()},
         **{key: mean_curves(key) for key in CURVES},
+        layer_floor={k: (v + b.device.layer_floor[k]) / 2 for k, v in a.device.layer_floor.items()},
     )
     return replace(
         a,

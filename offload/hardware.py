@@ -59,6 +59,8 @@ class ComputeUnit:
     prefill_attention_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # context tokens -> bytes/s: one query per sequence over a paged K/V cache of that length (K and V bytes read)
     decode_attention_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # dtype -> seconds one decoder layer of a tiny model takes for one token: the least any layer costs (dispatch)
+    layer_floor: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,7 @@ def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile
     for key in ("name", "source"):
         if not isinstance(top[key], str) or not top[key].strip():
             raise OffloadError(f"{where}: {key}: must be a non-empty string, got {top[key]!r}")
-    device = _fields(top["device"], where, "device", ("kind", *_UNIT_FIELDS), tuple(CURVES))
+    device = _fields(top["device"], where, "device", ("kind", *_UNIT_FIELDS), (*CURVES, "layer_floor_us"))
     kind = device["kind"]
     if kind not in DEVICE_KINDS:
         raise OffloadError(f"{where}: device.kind: unknown kind {kind!r} (known: {', '.join(DEVICE_KINDS)})")
@@ -213,6 +215,10 @@ def format_profile(p: HardwareProfile) -> str:
         f"disk      read {_short(p.disk_read / GB)} GB/s, write {_short(p.disk_write / GB)} GB/s",
     ]
     units = (("device", p.device),) if p.device == p.host else (("device", p.device), ("host", p.host))
+    floors = [(label, d, seconds) for label, u in units for d, seconds in u.layer_floor.items()]
+    if floors:
+        lines += ["", "least a decoder layer costs (a tiny model, one token):"]
+        lines += [f"  {label:<6} {dtype:<8}  {_short(seconds * 1e6)} us" for label, dtype, seconds in floors]
     for key, (x, unit_name, scale) in CURVES.items():
         curves = [(label, d, c) for label, u in units for d, c in getattr(u, key).items()]
         if curves:
@@ -304,7 +310,7 @@ def _dtype_map(data: Any, where: str, name: str) -> dict:
 
 
 def _unit(data: dict, where: str, field_path: str) -> ComputeUnit:
-    optional = (*CURVES, "kind") if field_path == "device" else tuple(CURVES)
+    optional = (*CURVES, "layer_floor_us", "kind") if field_path == "device" else (*CURVES, "layer_floor_us")
     data = _fields(data, where, field_path, _UNIT_FIELDS, optional)
     flops_name = f"{field_path}.matmul_tflops"
     flops = _dtype_map(data["matmul_tflops"], where, flops_name)
@@ -319,7 +325,16 @@ def _unit(data: dict, where: str, field_path: str) -> ComputeUnit:
         memory_bandwidth=_number(data, where, field_path, "memory_bandwidth_gbps") * GB,
         matmul_flops={dtype: _number(flops, where, flops_name, dtype) * TFLOP for dtype in flops},
         **curves,
+        layer_floor=_layer_floor(data, where, field_path),
     )
+
+
+def _layer_floor(data: dict, where: str, field_path: str) -> dict[str, float]:
+    if "layer_floor_us" not in data:
+        return {}
+    name = f"{field_path}.layer_floor_us"
+    floors = _dtype_map(data["layer_floor_us"], where, name)
+    return {dtype: _number(floors, where, name, dtype) * 1e-6 for dtype in floors}
 
 
 def _curve(points: Any, where: str, name: str, x: str, unit: str, scale: float) -> tuple[tuple[int, float], ...]:
@@ -350,6 +365,8 @@ def _unit_to_json(unit: ComputeUnit) -> dict:
     for key, (_, _, scale) in CURVES.items():
         if curves := getattr(unit, key):
             out[key] = {d: [[size, _human(rate / scale)] for size, rate in curve] for d, curve in curves.items()}
+    if unit.layer_floor:
+        out["layer_floor_us"] = {d: _human(seconds * 1e6) for d, seconds in unit.layer_floor.items()}
     return out
 
 

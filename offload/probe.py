@@ -40,6 +40,7 @@ from offload.rates import (
     measure_attention,
     measure_copy,
     measure_elementwise,
+    measure_layer_floor,
     measure_links,
     measure_matmul,
 )
@@ -241,7 +242,7 @@ def remeasure(
     unit = dataclasses.replace(
         fresh,
         matmul_flops={**old.matmul_flops, **fresh.matmul_flops},
-        **{key: {**getattr(old, key), **getattr(fresh, key)} for key in CURVES},
+        **{key: {**getattr(old, key), **getattr(fresh, key)} for key in (*CURVES, "layer_floor")},
     )
     profile = dataclasses.replace(profile, device=unit, host=unit)
     if disk_dir is not None:
@@ -281,7 +282,7 @@ def _compute_unit(
     dtypes: tuple[str, ...],
     say: Callable[[str], None],
 ) -> ComputeUnit:
-    curves, elementwise, prefill, decode = {}, {}, {}, {}
+    curves, elementwise, prefill, decode, floor = {}, {}, {}, {}, {}
     for dtype in dtypes:
         say(f"{'host' if device.type == 'cpu' else 'device'}: {dtype} matmul, elementwise work and attention")
         curves[dtype] = measure_matmul(
@@ -298,6 +299,7 @@ def _compute_unit(
             sizes.decode_seqs,
             sizes.min_seconds,
         )
+        floor[dtype] = measure_layer_floor(device, dtype, sizes.min_seconds)
     return ComputeUnit(
         memory=memory,
         memory_bandwidth=bandwidth,
@@ -306,6 +308,7 @@ def _compute_unit(
         elementwise_curve=elementwise,
         prefill_attention_curve=prefill,
         decode_attention_curve=decode,
+        layer_floor=floor,
     )
 
 

@@ -195,11 +195,15 @@ def _layer_step(
     if tier != "device" and not ctx.on_cpu:
         busy["link"] = w_bytes / hw.host_to_device
     attn_unit = hw.host if cand.kv_tier == "host" and not ctx.on_cpu else hw.device
-    compute = LAYER_OVERHEAD + _gemm_seconds(hw.device, ctx.dtype, s.active_layer_params, active_bytes, rows_per_mb)
+    compute = _gemm_seconds(hw.device, ctx.dtype, s.active_layer_params, active_bytes, rows_per_mb)
     compute += _elementwise_seconds(ctx, rows_per_mb)
     if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
         compute += s.active_layer_params * ctx.dtype_bytes / hw.device.memory_bandwidth
     attention = seqs_per_mb * _attention_seconds(ctx, attn_unit, cand.kv_bits, context, prefill)
+    if floor := hw.device.layer_floor.get(ctx.dtype):  # a small layer costs its calls, not its bytes
+        on_device = compute + (attention if attn_unit is hw.device else 0.0)
+        compute += max(floor - on_device, 0.0)
+    compute += LAYER_OVERHEAD
     compute *= micro_batches
     attention *= micro_batches
     if attn_unit is hw.host and not ctx.on_cpu:

@@ -35,6 +35,7 @@ def tiny_profile(**changes) -> HardwareProfile:
         elementwise_curve={"float32": ((1, 0.5e9), (2048, 9.5e9))},
         prefill_attention_curve={"float32": ((16, 2e9), (512, 40e9))},
         decode_attention_curve={"float32": ((16, 1e9), (512, 3e9))},
+        layer_floor={"float32": 250e-6},
     )
     fields = dict(
         name="tiny",
@@ -153,6 +154,8 @@ def _delete(path: str):
         (_set("host.elementwise_curve", {"float16": [[8, 0]]}), ["elementwise_curve.float16[0].gbps: must be pos"]),
         (_set("device.prefill_attention_curve", {"float16": [[0, 1.0]]}), ["[0]: tokens must be a positive integer"]),
         (_set("device.decode_attention_curve", {"float16": [8, 1.0]}), ["float16[0]: must be a [tokens, GB/s] pair"]),
+        (_set("host.layer_floor_us", {"float16": -2}), ["host.layer_floor_us.float16: must not be negative"]),
+        (_set("device.layer_floor_us", {"fp8": 2}), ["device.layer_floor_us.fp8: unknown dtype"]),
     ],
 )
 def test_validation_names_the_file_and_the_field(tmp_path, edit, fragments):
@@ -176,6 +179,7 @@ def test_a_cpu_profile_may_have_no_links_and_keeps_its_curves(tmp_path):
     assert data["device"]["elementwise_curve"] == {"float32": [[1, 0.5], [2048, 9.5]]}  # GB/s
     assert data["device"]["prefill_attention_curve"] == {"float32": [[16, 0.002], [512, 0.04]]}  # TFLOP/s
     assert data["device"]["decode_attention_curve"] == {"float32": [[16, 1], [512, 3]]}  # GB/s
+    assert data["device"]["layer_floor_us"] == {"float32": 250}
     assert parse_profile(data) == p
     save_profile(p, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == p
@@ -221,7 +225,8 @@ def test_format_profile_shows_every_fact():
     assert "non-GEMM work (bytes as the cost model counts them), GB/s by rows:" in text and "2048: 9.5" in text
     assert "causal attention of whole prompts, TFLOP/s by tokens:" in text and "512: 0.04" in text
     assert "paged K/V cache (K and V bytes), GB/s by tokens:" in text and "16: 1  512: 3" in text
-    assert text.count("  device float32") == 4 and "  host " not in text  # host is the device: shown once
+    assert "least a decoder layer costs (a tiny model, one token):\n  device float32   250 us" in text
+    assert text.count("  device float32") == 5 and "  host " not in text  # host is the device: shown once
 
 
 def test_parse_does_not_modify_its_input():

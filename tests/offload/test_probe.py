@@ -63,6 +63,7 @@ def test_probe_measures_every_unit(tiny_profile):
             assert [n for n, _ in unit.decode_attention_curve[dtype]] == [4, 32]
             for curve in (unit.elementwise_curve, unit.prefill_attention_curve, unit.decode_attention_curve):
                 assert all(rate > 0 for _, rate in curve[dtype])
+            assert 0 < unit.layer_floor[dtype] < 1  # seconds: one tiny layer, one token
     assert p.disk_read > 0 and p.disk_write > 0
     assert p.name.startswith("local (") and p.source.startswith("offload probe ")
     assert "kernels.linear on [rows, 256] x [256, 128]" in p.source
@@ -102,6 +103,7 @@ def test_probed_profile_saves_and_loads(tiny_profile, tmp_path):
     assert (q.name, q.device_kind, q.source) == (p.name, p.device_kind, p.source)
     assert q.host.memory == p.host.memory
     assert q.disk_read == pytest.approx(p.disk_read, rel=1e-5)
+    assert q.host.layer_floor == pytest.approx(p.host.layer_floor, rel=1e-5)
     for key in ("matmul_curve", "elementwise_curve", "prefill_attention_curve", "decode_attention_curve"):
         loaded, measured = getattr(q.host, key), getattr(p.host, key)
         assert loaded.keys() == measured.keys()
@@ -127,7 +129,7 @@ def test_remeasure_replaces_rates_and_keeps_disk_and_other_dtypes(tiny_profile, 
     assert [r for r, _ in q.host.matmul_curve["bfloat16"]] == [1, 8, 64]
     assert q.host.matmul_curve["bfloat16"] is not p.host.matmul_curve.get("bfloat16")
     assert q.host.matmul_flops["bfloat16"] == q.host.matmul_curve["bfloat16"][-1][1]
-    for key in ("elementwise_curve", "prefill_attention_curve", "decode_attention_curve"):
+    for key in ("elementwise_curve", "prefill_attention_curve", "decode_attention_curve", "layer_floor"):
         fresh, old = getattr(q.host, key), getattr(p.host, key)
         assert fresh["float32"] == old["float32"] and fresh["bfloat16"] is not old.get("bfloat16")
     with_disk = probe_mod.remeasure(p, ("bfloat16",), TINY, disk_dir=tmp_path)

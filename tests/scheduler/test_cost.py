@@ -134,6 +134,27 @@ def test_measured_curves_price_the_rest_of_a_layer():
     assert p.decode_seconds - q.decode_seconds == pytest.approx(decode_delta)
 
 
+def test_a_measured_layer_floor_binds_small_layers_only():
+    import dataclasses
+
+    plain = cpu_machine(flops=1e11)
+    work = Workload(prompt_len=100, gen_len=2)
+    cand = Candidate(batch=1, micro_batches=1, layers=(4, 0, 0))
+    base = predict(SHAPE, plain, work, cand)
+
+    def with_floor(seconds):
+        unit = dataclasses.replace(plain.device, layer_floor={"bfloat16": seconds})
+        return predict(SHAPE, dataclasses.replace(plain, device=unit, host=unit), work, cand)
+
+    # a decode layer here: 1e6 parameters at 1 row on a flat 1e11 FLOP/s and 1e10 B/s = 0.2 ms of weight reads,
+    # plus elementwise and attention: a floor of 1 ms replaces all of it; one of 1 us changes nothing
+    decode_layer = (base.decode_seconds - max(2 * 64_000 / 1e11, 64_000 * 2 / 1e10)) / 4 - LAYER_OVERHEAD
+    assert 0 < decode_layer < 1e-3
+    assert with_floor(1e-3).decode_seconds == pytest.approx(base.decode_seconds + 4 * (1e-3 - decode_layer))
+    assert with_floor(1e-6).decode_seconds == base.decode_seconds
+    assert with_floor(1e-6).prefill_seconds == base.prefill_seconds
+
+
 def test_a_decode_step_fills_micro_batches_of_the_prefill_token_budget():
     # 8 prompts of 64 tokens in 4 micro-batches: a budget of 128 tokens, which one decode step of 8 tokens fits
     hw = cpu_machine(flops=1e11)

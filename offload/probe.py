@@ -10,7 +10,8 @@
   (RMS norms, rotary, KV write, SiLU * up, residual adds; elementwise_curve), causal attention of whole prompts of
   a few lengths (prefill_attention_curve) and one decode query per sequence over paged caches of a few lengths
   (decode_attention_curve). On a CPU these run far below the memory roofline, and a cost model that priced them
-  there predicted long prefills 10-20% too fast.
+  there predicted long prefills 10-20% too fast. And the engine's Llama layer for one token of a tiny model
+  (layer_floor): what a layer costs however small, where dispatch, not bytes, sets the time.
 - on CUDA the same on the GPU, plus pinned host-to-device and device-to-host copies; on a CPU-only machine the
   device is the host's RAM (device_kind "cpu", links 0).
 """

@@ -154,8 +154,13 @@ def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0
 
     config = {
         "architectures": ["LlamaForCausalLM"],
-        **dict(vocab_size=256, hidden_size=256, intermediate_size=704, num_hidden_layers=1),
-        **dict(num_attention_heads=4, num_key_value_heads=1, torch_dtype=dtype),
+        "vocab_size": 256,
+        "hidden_size": 256,
+        "intermediate_size": 704,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "torch_dtype": dtype,
     }
     spec = FAMILY.spec_from_config(config, "the probe's tiny layer")
     gen = torch.Generator().manual_seed(0)

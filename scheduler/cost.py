@@ -24,8 +24,8 @@ from offload.errors import OffloadError
 from offload.hardware import ComputeUnit, HardwareProfile
 from offload.shapes import ModelShape
 
-# Python and dispatch cost of one decoder layer for one micro-batch in this engine (seconds); small against
-# the GEMMs except for tiny models, and what keeps a 1-token step from being predicted as free.
+# Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
+# the call; what the layer itself costs at the least is the profile's measured layer_floor, where it has one.
 LAYER_OVERHEAD = 150e-6
 # Where the profile has no measured attention curves (published cards): per sequence per layer, the paged attention
 # reference attends each prefill chunk in its own call and builds each step's decode groups from Python lists

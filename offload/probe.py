@@ -264,7 +264,15 @@ def local_profile() -> HardwareProfile:
 
     path = local_profile_path()
     if path.exists():
-        return load_profile(path)
+        profile = load_profile(path)
+        if not profile.device.layer_floor:
+            print(
+                f"note: {path} comes from an older `offload probe` without the rest-of-layer rates (attention, "
+                "elementwise work, the layer floor): predictions price that work at memory speed and the GEMM rate; "
+                "run `offload probe` again to measure them",
+                file=sys.stderr,
+            )
+        return profile
     print(f"no hardware profile at {path}: measuring this machine (offload probe --quick) ...", file=sys.stderr)
     from offload.demo import demo_cache_dir
 

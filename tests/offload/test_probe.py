@@ -260,3 +260,23 @@ def test_cuda_device_and_links(tiny_profile):
     assert [r for r, _ in p.device.matmul_curve["float16"]] == [1, 8, 64]
     assert any(line.startswith("links:") for line in stages)
     assert p.name.startswith(f"local ({torch.cuda.get_device_name()}, ")
+
+
+def test_a_profile_from_an_older_probe_still_loads_and_says_so(tiny_profile, tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from offload.hardware import save_profile
+
+    p, _ = tiny_profile
+    old_unit = dataclasses.replace(
+        p.host, elementwise_curve={}, prefill_attention_curve={}, decode_attention_curve={}, layer_floor={}
+    )
+    path = tmp_path / "local.json"
+    monkeypatch.setattr(probe_mod, "local_profile_path", lambda: path)
+    save_profile(dataclasses.replace(p, device=old_unit, host=old_unit), path)
+    assert probe_mod.local_profile().device.matmul_curve.keys() == p.device.matmul_curve.keys()
+    err = capsys.readouterr().err
+    assert err.startswith(f"note: {path} comes from an older `offload probe`") and err.count("\n") == 1
+    save_profile(p, path)
+    probe_mod.local_profile()
+    assert capsys.readouterr().err == ""  # a current profile: nothing to say

@@ -236,12 +236,12 @@ def _add_probe(sub: argparse._SubParsersAction) -> None:
         help="measure this machine (disk, memory, matmul, links) into a hardware profile",
         description="Measure this machine's disk read/write, memory bandwidth, matmul speed per dtype and, on CUDA, "
         "the GPU and its link, through the engine's own I/O and GEMM paths; save the result as a hardware profile "
-        "for `offload plan` and print it. Takes under a minute (--quick: about 10 s).",
+        "for `offload plan` and print it. Takes under a minute (--quick: about 15 s).",
     )
     p.add_argument("--out", metavar="FILE", help="profile to write (default ~/.cache/offload/hardware/local.json)")
     p.add_argument("--dir", metavar="DIR", help="a directory on the drive to measure (default ~/.cache/offload)")
     p.add_argument("--disk-bytes", metavar="SIZE", help="disk test file size (default 1GiB; --quick: 256MiB)")
-    p.add_argument("--quick", action="store_true", help="smaller tests: about 10 seconds")
+    p.add_argument("--quick", action="store_true", help="smaller tests: about 15 seconds")
     p.set_defaults(run=_probe)
 
 

@@ -93,7 +93,7 @@ class ProbeSizes:
 
     @classmethod
     def quick(cls) -> ProbeSizes:
-        """Sizes for `--quick`: about 10 s on two cores."""
+        """Sizes for `--quick`: about 15 s on two cores."""
         return cls(
             256 * MiB,
             copy_bytes=256 * MiB,

@@ -48,6 +48,9 @@ class ComputeUnit:
     # dtype -> ((rows, FLOP/s), ...) measured by `offload probe` for [rows, k] x [k, n] products, rows ascending;
     # empty for published profiles (the cost model then uses matmul_flops and the memory roofline alone)
     matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # the same for weights packed for the CPU's GEMM (kernels.linear.pack_weight), as the engine keeps resident
+    # layers and the head where packing pays: 1.6x faster decode steps on an AMD EPYC; empty where it does not pay
+    packed_matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # what `offload probe` measures of the rest of a layer through the engine's own code, dtype -> ((size, rate),
     # ...) with sizes ascending; empty for published profiles (the cost model then prices this work at the memory
     # bandwidth and the GEMM rate). On a CPU these run far below the memory roofline: a float32 RMS norm or a
@@ -231,6 +234,7 @@ def format_profile(p: HardwareProfile) -> str:
 
 _CURVE_TITLES = {
     "matmul_curve": "matmul [rows, k] x [k, n]",
+    "packed_matmul_curve": "the same with the weight packed for the CPU's GEMM (resident layers)",
     "elementwise_curve": "a layer's non-GEMM work (bytes as the cost model counts them)",
     "prefill_attention_curve": "causal attention of whole prompts",
     "decode_attention_curve": "one query per sequence over a paged K/V cache (K and V bytes)",
@@ -241,6 +245,7 @@ _UNIT_FIELDS = ("memory_gb", "memory_bandwidth_gbps", "matmul_tflops")
 # the optional measured curves: JSON field -> (the x of a point, the unit of its rate, that unit in base units)
 CURVES = {
     "matmul_curve": ("rows", "TFLOP/s", TFLOP),
+    "packed_matmul_curve": ("rows", "TFLOP/s", TFLOP),
     "elementwise_curve": ("rows", "GB/s", GB),
     "prefill_attention_curve": ("tokens", "TFLOP/s", TFLOP),
     "decode_attention_curve": ("tokens", "GB/s", GB),

@@ -291,12 +291,18 @@ def _compute_unit(
     dtypes: tuple[str, ...],
     say: Callable[[str], None],
 ) -> ComputeUnit:
-    curves, elementwise, prefill, decode, floor = {}, {}, {}, {}, {}
+    from kernels.linear import packing_pays
+
+    curves, packed, elementwise, prefill, decode, floor = {}, {}, {}, {}, {}, {}
     for dtype in dtypes:
         say(f"{'host' if device.type == 'cpu' else 'device'}: {dtype} matmul, elementwise work and attention")
         curves[dtype] = measure_matmul(
             device, dtype, sizes.rows, sizes.k, sizes.n, sizes.min_seconds, sizes.weight_pool_bytes
         )
+        if device.type == "cpu" and packing_pays(getattr(torch, dtype)):  # the engine packs resident layers
+            packed[dtype] = measure_matmul(
+                device, dtype, sizes.rows, sizes.k, sizes.n, sizes.min_seconds, sizes.weight_pool_bytes, packed=True
+            )
         elementwise[dtype] = measure_elementwise(device, dtype, sizes.rows, sizes.k, sizes.head_dim, sizes.min_seconds)
         prefill[dtype], decode[dtype] = measure_attention(
             device,
@@ -314,6 +320,7 @@ def _compute_unit(
         memory_bandwidth=bandwidth,
         matmul_flops={dtype: curve[-1][1] for dtype, curve in curves.items()},
         matmul_curve=curves,
+        packed_matmul_curve=packed,
         elementwise_curve=elementwise,
         prefill_attention_curve=prefill,
         decode_attention_curve=decode,

@@ -32,15 +32,19 @@ def measure_matmul(
     n: int,
     min_seconds: float = 0.2,
     weight_pool_bytes: int = 0,
+    packed: bool = False,
 ) -> tuple[tuple[int, float], ...]:
     """((rows, FLOP/s), ...) of kernels.linear for [rows, k] x [k, n] in `dtype`; successive products cycle
-    through copies of the weight that together take at least `weight_pool_bytes`."""
-    from kernels.linear import linear
+    through copies of the weight that together take at least `weight_pool_bytes`. `packed`: the copies packed for
+    the CPU's GEMM (kernels.linear.pack_weight), as the engine keeps its resident layers."""
+    from kernels.linear import linear, pack_weight
 
     gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype)
     w = torch.randn(n, k, generator=gen).to(device=device, dtype=dt)  # [n, k]
     pool = [w] + [w.clone() for _ in range(1, -(-weight_pool_bytes // (w.numel() * w.element_size())))]
+    if packed:
+        pool = [pack_weight(copy) for copy in pool]
     weights = itertools.cycle(pool)
     x_all = torch.randn(rows[-1], k, generator=gen).to(device=device, dtype=dt)  # [max rows, k]
     curve = []

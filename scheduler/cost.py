@@ -137,8 +137,11 @@ def curve_rate(curve: tuple[tuple[int, float], ...], size: int) -> float:
     return curve[i - 1][1] + f * (curve[i][1] - curve[i - 1][1])
 
 
-def matmul_rate(unit: ComputeUnit, dtype: str, rows: int) -> float:
-    """FLOP/s of a GEMM with `rows` rows: the measured curve, else the flat rate."""
+def matmul_rate(unit: ComputeUnit, dtype: str, rows: int, packed: bool = False) -> float:
+    """FLOP/s of a GEMM with `rows` rows: the measured curve (for weights packed for the CPU's GEMM where `packed`
+    and the profile has that curve), else the flat rate."""
+    if packed and (curve := unit.packed_matmul_curve.get(dtype)):
+        return curve_rate(curve, rows)
     if curve := unit.matmul_curve.get(dtype):
         return curve_rate(curve, rows)
     if dtype not in unit.matmul_flops:
@@ -147,9 +150,13 @@ def matmul_rate(unit: ComputeUnit, dtype: str, rows: int) -> float:
     return unit.matmul_flops[dtype]
 
 
-def _gemm_seconds(unit: ComputeUnit, dtype: str, params: int, weight_bytes: float, rows: int) -> float:
-    """[rows, k] x [k, n] products over `params` = k * n weights: compute- or memory-bound, whichever is slower."""
-    return max(2.0 * params * rows / matmul_rate(unit, dtype, rows), weight_bytes / unit.memory_bandwidth)
+def _gemm_seconds(
+    unit: ComputeUnit, dtype: str, params: int, weight_bytes: float, rows: int, packed: bool = False
+) -> float:
+    """[rows, k] x [k, n] products over `params` = k * n weights: compute- or memory-bound, whichever is slower.
+    `packed`: weights the engine keeps packed for the CPU's GEMM (resident ones on a CPU device)."""
+    rate = matmul_rate(unit, dtype, rows, packed)
+    return max(2.0 * params * rows / rate, weight_bytes / unit.memory_bandwidth)
 
 
 # ---- the model of a step -------------------------------------------------------------------------------------
@@ -195,7 +202,8 @@ def _layer_step(
     if tier != "device" and not ctx.on_cpu:
         busy["link"] = w_bytes / hw.host_to_device
     attn_unit = hw.host if cand.kv_tier == "host" and not ctx.on_cpu else hw.device
-    compute = _gemm_seconds(hw.device, ctx.dtype, s.active_layer_params, active_bytes, rows_per_mb)
+    packed = ctx.on_cpu and tier == "device"  # the engine packs resident layers where that pays
+    compute = _gemm_seconds(hw.device, ctx.dtype, s.active_layer_params, active_bytes, rows_per_mb, packed)
     compute += _elementwise_seconds(ctx, rows_per_mb)
     if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
         compute += s.active_layer_params * ctx.dtype_bytes / hw.device.memory_bandwidth
@@ -268,7 +276,7 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
         total["wall"] += count * max(busy.values())
     # head: final norm + LM head on the last token of each sequence (resident on the device)
     head_params = s.vocab_size * s.hidden_size
-    head = _gemm_seconds(ctx.hw.device, ctx.dtype, head_params, head_params * ctx.dtype_bytes, cand.batch)
+    head = _gemm_seconds(ctx.hw.device, ctx.dtype, head_params, head_params * ctx.dtype_bytes, cand.batch, ctx.on_cpu)
     total["compute"] += head
     total["wall"] += head
     return total

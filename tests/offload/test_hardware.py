@@ -32,6 +32,7 @@ def tiny_profile(**changes) -> HardwareProfile:
         memory_bandwidth=12.5e9,
         matmul_flops={"float32": 0.25e12, "bfloat16": 1.5e12},
         matmul_curve={"float32": ((1, 1.0e9), (8, 7.5e9), (2048, 0.25e12))},
+        packed_matmul_curve={"float32": ((1, 2.0e9), (2048, 0.3e12))},
         elementwise_curve={"float32": ((1, 0.5e9), (2048, 9.5e9))},
         prefill_attention_curve={"float32": ((16, 2e9), (512, 40e9))},
         decode_attention_curve={"float32": ((16, 1e9), (512, 3e9))},
@@ -180,6 +181,7 @@ def test_a_cpu_profile_may_have_no_links_and_keeps_its_curves(tmp_path):
     assert data["device"]["prefill_attention_curve"] == {"float32": [[16, 0.002], [512, 0.04]]}  # TFLOP/s
     assert data["device"]["decode_attention_curve"] == {"float32": [[16, 1], [512, 3]]}  # GB/s
     assert data["device"]["layer_floor_us"] == {"float32": 250}
+    assert data["device"]["packed_matmul_curve"] == {"float32": [[1, 0.002], [2048, 0.3]]}
     assert parse_profile(data) == p
     save_profile(p, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == p
@@ -226,7 +228,8 @@ def test_format_profile_shows_every_fact():
     assert "causal attention of whole prompts, TFLOP/s by tokens:" in text and "512: 0.04" in text
     assert "paged K/V cache (K and V bytes), GB/s by tokens:" in text and "16: 1  512: 3" in text
     assert "least a decoder layer costs (a tiny model, one token):\n  device float32   250 us" in text
-    assert text.count("  device float32") == 5 and "  host " not in text  # host is the device: shown once
+    assert "weight packed for the CPU's GEMM (resident layers), TFLOP/s by rows:\n  device float32   1: 0.002" in text
+    assert text.count("  device float32") == 6 and "  host " not in text  # host is the device: shown once
 
 
 def test_parse_does_not_modify_its_input():

@@ -57,6 +57,16 @@ def test_probe_measures_every_unit(tiny_profile):
             assert all(flops > 0 for _, flops in curve)
             assert unit.matmul_flops[dtype] == curve[-1][1]  # the largest product's rate
         assert unit.elementwise_curve.keys() == unit.matmul_curve.keys()
+        from kernels.linear import packing_pays
+
+        packs = {
+            d
+            for d in unit.matmul_curve
+            if unit is p.device and p.device_kind == "cpu" and packing_pays(getattr(torch, d))
+        }
+        assert unit.packed_matmul_curve.keys() == packs  # measured where the engine packs its resident layers
+        for curve in unit.packed_matmul_curve.values():
+            assert [rows for rows, _ in curve] == [1, 8, 64] and all(flops > 0 for _, flops in curve)
         for dtype in unit.matmul_curve:
             assert [rows for rows, _ in unit.elementwise_curve[dtype]] == [1, 8, 64]
             assert [n for n, _ in unit.prefill_attention_curve[dtype]] == [4, 32]

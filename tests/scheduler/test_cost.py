@@ -134,6 +134,28 @@ def test_measured_curves_price_the_rest_of_a_layer():
     assert p.decode_seconds - q.decode_seconds == pytest.approx(decode_delta)
 
 
+def test_resident_layers_and_the_head_use_the_packed_gemm_rate_on_a_cpu():
+    import dataclasses
+
+    plain = cpu_machine(flops=1e11)
+    unit = dataclasses.replace(plain.device, packed_matmul_curve={"bfloat16": ((1, 4e11), (4096, 4e11))})
+    packed = dataclasses.replace(plain, device=unit, host=unit)
+    work = Workload(prompt_len=100, gen_len=1)
+    # the LM head for 64 sequences: compute-bound both ways (128 kB of weights take 12.8 us at 1e10 B/s)
+    head_saved = 2 * 64_000 * 64 * (1 / 1e11 - 1 / 4e11)
+    # all resident: every GEMM at 4e11 instead of 1e11 FLOP/s (the prefill here is compute-bound)
+    resident = Candidate(batch=64, micro_batches=1, layers=(4, 0, 0))
+    p, q = predict(SHAPE, packed, work, resident), predict(SHAPE, plain, work, resident)
+    assert q.prefill_seconds - p.prefill_seconds == pytest.approx(
+        4 * 2 * 1e6 * 6400 * (1 / 1e11 - 1 / 4e11) + head_saved
+    )
+    # streamed layers stay dense: only the head gains
+    streamed = Candidate(batch=64, micro_batches=1, layers=(0, 0, 4))
+    p, q = predict(SHAPE, packed, work, streamed), predict(SHAPE, plain, work, streamed)
+    assert q.resources["compute"] - p.resources["compute"] == pytest.approx(head_saved)
+    assert matmul_rate(unit, "bfloat16", 8, packed=True) == 4e11 and matmul_rate(unit, "bfloat16", 8) == 1e11
+
+
 def test_a_measured_layer_floor_binds_small_layers_only():
     import dataclasses
 

@@ -90,10 +90,13 @@ def mean_profile(a, b):
 def table(rows: list[dict]) -> str:
     head = (
         f"{'batch':>5} {'ours tok/s':>10} {'predicted':>9} {'error':>6} {'@start':>6} {'limit s':>8} {'ours s':>7} "
-        f"{'/limit':>6} {'bound':>7} {'accel tok/s':>11} {'ours/accel':>10} {'accel RSS MB':>12} {'ours RSS MB':>11}"
+        f"{'/limit':>6} {'bound':>7} {'resident':>8} {'accel tok/s':>11} {'ours/accel':>10} {'accel RSS MB':>12} "
+        f"{'ours RSS MB':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
+        res = r.get("resident_prediction_error")  # absent in JSON written before this column
+        resident = f"{res:+8.0%}" if res is not None else f"{'-':>8}"
         acc = r.get("accelerate")
         acc_cols = (
             f"{acc['tokens_per_second']:11.3f} {r['tokens_per_second'] / acc['tokens_per_second']:9.2f}x "
@@ -105,7 +108,8 @@ def table(rows: list[dict]) -> str:
             f"{r['batch']:>5} {r['tokens_per_second']:10.3f} {r['predicted_tokens_per_second']:9.3f} "
             f"{r['prediction_error']:+6.0%} {r['prediction_error_start_profile']:+6.0%} "
             f"{r['limit_seconds']:8.2f} {r['wall_seconds']:7.2f} "
-            f"{r['wall_seconds'] / r['limit_seconds']:5.2f}x {r['predicted_bound']:>7} {acc_cols} "
+            f"{r['wall_seconds'] / r['limit_seconds']:5.2f}x {r['predicted_bound']:>7} "
+            f"{resident} {acc_cols} "
             f"{r['peak_rss_bytes'] / 1e6:11.0f}"
         )
     return "\n".join(lines)
@@ -189,12 +193,15 @@ def main() -> None:
         point_hw = mean_profile(before, after)
         limit = peers.physical_limit(ours.streamed_bytes_per_pass, raw["median_gbps"], resident.pass_seconds)
         start_pred = predict_point(model_dir, hw, ours, batch, workload)
+        # the all-resident run checks the cost model's compute alone (no disk), from the same point's probes
+        resident_pred = predict_point(model_dir, point_hw, resident, batch, workload)
         row = {
             "batch": batch,
             "tokens_per_second": ours.tokens_per_second,
             "wall_seconds": ours.wall_seconds,
             "limit_seconds": limit,
             "resident_seconds": resident.wall_seconds,
+            "resident_prediction_error": error(resident_pred, resident),
             "predicted_tokens_per_second": pred.tokens_per_second,
             "predicted_seconds": pred.total_seconds,
             "prediction_error": error(pred, ours),

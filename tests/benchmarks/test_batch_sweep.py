@@ -60,11 +60,17 @@ def test_goals_pass_and_fail_on_the_rows(sweep):
 
 def test_table_shows_both_predictions_and_the_peer(sweep):
     acc = {"status": "ok", "tokens_per_second": 2.0, "peak_rss_bytes": 2.1e9}
-    lines = sweep.table([row(8, 4.0, 4.4, 30.0, 32.0, accelerate=acc), row(16, 7.0, 6.3, 33.0, 35.0)]).splitlines()
+    rows = [
+        row(8, 4.0, 4.4, 30.0, 32.0, accelerate=acc, resident_prediction_error=-0.07),
+        row(16, 7.0, 6.3, 33.0, 35.0),
+    ]
+    lines = sweep.table(rows).splitlines()
     assert lines[0].split()[:6] == ["batch", "ours", "tok/s", "predicted", "error", "@start"]
     first, second = lines[2].split(), lines[3].split()
     assert first[:5] == ["8", "4.000", "4.400", "+10%", "+120%"]
     assert "2.00x" in first and "2100" in first  # Accelerate's rate ratio and its peak RSS in MB
+    assert first[first.index("disk") + 1] == "-7%"  # the all-resident run's prediction error
+    assert second[second.index("disk") + 1] == "-"  # a JSON from before that column: no number to show
     assert second[:5] == ["16", "7.000", "6.300", "-10%", "+80%"] and second[-4:-1] == ["-", "-", "-"]
 
 

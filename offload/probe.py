@@ -38,6 +38,7 @@ from offload.errors import OffloadError
 from offload.hardware import CURVES, ComputeUnit, HardwareProfile, format_profile, save_profile
 from offload.rates import (
     MIN_REPEATS,
+    layer_shape,
     measure_attention,
     measure_copy,
     measure_elementwise,
@@ -126,6 +127,7 @@ def probe(
     say("host: memory bandwidth")
     host_bandwidth = measure_copy(cpu, sizes.copy_bytes, sizes.min_seconds)
     host = _compute_unit(cpu, _total_ram(), host_bandwidth, sizes, PROBE_DTYPES, say)
+    layer = layer_shape(sizes.k, sizes.head_dim)
     what = [
         f"disk: a {format_size(sizes.disk_bytes)} file in {directory} written with O_DIRECT + fsync, read back cold "
         f"with the pread backend in {format_size(sizes.extent_bytes)} requests, {sizes.depth} in flight"
@@ -134,9 +136,8 @@ def probe(
         f"matmul: kernels.linear on [rows, {sizes.k}] x [{sizes.k}, {sizes.n}], median of >= {MIN_REPEATS} runs "
         f"after a warm-up, weights cycled through {format_size(sizes.weight_pool_bytes)} of copies, matmul_tflops at "
         f"{sizes.rows[-1]} rows, {torch.get_num_threads()} torch threads",
-        f"rest of a layer: hidden {sizes.k}, {sizes.k // sizes.head_dim} heads of {sizes.head_dim} "
-        f"({sizes.k // sizes.head_dim // 4} K/V heads), MLP {sizes.k * 11 // 4}; prompts of {sizes.rows[-1]} tokens "
-        f"in all, {sizes.decode_seqs} decode sequences",
+        f"rest of a layer: hidden {sizes.k}, {layer.heads} heads of {sizes.head_dim} ({layer.kv_heads} K/V heads), "
+        f"MLP {layer.intermediate}; prompts of {sizes.rows[-1]} tokens in all, {sizes.decode_seqs} decode sequences",
     ]
     names = [_cpu_model()]
     if torch.cuda.is_available():

@@ -10,11 +10,24 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 MIN_REPEATS = 3  # timed runs per measurement, after one warm-up run
+
+
+class LayerShape(NamedTuple):
+    """The decoder layer the rest-of-layer measurements run: Llama's proportions for a hidden size."""
+
+    heads: int  # query heads of head_dim
+    kv_heads: int  # a quarter as many
+    intermediate: int  # MLP width, 11/4 of hidden (TinyLlama's 5632 for 2048)
+
+
+def layer_shape(hidden: int, head_dim: int) -> LayerShape:
+    return LayerShape(hidden // head_dim, hidden // head_dim // 4, hidden * 11 // 4)
 
 
 def measure_copy(device: torch.device, nbytes: int, min_seconds: float = 0.2) -> float:
@@ -65,7 +78,7 @@ def measure_elementwise(
     from offload.model.rope import apply_rope
     from scheduler.cost import elementwise_bytes
 
-    heads, kv_heads, inter = hidden // head_dim, hidden // head_dim // 4, hidden * 11 // 4
+    heads, kv_heads, inter = layer_shape(hidden, head_dim)
     gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype)
     n = rows[-1]
@@ -113,7 +126,7 @@ def measure_attention(
     half of the square."""
     from kernels.paged_attention import PagedBatch, paged_attention
 
-    heads, kv_heads = hidden // head_dim, hidden // head_dim // 4
+    heads, kv_heads, _ = layer_shape(hidden, head_dim)
     gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype)
     scale = head_dim**-0.5
@@ -156,14 +169,15 @@ def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0
     from offload.model.registry import LayerInput
     from offload.model.rope import cos_sin, inverse_frequencies
 
+    shape = layer_shape(256, 64)  # 4 heads, one K/V head, MLP 704
     config = {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": 256,
         "hidden_size": 256,
-        "intermediate_size": 704,
+        "intermediate_size": shape.intermediate,
         "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
         "torch_dtype": dtype,
     }
     spec = FAMILY.spec_from_config(config, "the probe's tiny layer")

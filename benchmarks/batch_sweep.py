@@ -35,7 +35,7 @@ GOALS = {"wall_vs_limit": 1.25, "prediction_error": 0.20}
 
 def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, workload: peers.Workload):
     """The cost model's prediction for the placement and micro-batching our engine actually ran."""
-    from offload.shapes import load_shape
+    from offload.planner.shapes import load_shape
     from scheduler.cost import Budgets, Candidate, Workload, predict
 
     tiers = result.extra["layer_tiers"]
@@ -62,7 +62,7 @@ def mean_profile(a, b):
     weighs half as much."""
     from dataclasses import replace
 
-    from offload.hardware import CURVES
+    from offload.common.hardware import CURVES
 
     def mean_curve(x, y):
         return tuple((size, (fx + fy) / 2) for (size, fx), (_, fy) in zip(x, y, strict=True))
@@ -132,9 +132,9 @@ def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
 
 
 def main() -> None:
-    from offload.hardware import load_profile
-    from offload.probe import local_profile, remeasure
-    from tiers.budget import parse_size
+    from offload.common.sizes import parse_size
+    from offload.planner.probe import local_profile, remeasure
+    from offload.planner.profiles import load_profile
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench"))

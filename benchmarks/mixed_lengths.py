@@ -278,9 +278,9 @@ def run_ours(
     import torch
 
     from offload.api import LLM
-    from offload.config import EngineConfig, SamplingParams
+    from offload.common.config import EngineConfig, SamplingParams
     from offload.model.loader import load_spec
-    from offload.sampling import sample
+    from offload.model.sampling import sample
     from scheduler.batcher import Batcher, BatchLimits
     from scheduler.sequence import Sequence
     from tiers.kv import KVCache

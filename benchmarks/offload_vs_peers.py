@@ -212,7 +212,7 @@ def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: P
     import torch
 
     from offload.api import LLM
-    from offload.config import EngineConfig, SamplingParams
+    from offload.common.config import EngineConfig, SamplingParams
     from offload.model.loader import load_spec
     from tiers.kv import KVCache
 
@@ -635,7 +635,7 @@ def main_run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    from tiers.budget import parse_size
+    from offload.common.sizes import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench"))

@@ -95,7 +95,7 @@ def packing_pays(dtype: torch.dtype) -> bool:
 
 
 def _time_ratio(packed: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rounds: int = 9) -> float:
-    """Packed time over dense time for x @ w.T: the median of back-to-back pairs, so that a shared machine's
+    """SlotLayout time over dense time for x @ w.T: the median of back-to-back pairs, so that a shared machine's
     drift, which moves both of a pair together, cancels (minima of seven runs of one, then seven of the other,
     once turned packing off for a whole benchmark run on a noisy VM, its decode-sized products then ~1.5x slower)."""
 

@@ -10,22 +10,25 @@ from pathlib import Path
 
 import torch
 
-from offload.config import EngineConfig, ModelSpec, Policy, SamplingParams
-from offload.engine import Engine
-from offload.errors import OffloadError
-from offload.model.checkpoint import Checkpoint
+from offload.common.config import EngineConfig, ModelSpec, Policy, SamplingParams
+from offload.common.errors import OffloadError
+from offload.model.engine import Engine
 from offload.model.loader import load_spec
-from offload.sampling import sample
+from offload.model.registry import model_tensors
+from offload.model.sampling import sample
 from scheduler.batcher import Batcher, BatchLimits
-from scheduler.plan import SeqChunk, StepPlan, pack_micro_batches
+from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from scheduler.sequence import Sequence
+from tiers.checkpoint import Checkpoint
 from tiers.device import DeviceTier
 from tiers.host import HostTier
 from tiers.io.base import make_backend
-from tiers.io.pread import PreadReader
+from tiers.io.buffered import BufferedReader
 from tiers.kv import BlockPool, BlockTables, KVCache
-from tiers.nvme import SpillStats, spill_layers
-from tiers.weights import ModelLayout, WeightStore, model_layout, plan_placement
+from tiers.layout import ModelLayout, model_layout
+from tiers.placement import place_weights
+from tiers.spill import SpillStats, spill_layers
+from tiers.weights import WeightStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +158,8 @@ class LLM:
         self.device_tier = DeviceTier(config.device_memory, self.device)
         self.host_tier = HostTier(config.host_memory or None)  # 0: no budget, so no layer in host RAM (see HostTier)
         self.kv = self._make_kv_cache()
-        with PreadReader() as reader:  # headers only; tensor data goes through the NVMe backend
-            layout = model_layout(Checkpoint(self.model_dir, reader), self.family, self.spec)
+        with BufferedReader() as reader:  # headers only; tensor data goes through the NVMe backend
+            layout = model_layout(Checkpoint(self.model_dir, reader), model_tensors(self.family, self.spec))
         self.spill: SpillStats | None = None  # streamed layers converted once into --offload-dir
         if config.offload_dir is not None:
             layout, self.spill = spill_layers(
@@ -189,7 +192,7 @@ class LLM:
 
     def _plan(self, layout: ModelLayout) -> Policy:
         """Place the layers in what the device budget leaves after the KV cache, the embedding and the head."""
-        return plan_placement(layout, self.dtype, self.device_tier, self.host_tier, self.config.ring_slots)
+        return place_weights(layout, self.dtype, self.device_tier, self.host_tier, self.config.ring_slots)
 
     def close(self) -> None:
         """Let reads in flight land and close the checkpoint files. The object is not usable afterwards."""
@@ -362,7 +365,7 @@ class LLM:
                 chunks.append(SeqChunk(seq_id, tuple(t), 0, tuple(table)))
             if not chunks:
                 raise OffloadError("a prompt does not fit the KV cache")  # _check_ids makes this unreachable
-            plan = StepPlan(pack_micro_batches(chunks, self.config.micro_batch_tokens), all_logits=True)
+            plan = StepPlan(split_micro_batches(chunks, self.config.micro_batch_tokens), all_logits=True)
             logits = self.engine.step(plan).logits
             result.extend(logits.split([len(c.token_ids) for c in chunks]))
             for c in chunks:

@@ -8,8 +8,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from offload.errors import OffloadError
-from offload.plan import add_plan_parser
+from offload.common.errors import OffloadError
+from offload.planner.report import add_plan_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -89,9 +89,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from offload.api import LLM
-    from offload.config import EngineConfig, SamplingParams
+    from offload.common.config import EngineConfig, SamplingParams
+    from offload.common.sizes import parse_size
     from offload.demo import DEMO_PROMPTS
-    from tiers.budget import parse_size
 
     config = EngineConfig(
         dtype=args.dtype,
@@ -150,8 +150,8 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _planned_config(args: argparse.Namespace, config, prompts: list[str]):
     from offload.api import load_tokenizer
-    from offload.autoconfig import describe, plan_engine_config
     from offload.demo import ensure_demo_model
+    from offload.planner.autoconfig import autoconfigure, describe
 
     model_dir = Path(args.model).expanduser() if args.model is not None else ensure_demo_model()
     tokenizer = load_tokenizer(model_dir)
@@ -162,7 +162,7 @@ def _planned_config(args: argparse.Namespace, config, prompts: list[str]):
         ]
     else:
         lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
-    planned, prediction = plan_engine_config(model_dir, config, lengths, args.max_new_tokens)
+    planned, prediction = autoconfigure(model_dir, config, lengths, args.max_new_tokens)
     print(
         f"plan       {describe(prediction)} (the cost model's choice; --max-num-seqs or --kv-cache-memory fix it)",
         file=sys.stderr,
@@ -171,7 +171,7 @@ def _planned_config(args: argparse.Namespace, config, prompts: list[str]):
 
 
 def _summary(llm, completions) -> str:
-    from tiers.budget import format_size
+    from offload.common.sizes import format_size
 
     s, pl = llm.stats, llm.placement
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(Counter(c.finish_reason for c in completions).items()))
@@ -203,7 +203,7 @@ def _summary(llm, completions) -> str:
 
 
 def _spill_line(spill, tiers: tuple[str, ...]) -> str:
-    from tiers.budget import format_size
+    from offload.common.sizes import format_size
 
     if not spill.layers:
         why = "no layer needs converting" if not spill.convertible else "no layer that needs converting streams"
@@ -220,7 +220,7 @@ def _spill_line(spill, tiers: tuple[str, ...]) -> str:
 
 
 def _placement_table(llm) -> str:
-    from tiers.budget import format_size
+    from offload.common.sizes import format_size
 
     rows = [f"{'layer':>6}  {'bytes':>10}  tier"]
     for i, (tier, layout) in enumerate(zip(llm.policy.layer_tiers, llm.weights.layouts, strict=True)):
@@ -246,7 +246,7 @@ def _add_probe(sub: argparse._SubParsersAction) -> None:
 
 
 def _probe(args: argparse.Namespace) -> None:
-    from offload.probe import run_probe
+    from offload.planner.probe import run_probe
 
     run_probe(args.out, args.dir, args.disk_bytes, args.quick)
 

@@ -22,7 +22,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from offload.quiet import quiet_deepspeed_import
+from offload.common.paths import cache_dir
+from offload.common.quiet import quiet_deepspeed_import
 
 if TYPE_CHECKING:
     import torch
@@ -79,23 +80,14 @@ class DemoRecipe:
     adam_beta2: float = 0.95
 
 
-def demo_cache_dir() -> Path:
-    """The cache root: $OFFLOAD_CACHE_DIR, else $XDG_CACHE_HOME/offload, else ~/.cache/offload."""
-    if explicit := os.environ.get("OFFLOAD_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    if xdg := os.environ.get("XDG_CACHE_HOME"):
-        return Path(xdg).expanduser() / "offload"
-    return Path.home() / ".cache" / "offload"
-
-
-def ensure_demo_model(cache_dir: Path | None = None) -> Path:
-    """Return `cache_dir / DEMO_MODEL_NAME`, building it first if it does not exist.
+def ensure_demo_model(root: Path | None = None) -> Path:
+    """Return `root / DEMO_MODEL_NAME`, building it first if it does not exist (root: `cache_dir()` by default).
 
     Invariant: the model directory exists only complete. It is built in a temporary sibling and renamed
     into place in one step, so a crashed or concurrent build leaves at most a `.building-` folder, which
     is never read as the model and is removed once it is stale.
     """
-    root = Path(cache_dir) if cache_dir is not None else demo_cache_dir()
+    root = Path(root) if root is not None else cache_dir()
     target = root / DEMO_MODEL_NAME
     if target.is_dir():
         return target

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler.plan import SeqChunk, StepPlan, pack_micro_batches
+from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from scheduler.sequence import SeqState, Sequence
 from tiers.kv import BlockTables
 
@@ -93,7 +93,7 @@ class Batcher:
             self.running.append(seq)
             chunks.append(self._chunk(seq, end, table))
             budget -= end
-        return StepPlan(pack_micro_batches(chunks, self.limits.micro_batch_tokens))
+        return StepPlan(split_micro_batches(chunks, self.limits.micro_batch_tokens))
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, planned: set[int]) -> list[int] | None:
         """Grow `seq` to `num_tokens`, preempting the latest unplanned sequences; None if `seq` itself went."""

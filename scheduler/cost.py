@@ -20,9 +20,9 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from offload.errors import OffloadError
-from offload.hardware import ComputeUnit, HardwareProfile
-from offload.shapes import ModelShape
+from offload.common.errors import OffloadError
+from offload.common.hardware import ComputeUnit, HardwareProfile
+from offload.planner.shapes import ModelShape
 
 # Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
 # the call; what the layer itself costs at the least is the profile's measured layer_floor, where it has one.

@@ -64,7 +64,7 @@ class StepPlan:
         return tuple(c for mb in self.micro_batches for c in mb.chunks)
 
 
-def pack_micro_batches(chunks: list[SeqChunk], max_tokens: int) -> tuple[MicroBatch, ...]:
+def split_micro_batches(chunks: list[SeqChunk], max_tokens: int) -> tuple[MicroBatch, ...]:
     """Pack chunks, in order, into micro-batches of exactly `max_tokens` tokens (the last may hold fewer).
 
     A chunk that overflows a micro-batch is cut there: its head fills that micro-batch without logits and

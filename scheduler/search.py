@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from offload.hardware import HardwareProfile
-from offload.shapes import ModelShape
+from offload.common.hardware import HardwareProfile
+from offload.planner.shapes import ModelShape
 from scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity, make_context, predict, tier_memory
 
 KV_TIERS = ("device", "host")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from offload.config import SamplingParams
+from offload.common.config import SamplingParams
 
 
 class SeqState(enum.Enum):

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import torch
 
-from offload.model.checkpoint import TORCH_DTYPES, Extent
+from tiers.checkpoint import TORCH_DTYPES, Checkpoint, Extent, ModelTensors, TensorGroup
 from tiers.io.base import aligned_span
+
+Weights = dict[str, torch.Tensor]  # short name (e.g. "q_proj") -> tensor on the compute device
 
 MERGE_GAP = 64 << 10  # bytes; tensors closer than this are read in one run (the gap is read and discarded)
 
@@ -63,7 +65,7 @@ class GroupLayout:
         return out
 
 
-def plan_group(extents: dict[str, Extent]) -> GroupLayout:
+def group_layout(extents: dict[str, Extent]) -> GroupLayout:
     """The read plan for tensors {short name: extent}; tied duplicates (same extent) are read once."""
     by_file: dict[Path, list[tuple[str, Extent]]] = {}
     for short, ext in extents.items():
@@ -87,3 +89,25 @@ def plan_group(extents: dict[str, Extent]) -> GroupLayout:
             slot += span.length
             i = j
     return GroupLayout(tuple(runs), tuple(tensors), slot)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    """Read plans of every weight group. With tied embeddings the head group holds only the final norm."""
+
+    embed: GroupLayout
+    head: GroupLayout
+    layers: tuple[GroupLayout, ...]
+
+
+def model_layout(checkpoint: Checkpoint, tensors: ModelTensors) -> ModelLayout:
+    """The read plan of every weight group, after checking each tensor's shape and dtype."""
+    return ModelLayout(
+        embed=_layout(checkpoint, tensors.embed),
+        head=_layout(checkpoint, tensors.head),
+        layers=tuple(_layout(checkpoint, group) for group in tensors.layers),
+    )
+
+
+def _layout(checkpoint: Checkpoint, group: TensorGroup) -> GroupLayout:
+    return group_layout({short: checkpoint.check(t.name, t.shape) for short, t in group.items()})

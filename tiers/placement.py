@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from offload.config import Policy
-from offload.errors import OffloadError
-from tiers.budget import format_size
+import functools
+
+import torch
+
+from offload.common.config import Policy
+from offload.common.errors import OffloadError
+from offload.common.sizes import format_size
+from tiers.checkpoint import TORCH_DTYPES
+from tiers.device import DeviceTier
+from tiers.host import HostTier
+from tiers.layout import GroupLayout, ModelLayout, TensorAt
+from tiers.slot import slot_layout
 
 
-def plan_policy(
+def place_by_bytes(
     layer_bytes: list[int], slot_bytes: int, device_free: int | None, host_free: int, ring_slots: int
 ) -> Policy:
     """The placement for layers costing `layer_bytes` each (what they take resident) in the room left.
@@ -45,3 +54,64 @@ def _fill(layer_bytes: list[int], device_room: int, host_room: int) -> tuple[str
         else:
             tiers.append("nvme")
     return tuple(tiers)
+
+
+def group_cost(layout: GroupLayout, dtype: torch.dtype, tier: DeviceTier, staged: bool | None = None) -> int:
+    """Bytes `tier` is charged for a group loaded in compute dtype `dtype`. Direct path: its read buffer plus
+    copies of tensors stored in another dtype. Staged path (default: when the device is not the CPU): its tensors
+    packed in `dtype` (the read buffer is host staging)."""
+    if staged if staged is not None else tier.device.type != "cpu":
+        return tier.footprint(slot_layout(layout, dtype).nbytes)
+
+    def as_dtype(t: TensorAt) -> int:
+        return t.nbytes // TORCH_DTYPES[t.dtype][1] * dtype.itemsize
+
+    converted = sum(as_dtype(t) for t in layout.tensors if TORCH_DTYPES[t.dtype][0] != dtype)
+    return tier.footprint(layout.slot_bytes) + converted
+
+
+def place_weights(
+    layout: ModelLayout,
+    dtype: torch.dtype,
+    device_tier: DeviceTier,
+    host_tier: HostTier,
+    ring_slots: int,
+    staged: bool | None = None,
+) -> Policy:
+    """Place the layers in what the tiers have left (the KV cache is already on the device), costed exactly as
+    WeightStore will charge them. Host RAM holds layers only under a host budget (see HostTier).
+
+    Staged path (default: when the device is not the CPU): host layers are copied to the device every pass, so
+    any layer off the device needs the device ring (and, when tensors change dtype, one conversion scratch
+    buffer); host RAM holds the ring's staging slots first whenever some layer still streams from disk."""
+    staged = device_tier.device.type != "cpu" if staged is None else staged
+    cost = functools.partial(group_cost, dtype=dtype, tier=device_tier, staged=staged)
+    free = device_tier.num_free
+    if free is not None:
+        free -= cost(layout.embed) + cost(layout.head)
+    layer_costs = [cost(g) for g in layout.layers]
+    host_free = host_tier.num_free or 0  # bytes; no host budget: no layer is kept in host RAM
+    if not staged:
+        return place_by_bytes(layer_costs, max(layer_costs), free, host_free, ring_slots)
+    policy = place_by_bytes(layer_costs, max(layer_costs), free, 0, ring_slots)  # as if every layer off it streamed
+    scratch = max(slot_layout(g, dtype).convert_bytes for g in layout.layers)
+    if policy.ring_slots and scratch:
+        policy = place_by_bytes(layer_costs, max(layer_costs), free - device_tier.footprint(scratch), 0, ring_slots)
+    off = [i for i, t in enumerate(policy.layer_tiers) if t != "device"]
+    host_cost = {i: host_tier.footprint(layout.layers[i].slot_bytes) for i in off}  # bytes, kept as read
+    room = host_free
+    if sum(host_cost.values()) > host_free:  # some layers will stream: their staging slots come first
+        staging = ring_slots * max(host_cost.values())
+        if host_tier.capacity is not None and staging > host_free:
+            raise OffloadError(
+                f"--host-memory is too small: {format_size(host_free)} of host RAM is left for weights, and "
+                f"streaming from disk stages layers in {ring_slots} pinned buffers of "
+                f"{format_size(max(host_cost.values()))} ({format_size(staging)})"
+            )
+        room -= staging
+    tiers = list(policy.layer_tiers)
+    for i in off:
+        if host_cost[i] <= room:
+            tiers[i] = "host"
+            room -= host_cost[i]
+    return Policy(tuple(tiers), ring_slots=policy.ring_slots)

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.errors import OffloadError
-from offload.model.registry import Weights
+from offload.common.errors import OffloadError
 from tiers.copy import DONE, CopyEngine, Event
 from tiers.io.base import ReadBackend, ReadRequest
-from tiers.layout import GroupLayout
+from tiers.layout import GroupLayout, Weights
 from tiers.memory import MemoryTier
-from tiers.packed import Packed, pack
+from tiers.slot import SlotLayout, slot_layout
 
 
 def take(tier: MemoryTier, nbytes: int, what: str) -> torch.Tensor:
@@ -174,7 +173,7 @@ class StagedRing(Ring):
 
     Host RAM (the host tier): "host" layers are read once into pinned buffers of their own; "nvme" layers are
     read, `slots` layers ahead, into `slots` pinned staging slots. Device (the device tier): `slots` device slots,
-    each holding one layer packed in the compute dtype (tiers/packed.py), and one scratch buffer when some tensor
+    each holding one layer packed in the compute dtype (tiers/slot.py), and one scratch buffer when some tensor
     is stored in another dtype (converted on the device, on the copy stream, after its copy).
 
     Order, kept by events and never by a host wait on a copy: a layer's copy into a device slot waits on the
@@ -200,7 +199,7 @@ class StagedRing(Ring):
         self.layouts, self.backend, self.copier = layouts, backend, copier
         self.order = sorted(layouts)  # the layers through the ring, in the engine's order
         self.slots = slots
-        self.packed: dict[int, Packed] = {i: pack(g, dtype) for i, g in layouts.items()}
+        self.packed: dict[int, SlotLayout] = {i: slot_layout(g, dtype) for i, g in layouts.items()}
         self._host: dict[int, torch.Tensor] = {}  # host layer -> its bytes as read, pinned
         for i in self.order:
             if tiers[i] == "host":

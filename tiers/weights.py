@@ -2,7 +2,7 @@
 
 Every decoder layer lives in one tier (a `Policy`): "device" layers are read once and stay on the compute
 device; "host" layers are read once into host RAM; "nvme" layers are read on every pass from the checkpoint
-files, or from --offload-dir's converted spill files (tiers/nvme.py) when the checkpoint stores them in another
+files, or from --offload-dir's converted spill files (tiers/spill.py) when the checkpoint stores them in another
 dtype. The embedding and the head stay on the device. The engine asks for layers in order with `acquire` and
 hands them back with `release`; layers off the device pass through a ring of buffers (tiers/ring.py) that
 reads and copies them ahead of compute, wrapping around to the first ones of the next step, so memory never
@@ -18,27 +18,22 @@ device are both counted.
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 
 import torch
 
 from kernels.linear import pack_weight, packing_pays
-from offload.config import ModelSpec, Policy
-from offload.errors import OffloadError
-from offload.model.checkpoint import TORCH_DTYPES, Checkpoint
-from offload.model.registry import Family, TensorSpec, Weights
-from tiers.budget import format_size
+from offload.common.config import Policy
+from offload.common.errors import OffloadError
 from tiers.copy import CopyEngine, make_copy_engine
 from tiers.device import DeviceTier
 from tiers.host import HostTier
 from tiers.io.base import ReadBackend
-from tiers.layout import GroupLayout, TensorAt, plan_group
+from tiers.layout import GroupLayout, ModelLayout, Weights
 from tiers.memory import MemoryTier
-from tiers.packed import pack
-from tiers.placement import plan_policy
 from tiers.ring import DirectRing, Ring, StagedRing, convert, read, take
+from tiers.slot import slot_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,92 +46,6 @@ class WeightStats:
     h2d_bytes: int  # bytes copied host -> device so far (loading and streaming)
     read_seconds: float  # wall time with at least one read in flight
     stall_seconds: float  # time the engine waited in acquire() for a read
-
-
-@dataclass(frozen=True, slots=True)
-class ModelLayout:
-    """Read plans of every weight group. With tied embeddings the head group holds only the final norm."""
-
-    embed: GroupLayout
-    head: GroupLayout
-    layers: tuple[GroupLayout, ...]
-
-
-def model_layout(checkpoint: Checkpoint, family: Family, spec: ModelSpec) -> ModelLayout:
-    """The read plan of every weight group, after checking each tensor's shape and dtype."""
-    head = family.head_tensors(spec)
-    if spec.tie_word_embeddings:
-        head = {"norm": head["norm"]}
-    return ModelLayout(
-        embed=_layout(checkpoint, family.embed_tensors(spec)),
-        head=_layout(checkpoint, head),
-        layers=tuple(_layout(checkpoint, family.layer_tensors(spec, i)) for i in range(spec.num_layers)),
-    )
-
-
-def group_cost(layout: GroupLayout, dtype: torch.dtype, tier: DeviceTier, staged: bool | None = None) -> int:
-    """Bytes `tier` is charged for a group loaded in compute dtype `dtype`. Direct path: its read buffer plus
-    copies of tensors stored in another dtype. Staged path (default: when the device is not the CPU): its tensors
-    packed in `dtype` (the read buffer is host staging)."""
-    if staged if staged is not None else tier.device.type != "cpu":
-        return tier.footprint(pack(layout, dtype).nbytes)
-
-    def as_dtype(t: TensorAt) -> int:
-        return t.nbytes // TORCH_DTYPES[t.dtype][1] * dtype.itemsize
-
-    converted = sum(as_dtype(t) for t in layout.tensors if TORCH_DTYPES[t.dtype][0] != dtype)
-    return tier.footprint(layout.slot_bytes) + converted
-
-
-def plan_placement(
-    layout: ModelLayout,
-    dtype: torch.dtype,
-    device_tier: DeviceTier,
-    host_tier: HostTier,
-    ring_slots: int,
-    staged: bool | None = None,
-) -> Policy:
-    """Place the layers in what the tiers have left (the KV cache is already on the device), costed exactly as
-    WeightStore will charge them. Host RAM holds layers only under a host budget (see HostTier).
-
-    Staged path (default: when the device is not the CPU): host layers are copied to the device every pass, so
-    any layer off the device needs the device ring (and, when tensors change dtype, one conversion scratch
-    buffer); host RAM holds the ring's staging slots first whenever some layer still streams from disk."""
-    staged = device_tier.device.type != "cpu" if staged is None else staged
-    cost = functools.partial(group_cost, dtype=dtype, tier=device_tier, staged=staged)
-    free = device_tier.num_free
-    if free is not None:
-        free -= cost(layout.embed) + cost(layout.head)
-    layer_costs = [cost(g) for g in layout.layers]
-    host_free = host_tier.num_free or 0  # bytes; no host budget: no layer is kept in host RAM
-    if not staged:
-        return plan_policy(layer_costs, max(layer_costs), free, host_free, ring_slots)
-    policy = plan_policy(layer_costs, max(layer_costs), free, 0, ring_slots)  # as if every layer off it streamed
-    scratch = max(pack(g, dtype).convert_bytes for g in layout.layers)
-    if policy.ring_slots and scratch:
-        policy = plan_policy(layer_costs, max(layer_costs), free - device_tier.footprint(scratch), 0, ring_slots)
-    off = [i for i, t in enumerate(policy.layer_tiers) if t != "device"]
-    host_cost = {i: host_tier.footprint(layout.layers[i].slot_bytes) for i in off}  # bytes, kept as read
-    room = host_free
-    if sum(host_cost.values()) > host_free:  # some layers will stream: their staging slots come first
-        staging = ring_slots * max(host_cost.values())
-        if host_tier.capacity is not None and staging > host_free:
-            raise OffloadError(
-                f"--host-memory is too small: {format_size(host_free)} of host RAM is left for weights, and "
-                f"streaming from disk stages layers in {ring_slots} pinned buffers of "
-                f"{format_size(max(host_cost.values()))} ({format_size(staging)})"
-            )
-        room -= staging
-    tiers = list(policy.layer_tiers)
-    for i in off:
-        if host_cost[i] <= room:
-            tiers[i] = "host"
-            room -= host_cost[i]
-    return Policy(tuple(tiers), ring_slots=policy.ring_slots)
-
-
-def _layout(checkpoint: Checkpoint, group: dict[str, TensorSpec]) -> GroupLayout:
-    return plan_group({short: checkpoint.check(t.name, t.shape) for short, t in group.items()})
 
 
 class WeightStore:
@@ -219,7 +128,7 @@ class WeightStore:
 
     def _load_staged(self, groups: list[GroupLayout]) -> list[Weights]:
         """Read groups once, one at a time, through a pinned staging buffer into packed device buffers."""
-        packed = [pack(g, self.dtype) for g in groups]
+        packed = [slot_layout(g, self.dtype) for g in groups]
         staging = take(self.host_tier, max(g.slot_bytes for g in groups), "a staging buffer for loading weights")
         convert_bytes = max(p.convert_bytes for p in packed)
         scratch = take(self.device_tier, convert_bytes, "a buffer for dtype conversion") if convert_bytes else None
@@ -279,7 +188,7 @@ class WeightStore:
             resident_bytes=total("device") + sum(fixed.values()),
             host_bytes=total("host"),
             streamed_bytes_per_pass=sum(self.layouts[i].read_bytes for i in streamed),
-            h2d_bytes_per_pass=sum(pack(self.layouts[i], self.dtype).copy_bytes for i in copied),
+            h2d_bytes_per_pass=sum(slot_layout(self.layouts[i], self.dtype).copy_bytes for i in copied),
             bytes_read=self.backend.bytes_read,
             h2d_bytes=self.h2d_bytes + self._ring.h2d_bytes,
             read_seconds=self.backend.read_seconds,

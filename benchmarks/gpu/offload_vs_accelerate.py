@@ -10,7 +10,7 @@ get the same device budget, enforced for Accelerate with torch.cuda.set_per_proc
 and activations must fit too) and by our allocator for ours; host RAM for layers is 0 for both, so every layer
 that does not fit the card comes from disk through the page cache (Accelerate) or O_DIRECT (ours). The page cache
 is dropped (or the checkpoint's pages evicted) before each run. Ours: `offload probe --quick` measures the machine,
-the cost model picks batch, KV size and micro-batches (offload.autoconfig), and one generate call serves every
+the cost model picks batch, KV size and micro-batches (offload.planner.autoconfig), and one generate call serves every
 request. Accelerate: batches 1, 2, 4, ... until one runs out of the budget; the largest that ran is reported.
 Prints a table, writes JSON with the card named. Sized to finish in a few minutes on an H100/H200 class machine.
 """
@@ -112,14 +112,14 @@ def prompts(peers, n: int, length: int) -> list[list[int]]:
 
 def run_ours(peers, model_dir: Path, args: argparse.Namespace) -> dict:
     from offload.api import LLM
-    from offload.autoconfig import describe, plan_engine_config
-    from offload.config import EngineConfig, SamplingParams
-    from offload.probe import ProbeSizes, probe
+    from offload.common.config import EngineConfig, SamplingParams
+    from offload.planner.autoconfig import autoconfigure, describe
+    from offload.planner.probe import ProbeSizes, probe
 
     hw = probe(args.work_dir, ProbeSizes.quick(), log=lambda line: print(line, file=sys.stderr))
     ids = prompts(peers, args.requests, args.prompt_len)
     base = EngineConfig(device="cuda", dtype="bfloat16", device_memory=args.budget_bytes, host_memory=0)
-    config, prediction = plan_engine_config(model_dir, base, [len(p) for p in ids], args.gen_len, hw)
+    config, prediction = autoconfigure(model_dir, base, [len(p) for p in ids], args.gen_len, hw)
     print(f"ours: {describe(prediction)}", flush=True)
     peers.drop_page_cache(sorted(model_dir.glob("*.safetensors")))
     llm = LLM(model_dir, config)
@@ -204,7 +204,7 @@ def run_accelerate_batch(peers, model_dir: Path, args: argparse.Namespace, batch
 
 
 def main() -> None:
-    from tiers.budget import parse_size
+    from offload.common.sizes import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="4GB", help="device memory for each engine (weights, KV, activations)")

@@ -12,10 +12,12 @@ import torch.nn.functional as F
 
 from kernels.linear import linear
 from kernels.paged_attention import paged_attention
-from offload.config import ModelSpec, RopeSpec
-from offload.errors import OffloadError
-from offload.model.registry import LayerInput, TensorSpec, Weights
+from offload.common.config import ModelSpec, RopeSpec
+from offload.common.errors import OffloadError
+from offload.model.registry import LayerInput
 from offload.model.rope import apply_rope
+from tiers.checkpoint import TensorSpec
+from tiers.layout import Weights
 
 _CONFIG_DTYPES = {
     "float32": "float32",

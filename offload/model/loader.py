@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from offload.config import ModelSpec
-from offload.errors import OffloadError
+from offload.common.config import ModelSpec
+from offload.common.errors import OffloadError
 from offload.model.registry import Family, get_family
 
 

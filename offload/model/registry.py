@@ -12,8 +12,10 @@ from typing import Protocol
 import torch
 
 from kernels.paged_attention import PagedBatch
-from offload.config import ModelSpec
-from offload.errors import OffloadError
+from offload.common.config import ModelSpec
+from offload.common.errors import OffloadError
+from tiers.checkpoint import ModelTensors, TensorSpec
+from tiers.layout import Weights
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "offload.model.llama",
@@ -21,17 +23,6 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "offload.model.llama",
     "Qwen3ForCausalLM": "offload.model.llama",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """A checkpoint tensor a family needs: its name in the checkpoint and the shape it must have."""
-
-    name: str
-    shape: tuple[int, ...]
-
-
-Weights = dict[str, torch.Tensor]  # short name (e.g. "q_proj") -> tensor on the compute device
 
 
 @dataclass(slots=True)
@@ -69,3 +60,15 @@ def get_family(architecture: str, source: str = "config.json") -> Family:
         known = ", ".join(sorted(ARCHITECTURES))
         raise OffloadError(f"{source}: unknown architecture {architecture!r} (supported: {known})")
     return importlib.import_module(module).FAMILY
+
+
+def model_tensors(family: Family, spec: ModelSpec) -> ModelTensors:
+    """Every checkpoint tensor the model reads, grouped as the tiers load them."""
+    head = family.head_tensors(spec)
+    if spec.tie_word_embeddings:
+        head = {"norm": head["norm"]}
+    return ModelTensors(
+        embed=family.embed_tensors(spec),
+        head=head,
+        layers=tuple(family.layer_tensors(spec, i) for i in range(spec.num_layers)),
+    )

@@ -75,7 +75,7 @@ def test_table_shows_both_predictions_and_the_peer(sweep):
 
 
 def test_mean_profile_averages_each_rate_and_keeps_the_rest(sweep):
-    from offload.hardware import ComputeUnit, HardwareProfile
+    from offload.common.hardware import ComputeUnit, HardwareProfile
 
     def profile(scale: float) -> HardwareProfile:
         unit = ComputeUnit(

@@ -148,11 +148,11 @@ def test_demo_cache_dir_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("OFFLOAD_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    assert demo.demo_cache_dir() == tmp_path / "home" / ".cache" / "offload"
+    assert demo.cache_dir() == tmp_path / "home" / ".cache" / "offload"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert demo.demo_cache_dir() == tmp_path / "xdg" / "offload"
+    assert demo.cache_dir() == tmp_path / "xdg" / "offload"
     monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "explicit"))
-    assert demo.demo_cache_dir() == tmp_path / "explicit"
+    assert demo.cache_dir() == tmp_path / "explicit"
 
 
 def test_default_cache_dir_comes_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -175,7 +175,7 @@ def test_model_without_prompt(capsys, good_dir):
 
 
 def test_debug_shows_the_traceback(good_dir, tmp_path):
-    from offload.errors import OffloadError
+    from offload.common.errors import OffloadError
 
     with pytest.raises(OffloadError):
         main(["--debug", "generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"])

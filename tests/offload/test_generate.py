@@ -9,8 +9,8 @@ import pytest
 
 from conftest import make_checkpoint
 from offload.api import LLM
-from offload.config import EngineConfig, SamplingParams
-from offload.errors import OffloadError
+from offload.common.config import EngineConfig, SamplingParams
+from offload.common.errors import OffloadError
 
 PROMPTS = ["Hello there", "The cat", "zzz", "A much longer prompt than the others, to make the batch ragged"]
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -145,7 +145,7 @@ def test_stats_and_placement(llm):
 def test_token_ids_need_no_tokenizer(model_dir, greedy_alone, tmp_path):
     import shutil
 
-    from offload.errors import OffloadError
+    from offload.common.errors import OffloadError
 
     bare = tmp_path / "bare"
     shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*", "chat_template*"))

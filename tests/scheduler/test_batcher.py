@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from offload.config import SamplingParams
+from offload.common.config import SamplingParams
 from scheduler.batcher import Batcher, BatchLimits
-from scheduler.plan import MicroBatch, SeqChunk, StepPlan, pack_micro_batches
+from scheduler.plan import MicroBatch, SeqChunk, StepPlan, split_micro_batches
 from scheduler.sequence import SeqState, Sequence
 from tiers.kv import BlockPool, BlockTables
 
@@ -540,7 +540,7 @@ def chunk(seq_id: int, n: int) -> SeqChunk:
 
 def test_pack_micro_batches_fills_each_micro_batch_cutting_chunks() -> None:
     chunks = [chunk(i, n) for i, n in enumerate((3, 4, 2, 6, 1))]
-    batches = pack_micro_batches(chunks, max_tokens=7)
+    batches = split_micro_batches(chunks, max_tokens=7)
     assert [[(c.seq_id, c.start_pos, len(c.token_ids)) for c in mb.chunks] for mb in batches] == [
         [(0, 0, 3), (1, 0, 4)],
         [(2, 0, 2), (3, 0, 5)],
@@ -552,7 +552,7 @@ def test_pack_micro_batches_fills_each_micro_batch_cutting_chunks() -> None:
 def test_pack_micro_batches_cuts_a_long_chunk_into_exact_pieces() -> None:
     long = SeqChunk(1, tuple(range(10)), 4, (7, 8, 9), wants_logits=True)
     chunks = [chunk(0, 2), long, chunk(2, 2), chunk(3, 3)]
-    batches = pack_micro_batches(chunks, max_tokens=5)
+    batches = split_micro_batches(chunks, max_tokens=5)
     assert batches == (
         MicroBatch((chunks[0], SeqChunk(1, (0, 1, 2), 4, (7, 8, 9), wants_logits=False))),
         MicroBatch((SeqChunk(1, (3, 4, 5, 6, 7), 7, (7, 8, 9), wants_logits=False),)),
@@ -566,23 +566,23 @@ def test_pack_micro_batches_cuts_a_long_chunk_into_exact_pieces() -> None:
 
 
 def test_pack_micro_batches_edge_cases() -> None:
-    assert pack_micro_batches([], max_tokens=4) == ()
+    assert split_micro_batches([], max_tokens=4) == ()
     one = [chunk(0, 1) for _ in range(5)]
-    assert [len(mb.chunks) for mb in pack_micro_batches(one, 2)] == [2, 2, 1]
-    assert [len(mb.chunks) for mb in pack_micro_batches(one, 1)] == [1, 1, 1, 1, 1]
-    assert pack_micro_batches([chunk(0, 4)], 4) == (MicroBatch((chunk(0, 4),)),)  # fits exactly: no cut
+    assert [len(mb.chunks) for mb in split_micro_batches(one, 2)] == [2, 2, 1]
+    assert [len(mb.chunks) for mb in split_micro_batches(one, 1)] == [1, 1, 1, 1, 1]
+    assert split_micro_batches([chunk(0, 4)], 4) == (MicroBatch((chunk(0, 4),)),)  # fits exactly: no cut
 
 
 def test_step_plan_totals() -> None:
     decodes = [SeqChunk(1, (5,), 9, (), is_decode=True), SeqChunk(3, (6,), 4, (), is_decode=True)]
     chunks = [chunk(0, 3), decodes[0], chunk(2, 2), decodes[1]]
-    plan = StepPlan(pack_micro_batches(chunks, 5))
+    plan = StepPlan(split_micro_batches(chunks, 5))
     assert plan.num_tokens == 7
     assert (plan.num_prefill_tokens, plan.num_decode_tokens) == (5, 2)
     assert plan.is_prefill
     assert [c.seq_id for c in plan.chunks] == [0, 1, 2, 2, 3]  # seq 2's chunk is cut across micro-batches
     assert not plan.all_logits
-    decode_only = StepPlan(pack_micro_batches(decodes, 5))
+    decode_only = StepPlan(split_micro_batches(decodes, 5))
     assert (decode_only.num_prefill_tokens, decode_only.num_decode_tokens, decode_only.is_prefill) == (0, 2, False)
 
 
@@ -781,7 +781,7 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def unchunked(model_dir) -> list[tuple[int, ...]]:
     from offload.api import LLM
-    from offload.config import EngineConfig
+    from offload.common.config import EngineConfig
 
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
     got = llm.generate_ids(prompt_ids(PROMPT_LENGTHS), GREEDY)
@@ -792,7 +792,7 @@ def unchunked(model_dir) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize(("max_step_tokens", "micro_batch_tokens"), [(5, 2048), (8, 3), (2, 1)])
 def test_chunked_prefill_gives_the_same_greedy_tokens(model_dir, unchunked, max_step_tokens, micro_batch_tokens):
     from offload.api import LLM
-    from offload.config import EngineConfig
+    from offload.common.config import EngineConfig
 
     config = EngineConfig(
         kv_cache_bytes=1 << 22, block_size=4, max_step_tokens=max_step_tokens, micro_batch_tokens=micro_batch_tokens
@@ -808,7 +808,7 @@ def test_chunked_prefill_gives_the_same_greedy_tokens(model_dir, unchunked, max_
 
 def test_preempting_partly_prefilled_sequences_in_a_tiny_cache_loses_nothing(model_dir, unchunked, monkeypatch):
     from offload.api import LLM
-    from offload.config import EngineConfig
+    from offload.common.config import EngineConfig
 
     victims: list[tuple[SeqState, int]] = []
     preempt = Batcher._preempt

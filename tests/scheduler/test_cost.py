@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from offload.errors import OffloadError
-from offload.hardware import ComputeUnit, HardwareProfile
-from offload.shapes import ModelShape
+from offload.common.errors import OffloadError
+from offload.common.hardware import ComputeUnit, HardwareProfile
+from offload.planner.shapes import ModelShape
 from scheduler.cost import LAYER_OVERHEAD, SEQ_OVERHEAD, Budgets, Candidate, Workload, matmul_rate, predict
 from scheduler.search import best, place_layers, search
 

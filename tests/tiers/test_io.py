@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.errors import OffloadError
+from offload.common.errors import OffloadError
 from tiers.io import base
 from tiers.io.aio import AioBackend, aio_unavailable
 from tiers.io.base import ALIGN, ReadBackend, aligned_buffer, aligned_span, evict_page_cache, make_backend

@@ -13,13 +13,15 @@ import torch
 from conftest import make_checkpoint
 from offload import api
 from offload.api import LLM
-from offload.config import EngineConfig, Policy, SamplingParams
-from offload.errors import OffloadError
+from offload.common.config import EngineConfig, Policy, SamplingParams
+from offload.common.errors import OffloadError
+from offload.model.registry import model_tensors
 from tiers import weights
 from tiers.copy import DONE, CopyEngine, CudaCopyEngine, Event
 from tiers.io.base import aligned_span
-from tiers.packed import pack
-from tiers.weights import WeightStore, group_cost, plan_placement
+from tiers.placement import group_cost, place_weights
+from tiers.slot import slot_layout
+from tiers.weights import WeightStore
 
 RING = 3  # ring slots these tests budget for (the default is smaller)
 KV = 1 << 20
@@ -46,7 +48,7 @@ def resident(model_dir):
 def staged(monkeypatch):
     """LLMs built in the test take the staged path on the CPU: pinned staging, the copy engine, packed slots."""
     monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, staged=True))
-    monkeypatch.setattr(api, "plan_placement", functools.partial(plan_placement, staged=True))
+    monkeypatch.setattr(api, "place_weights", functools.partial(place_weights, staged=True))
     return True
 
 
@@ -78,12 +80,12 @@ def landed(group) -> int:
 
 
 def llm_layout(llm: LLM):
-    from offload.model.checkpoint import Checkpoint
-    from tiers.io.pread import PreadReader
-    from tiers.weights import model_layout
+    from tiers.checkpoint import Checkpoint
+    from tiers.io.buffered import BufferedReader
+    from tiers.layout import model_layout
 
-    with PreadReader() as reader:
-        return model_layout(Checkpoint(llm.model_dir, reader), llm.family, llm.spec)
+    with BufferedReader() as reader:
+        return model_layout(Checkpoint(llm.model_dir, reader), model_tensors(llm.family, llm.spec))
 
 
 def budget_for(resident_llm: LLM, resident_layers: int, ring: int = 3, staged: bool = False) -> int:
@@ -378,7 +380,7 @@ def test_staged_converts_dtype_on_the_device_after_the_copy(bf16_dir, staged, mo
     base = LLM(bf16_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, dtype="float32"))
     monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, staged=True))
     layout = llm_layout(base)
-    scratch = base.device_tier.footprint(max(pack(g, torch.float32).convert_bytes for g in layout.layers))
+    scratch = base.device_tier.footprint(max(slot_layout(g, torch.float32).convert_bytes for g in layout.layers))
     config = EngineConfig(
         ring_slots=RING, kv_cache_bytes=KV, dtype="float32", device_memory=budget_for(base, 0, staged=True) + scratch
     )

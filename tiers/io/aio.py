@@ -25,8 +25,8 @@ from types import ModuleType
 
 import torch
 
-from offload.errors import OffloadError
-from offload.quiet import quiet_deepspeed_import
+from offload.common.errors import OffloadError
+from offload.common.quiet import quiet_deepspeed_import
 from tiers.io.base import ALIGN, OpenFile
 from tiers.io.direct import PreadBackend
 

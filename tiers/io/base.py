@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from offload.errors import OffloadError
+from offload.common.errors import OffloadError
 
 ALIGN = 4096  # bytes; O_DIRECT alignment of file offsets, lengths and buffer addresses (>= the logical block size)
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has no O_DIRECT: every file then reads buffered

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from offload.errors import OffloadError
+from offload.common.errors import OffloadError
 from tiers.io.base import ALIGN, OpenFile, ReadBackend
 
 

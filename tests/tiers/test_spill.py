@@ -1,4 +1,4 @@
-"""Spill files (tiers/nvme.py): layout and round trip, checksums, reuse, failure modes that leave nothing behind,
+"""Spill files (tiers/spill.py): layout and round trip, checksums, reuse, failure modes that leave nothing behind,
 and the engine streaming converted layers from --offload-dir: a float32 checkpoint run in bfloat16."""
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ from conftest import make_checkpoint
 from offload import api
 from offload.api import LLM
 from offload.cli import main
-from offload.config import EngineConfig, SamplingParams
-from offload.errors import OffloadError
-from offload.model.checkpoint import Checkpoint
+from offload.common.config import EngineConfig, SamplingParams
+from offload.common.errors import OffloadError
+from offload.model.registry import model_tensors
+from tiers.checkpoint import Checkpoint
 from tiers.io.base import ALIGN, aligned_buffer
+from tiers.io.buffered import BufferedReader
 from tiers.io.direct import PreadBackend
-from tiers.io.pread import PreadReader
-from tiers.nvme import MANIFEST, NvmeTier, plan_file
+from tiers.layout import model_layout
+from tiers.placement import group_cost, place_weights
 from tiers.ring import read
-from tiers.weights import WeightStore, group_cost, model_layout, plan_placement
+from tiers.spill import MANIFEST, SpillStore, plan_file
+from tiers.weights import WeightStore
 
 KV = 1 << 20
 LAYERS = 12  # enough that the converted layers do not all fit where the checkpoint's stream
@@ -62,8 +65,8 @@ def read_back(layout) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in layout.views(buf).items()}
 
 
-def write_two(folder) -> tuple[NvmeTier, dict[str, dict[str, torch.Tensor]]]:
-    tier = NvmeTier(folder, capacity=None)
+def write_two(folder) -> tuple[SpillStore, dict[str, dict[str, torch.Tensor]]]:
+    tier = SpillStore(folder, capacity=None)
     tier.open(KEY)
     data = {"g0.bin": group(0), "g1.bin": group(1)}
     tier.write([spec(n, t) for n, t in data.items()], lambda f: data[f.name])
@@ -95,7 +98,7 @@ def test_reopened_tier_reuses_checked_files_and_drops_a_corrupt_one(tmp_path):
     raw = bytearray(path.read_bytes())
     raw[5000] ^= 0x10
     path.write_bytes(raw)
-    tier = NvmeTier(tmp_path, capacity=None)
+    tier = SpillStore(tmp_path, capacity=None)
     tier.open(KEY)
     good = tier.lookup(spec("g0.bin", data["g0.bin"]))
     assert good is not None and tier.bytes_verified == good.slot_bytes
@@ -109,7 +112,7 @@ def test_reopened_tier_reuses_checked_files_and_drops_a_corrupt_one(tmp_path):
 
 def test_stale_manifest_is_replaced_and_its_files_deleted(tmp_path):
     _, data = write_two(tmp_path)
-    tier = NvmeTier(tmp_path, capacity=None)
+    tier = SpillStore(tmp_path, capacity=None)
     tier.open(KEY | {"dtype": "float16"})
     assert tier.used == 0 and tier.lookup(spec("g0.bin", data["g0.bin"])) is None
     tier.write([spec("g2.bin", data["g0.bin"])], lambda f: data["g0.bin"])
@@ -120,7 +123,7 @@ def test_stale_manifest_is_replaced_and_its_files_deleted(tmp_path):
 def test_disk_budget_is_a_hard_limit(tmp_path):
     tensors = group()
     file = spec("g.bin", tensors)
-    tier = NvmeTier(tmp_path / "spill", capacity=file.size - 1)
+    tier = SpillStore(tmp_path / "spill", capacity=file.size - 1)
     tier.open(KEY)
     with pytest.raises(OffloadError, match=f"--offload-dir {tmp_path / 'spill'}: needs .*--disk-memory budget"):
         tier.write([file], lambda f: tensors)
@@ -141,8 +144,8 @@ def model_dir(tmp_path_factory):
 def budget(model_dir) -> int:
     """A device budget that streams every layer of the float32 checkpoint run in bfloat16 (the default ring)."""
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, dtype="bfloat16"))
-    with PreadReader() as reader:
-        layout = model_layout(Checkpoint(model_dir, reader), llm.family, llm.spec)
+    with BufferedReader() as reader:
+        layout = model_layout(Checkpoint(model_dir, reader), model_tensors(llm.family, llm.spec))
     cost = [group_cost(g, torch.bfloat16, llm.device_tier) for g in (layout.embed, layout.head, layout.layers[0])]
     return KV + cost[0] + cost[1] + EngineConfig().ring_slots * cost[2]
 
@@ -217,7 +220,7 @@ def test_second_llm_reuses_the_files_and_a_corrupt_one_is_rewritten(model_dir, b
 
 def test_staged_path_streams_spill_files_without_conversion(model_dir, budget, streamed, tmp_path, monkeypatch):
     monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, staged=True))
-    monkeypatch.setattr(api, "plan_placement", functools.partial(plan_placement, staged=True))
+    monkeypatch.setattr(api, "place_weights", functools.partial(place_weights, staged=True))
     _, expected = streamed
     llm = spilled_llm(model_dir, budget, tmp_path)
     assert llm.weights.staged and llm.weights._ring._scratch is None  # nothing left to convert on the device
@@ -330,8 +333,8 @@ def test_cli_generate_with_offload_dir(model_dir, budget, tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_streams_spill_files_bit_identical_to_resident(model_dir, tmp_path):
     base = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device="cuda", dtype="bfloat16"))
-    with PreadReader() as reader:
-        layout = model_layout(Checkpoint(model_dir, reader), base.family, base.spec)
+    with BufferedReader() as reader:
+        layout = model_layout(Checkpoint(model_dir, reader), model_tensors(base.family, base.spec))
     fixed, layer = (group_cost(g, torch.bfloat16, base.device_tier) for g in (layout.embed, layout.layers[0]))
     head = group_cost(layout.head, torch.bfloat16, base.device_tier)
     config = EngineConfig(

@@ -10,10 +10,10 @@ import os
 import time
 from pathlib import Path
 
-from offload.errors import OffloadError
+from offload.common.errors import OffloadError
 
 
-class PreadReader:
+class BufferedReader:
     """Positional reads from files that stay open until `close()`."""
 
     def __init__(self) -> None:
@@ -62,7 +62,7 @@ class PreadReader:
             os.close(fd)
         self._fds.clear()
 
-    def __enter__(self) -> PreadReader:
+    def __enter__(self) -> BufferedReader:
         return self
 
     def __exit__(self, *exc: object) -> None:

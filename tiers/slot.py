@@ -1,4 +1,4 @@
-"""Packed groups: a group's tensors side by side in one device buffer, in the compute dtype.
+"""SlotLayout groups: a group's tensors side by side in one device buffer, in the compute dtype.
 
 The staged path copies a group from its host buffer (laid out as read, see tiers/layout.py) into a packed
 device buffer: gaps and alignment padding of the reads stay on the host, and tensors stored in another dtype
@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.model.checkpoint import TORCH_DTYPES
+from tiers.checkpoint import TORCH_DTYPES
 from tiers.layout import GroupLayout
 
 DEVICE_ALIGN = 256  # bytes; what cudaMalloc guarantees, so packed tensors are as aligned as separate allocations
 
 
 @dataclass(frozen=True, slots=True)
-class Packed:
+class SlotLayout:
     """Where each tensor of a group sits in its device buffer. Tied duplicates (one slot offset) share storage."""
 
     layout: GroupLayout
@@ -57,7 +57,7 @@ class Packed:
         return pairs
 
 
-def pack(layout: GroupLayout, dtype: torch.dtype) -> Packed:
+def slot_layout(layout: GroupLayout, dtype: torch.dtype) -> SlotLayout:
     """The packed device layout of `layout`'s tensors in compute dtype `dtype`."""
     offsets, at, end, copy_bytes, convert_bytes = [], {}, 0, 0, 0
     for t in layout.tensors:
@@ -68,7 +68,7 @@ def pack(layout: GroupLayout, dtype: torch.dtype) -> Packed:
             if TORCH_DTYPES[t.dtype][0] != dtype:
                 convert_bytes = max(convert_bytes, t.nbytes)
         offsets.append(at[t.slot_offset])
-    return Packed(layout, dtype, tuple(offsets), end, copy_bytes, convert_bytes)
+    return SlotLayout(layout, dtype, tuple(offsets), end, copy_bytes, convert_bytes)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from offload.errors import OffloadError
+from offload.common.errors import OffloadError
 
 _UNITS = {
     "": 1,

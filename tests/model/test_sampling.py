@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from offload.config import EngineConfig, SamplingParams
-from offload.errors import OffloadError
-from offload.sampling import filter_logits, sample
+from offload.common.config import EngineConfig, SamplingParams
+from offload.common.errors import OffloadError
+from offload.model.sampling import filter_logits, sample
 
 
 def kept(logits: torch.Tensor) -> set[int]:

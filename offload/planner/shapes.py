@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from offload.errors import OffloadError
+from offload.common.errors import OffloadError
 from offload.model.loader import read_config
 
-MODELS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
+MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED = (*LLAMA_LIKE, "OPTForCausalLM")
@@ -34,7 +34,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     max_position: int
-    dtype: str  # the checkpoint's dtype (torch_dtype), one of offload.config.DTYPES
+    dtype: str  # the checkpoint's dtype (torch_dtype), one of offload.common.config.DTYPES
     layer_params: int  # parameters of one decoder layer, every expert included
     active_layer_params: int  # parameters each token multiplies by in one layer (MoE: the routed experts only)
     embed_params: int  # input embeddings (and learned positions)

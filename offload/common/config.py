@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from offload.errors import OffloadError
+from offload.common.errors import OffloadError
 
 DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -124,7 +124,7 @@ class EngineConfig:
     # bottleneck (a read is always in flight) and leave room for one more resident layer, which reads never touch
     ring_slots: int = 2
     # a folder for the engine's spill files: streamed layers stored in another dtype are converted once and
-    # streamed from there (tiers/nvme.py); None = stream and convert from the checkpoint every pass
+    # streamed from there (tiers/spill.py); None = stream and convert from the checkpoint every pass
     offload_dir: str | None = None
     disk_memory: int | None = None  # bytes the spill files in offload_dir may take; None = no budget
 
@@ -157,7 +157,7 @@ class EngineConfig:
     def from_max_memory(cls, max_memory: dict, **fields) -> EngineConfig:
         """Budgets given as Accelerate's max_memory: {0: "2GiB", "cpu": "8GiB", "disk": "50GB"}; other fields as
         keywords. "disk" needs offload_dir (it bounds the spill files written there)."""
-        from tiers.budget import parse_max_memory
+        from offload.common.sizes import parse_max_memory
 
         tiers = parse_max_memory(max_memory)
         names = {"device": "device_memory", "host": "host_memory", "disk": "disk_memory"}

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from offload.errors import OffloadError
-from tiers.budget import format_size, parse_size
+from offload.common.errors import OffloadError
+from offload.common.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize(
@@ -96,8 +96,8 @@ def test_format_size_picks_the_unit_after_rounding() -> None:
 
 
 def test_max_memory_dict_maps_accelerate_keys_to_tiers():
-    from offload.config import EngineConfig
-    from tiers.budget import parse_max_memory
+    from offload.common.config import EngineConfig
+    from offload.common.sizes import parse_max_memory
 
     assert parse_max_memory({0: "2GiB", "cpu": "500MB", "disk": 10**9}) == {
         "device": 2 << 30,
@@ -114,7 +114,7 @@ def test_max_memory_dict_maps_accelerate_keys_to_tiers():
     [({"tpu": "1GiB"}, "'tpu'"), ({0: "1GiB", "gpu": "2GiB"}, "second time"), ({"cpu": "lots"}, "max_memory['cpu']")],
 )
 def test_max_memory_errors_name_the_key(budgets, message):
-    from tiers.budget import parse_max_memory
+    from offload.common.sizes import parse_max_memory
 
     with pytest.raises(OffloadError, match=re.escape(message)):
         parse_max_memory(budgets)

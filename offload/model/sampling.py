@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.config import SamplingParams
+from offload.common.config import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from offload.errors import OffloadError
-from offload.hardware import (
+from offload.common.errors import OffloadError
+from offload.common.hardware import ComputeUnit, HardwareProfile
+from offload.planner.profiles import (
     PROFILE_DIR,
-    ComputeUnit,
-    HardwareProfile,
     format_profile,
     known_profiles,
     load_profile,

@@ -11,12 +11,12 @@ import psutil
 import pytest
 import torch
 
-import offload.probe as probe_mod
-import offload.rates as rates
+import offload.planner.probe as probe_mod
+import offload.planner.rates as rates
 from offload.cli import main
-from offload.errors import OffloadError
-from offload.hardware import load_profile
-from offload.probe import ProbeSizes, measure_disk, probe
+from offload.common.errors import OffloadError
+from offload.planner.probe import ProbeSizes, measure_disk, probe
+from offload.planner.profiles import load_profile
 
 MiB = 1 << 20
 # a few seconds on two cores: every stage runs, on sizes far too small to mean anything
@@ -105,7 +105,7 @@ def test_cpu_only_device_is_host_ram(tiny_profile):
 
 
 def test_probed_profile_saves_and_loads(tiny_profile, tmp_path):
-    from offload.hardware import save_profile
+    from offload.planner.profiles import save_profile
 
     p, _ = tiny_profile
     save_profile(p, tmp_path / "local.json")
@@ -275,7 +275,7 @@ def test_cuda_device_and_links(tiny_profile):
 def test_a_profile_from_an_older_probe_still_loads_and_says_so(tiny_profile, tmp_path, monkeypatch, capsys):
     import dataclasses
 
-    from offload.hardware import save_profile
+    from offload.planner.profiles import save_profile
 
     p, _ = tiny_profile
     old_unit = dataclasses.replace(

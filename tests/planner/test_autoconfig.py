@@ -7,10 +7,10 @@ import torch
 
 from conftest import make_checkpoint
 from offload.api import LLM
-from offload.autoconfig import plan_engine_config
-from offload.config import EngineConfig, SamplingParams
-from offload.errors import OffloadError
-from offload.hardware import ComputeUnit, HardwareProfile
+from offload.common.config import EngineConfig, SamplingParams
+from offload.common.errors import OffloadError
+from offload.common.hardware import ComputeUnit, HardwareProfile
+from offload.planner.autoconfig import autoconfigure
 from tiers.kv import KVCache
 
 
@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory):
 def test_planned_config_fits_the_budget_and_runs(model_dir):
     budget = 700_000  # bytes: of six layers of 124 KB, one resident, the rest streamed through 3 slots
     base = EngineConfig(device_memory=budget, dtype="float32")
-    config, prediction = plan_engine_config(model_dir, base, [10] * 12, 6, slow_disk_cpu())
+    config, prediction = autoconfigure(model_dir, base, [10] * 12, 6, slow_disk_cpu())
     cand = prediction.candidate
     assert prediction.fits and not prediction.unsupported
     assert config.max_num_seqs == cand.batch and config.device_memory == budget
@@ -48,20 +48,20 @@ def test_planned_config_fits_the_budget_and_runs(model_dir):
 def test_a_slow_disk_makes_the_batch_as_large_as_the_requests(model_dir):
     """Disk-bound: each extra sequence shares the same reads, so the best batch serves every request at once."""
     base = EngineConfig(device_memory=800_000, dtype="float32")
-    config, prediction = plan_engine_config(model_dir, base, [8] * 5, 4, slow_disk_cpu(disk_read=1e6))
+    config, prediction = autoconfigure(model_dir, base, [8] * 5, 4, slow_disk_cpu(disk_read=1e6))
     assert prediction.bound == "disk" and config.max_num_seqs == 5
 
 
 def test_nothing_fits_is_one_clear_error(model_dir):
     with pytest.raises(OffloadError, match="no batch fits"):
-        plan_engine_config(model_dir, EngineConfig(device_memory=10_000, dtype="float32"), [8], 4, slow_disk_cpu())
+        autoconfigure(model_dir, EngineConfig(device_memory=10_000, dtype="float32"), [8], 4, slow_disk_cpu())
 
 
 def test_cli_plans_when_neither_batch_nor_kv_is_fixed(model_dir, capsys, monkeypatch):
-    import offload.probe
+    import offload.planner.probe
     from offload.cli import main
 
-    monkeypatch.setattr(offload.probe, "local_profile", slow_disk_cpu)
+    monkeypatch.setattr(offload.planner.probe, "local_profile", slow_disk_cpu)
     argv = ["generate", "--model", str(model_dir), "--prompt", "abc", "--prompt", "de", "--max-new-tokens", "3"]
     assert main([*argv, "--device-memory", "700000", "--dtype", "float32"]) == 0
     assert "the cost model's choice" in capsys.readouterr().err

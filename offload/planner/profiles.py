@@ -1,4 +1,4 @@
-"""Hardware profiles: what a machine's memories, links, disk and matrix units can do, for the cost model.
+"""Hardware profiles as files: the JSON form, the shipped cards, reading, writing, overriding and printing.
 
 A profile is a JSON file (configs/hardware/*.json for published cards, or what `offload probe` measured on
 this machine). Sizes are bytes, bandwidths bytes/s, compute FLOP/s; the JSON spells them in GB, GB/s and
@@ -24,59 +24,13 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from offload.errors import OffloadError
+from offload.common.errors import OffloadError
+from offload.common.hardware import CURVES, DEVICE_KINDS, DTYPES, GB, TFLOP, ComputeUnit, HardwareProfile
 
-PROFILE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
-DTYPES = ("float32", "float16", "bfloat16", "int8")
-DEVICE_KINDS = ("cuda", "cpu")
-GB = 1e9  # bytes
-TFLOP = 1e12  # FLOP
-
-
-@dataclass(frozen=True, slots=True)
-class ComputeUnit:
-    """One processor's dense matmul speed and its memory."""
-
-    memory: int  # bytes
-    memory_bandwidth: float  # bytes/s, sustained
-    # dtype -> sustained dense GEMM FLOP/s for large products (a published peak derated, or measured)
-    matmul_flops: dict[str, float]
-    # dtype -> ((rows, FLOP/s), ...) measured by `offload probe` for [rows, k] x [k, n] products, rows ascending;
-    # empty for published profiles (the cost model then uses matmul_flops and the memory roofline alone)
-    matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
-    # the same for weights packed for the CPU's GEMM (kernels.linear.pack_weight), as the engine keeps resident
-    # layers and the head where packing pays: 1.6x faster decode steps on an AMD EPYC; empty where it does not pay
-    packed_matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
-    # what `offload probe` measures of the rest of a layer through the engine's own code, dtype -> ((size, rate),
-    # ...) with sizes ascending; empty for published profiles (the cost model then prices this work at the memory
-    # bandwidth and the GEMM rate). On a CPU these run far below the memory roofline: a float32 RMS norm or a
-    # 128-token causal attention is a chain of small kernels, not one streaming pass.
-    # rows -> bytes/s: a layer's non-GEMM work (norms, rotary, SiLU * up, residual adds, KV write) at that many
-    # rows, as the bytes the cost model counts for it (scheduler.cost.elementwise_bytes) per second
-    elementwise_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
-    # prompt tokens -> FLOP/s: causal attention of whole prompts of that length, one call per sequence
-    prefill_attention_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
-    # context tokens -> bytes/s: one query per sequence over a paged K/V cache of that length (K and V bytes read)
-    decode_attention_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
-    # dtype -> seconds one decoder layer of a tiny model takes for one token: the least any layer costs (dispatch)
-    layer_floor: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class HardwareProfile:
-    name: str
-    device_kind: str  # "cuda" or "cpu" (on a CPU-only machine the device is a budgeted arena in host RAM)
-    device: ComputeUnit
-    host: ComputeUnit
-    host_to_device: float  # bytes/s over the link; 0 when the device is the host (no copy is made)
-    device_to_host: float  # bytes/s; 0 when the device is the host
-    disk_read: float  # bytes/s, O_DIRECT sequential reads of large extents
-    disk_write: float  # bytes/s
-    source: str  # where the numbers come from: a spec sheet and its derating, or the probe's run
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 
 
 def known_profiles() -> list[str]:
@@ -242,14 +196,6 @@ _CURVE_TITLES = {
 
 
 _UNIT_FIELDS = ("memory_gb", "memory_bandwidth_gbps", "matmul_tflops")
-# the optional measured curves: JSON field -> (the x of a point, the unit of its rate, that unit in base units)
-CURVES = {
-    "matmul_curve": ("rows", "TFLOP/s", TFLOP),
-    "packed_matmul_curve": ("rows", "TFLOP/s", TFLOP),
-    "elementwise_curve": ("rows", "GB/s", GB),
-    "prefill_attention_curve": ("tokens", "TFLOP/s", TFLOP),
-    "decode_attention_curve": ("tokens", "GB/s", GB),
-}
 
 
 def _columns(rows: list[list[str]]) -> list[str]:

@@ -7,8 +7,8 @@ import torch
 
 from conftest import make_checkpoint
 from offload.api import LLM
-from offload.config import EngineConfig, SamplingParams
-from scheduler.plan import SeqChunk, StepPlan, pack_micro_batches
+from offload.common.config import EngineConfig, SamplingParams
+from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 
 ATOL = 1e-4  # fp32 logits, max abs
 
@@ -47,7 +47,7 @@ def test_decode_logits_through_the_paged_cache(family_checkpoint):
     for seq_id, (ids, n) in enumerate(zip(full, prefix, strict=True)):
         table = llm.tables.grow(seq_id, n)
         chunks.append(SeqChunk(seq_id, tuple(ids[:n]), 0, tuple(table)))
-    out = llm.engine.step(StepPlan(pack_micro_batches(chunks, 4096)))
+    out = llm.engine.step(StepPlan(split_micro_batches(chunks, 4096)))
     for row, seq_id in enumerate(out.seq_ids):
         torch.testing.assert_close(out.logits[row], refs[seq_id][prefix[seq_id] - 1], atol=ATOL, rtol=0)
     for pos in range(min(prefix), max(len(ids) for ids in full)):
@@ -58,7 +58,7 @@ def test_decode_logits_through_the_paged_cache(family_checkpoint):
                 chunks.append(SeqChunk(seq_id, (ids[pos],), pos, tuple(table)))
         if not chunks:
             continue
-        out = llm.engine.step(StepPlan(pack_micro_batches(chunks, 4096)))
+        out = llm.engine.step(StepPlan(split_micro_batches(chunks, 4096)))
         for row, seq_id in enumerate(out.seq_ids):
             torch.testing.assert_close(out.logits[row], refs[seq_id][pos], atol=ATOL, rtol=0)
     llm.tables.check_integrity()

@@ -1,4 +1,4 @@
-"""offload.shapes: parameter counts equal those of the models transformers builds (on the meta device: no memory)."""
+"""Model shapes: parameter counts equal those of the models transformers builds (on the meta device: no memory)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import TINY
-from offload.errors import OffloadError
-from offload.shapes import (
+from offload.common.errors import OffloadError
+from offload.planner.shapes import (
     MODELS_DIR,
     ModelShape,
     SizeEstimate,

@@ -1,5 +1,5 @@
 """`offload probe`: measure this machine into a HardwareProfile, through the engine's own I/O and compute paths
-(the compute rates are offload.rates).
+(the compute rates are offload.planner.rates).
 
 - disk: a test file written with O_DIRECT and fsync, dropped from the page cache, then read back with the
   pread backend (tiers.io) in large extents, several in flight, into aligned buffers; the file is always removed.
@@ -34,9 +34,11 @@ from typing import NamedTuple
 
 import torch
 
-from offload.errors import OffloadError
-from offload.hardware import CURVES, ComputeUnit, HardwareProfile, format_profile, save_profile
-from offload.rates import (
+from offload.common.errors import OffloadError
+from offload.common.hardware import CURVES, ComputeUnit, HardwareProfile
+from offload.common.sizes import format_size, parse_size
+from offload.planner.profiles import format_profile, save_profile
+from offload.planner.rates import (
     MIN_REPEATS,
     layer_shape,
     measure_attention,
@@ -46,7 +48,6 @@ from offload.rates import (
     measure_links,
     measure_matmul,
 )
-from tiers.budget import format_size, parse_size
 from tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache, make_backend
 
 MiB = 1 << 20
@@ -198,9 +199,9 @@ def measure_disk(directory: str | Path, nbytes: int, extent: int = 64 * MiB, dep
 
 def run_probe(out: str | None, directory: str | None, disk_bytes: str | None, quick: bool) -> Path:
     """`offload probe`: measure, print the table, save the profile to `out` (default: the cache); returns the path."""
-    from offload.demo import demo_cache_dir
+    from offload.common.paths import cache_dir
 
-    cache = demo_cache_dir()
+    cache = cache_dir()
     if directory is None:
         directory = cache
         cache.mkdir(parents=True, exist_ok=True)
@@ -254,14 +255,14 @@ def remeasure(
 
 
 def local_profile_path() -> Path:
-    from offload.demo import demo_cache_dir
+    from offload.common.paths import cache_dir
 
-    return demo_cache_dir() / "hardware" / "local.json"
+    return cache_dir() / "hardware" / "local.json"
 
 
 def local_profile() -> HardwareProfile:
     """This machine's profile: the one `offload probe` saved, else a quick probe now (saved for next time)."""
-    from offload.hardware import load_profile
+    from offload.planner.profiles import load_profile
 
     path = local_profile_path()
     if path.exists():
@@ -275,9 +276,9 @@ def local_profile() -> HardwareProfile:
             )
         return profile
     print(f"no hardware profile at {path}: measuring this machine (offload probe --quick) ...", file=sys.stderr)
-    from offload.demo import demo_cache_dir
+    from offload.common.paths import cache_dir
 
-    directory = demo_cache_dir()
+    directory = cache_dir()
     path.parent.mkdir(parents=True, exist_ok=True)
     profile = probe(directory, ProbeSizes.quick(), log=lambda line: print(line, file=sys.stderr, flush=True))
     save_profile(profile, path)

@@ -14,9 +14,9 @@ import sys
 from collections import defaultdict
 from dataclasses import asdict
 
-from offload.errors import OffloadError
-from offload.hardware import HardwareProfile
-from offload.shapes import ModelShape
+from offload.common.errors import OffloadError
+from offload.common.hardware import HardwareProfile
+from offload.planner.shapes import ModelShape
 from scheduler.cost import Budgets, Prediction, Workload, capacity
 from scheduler.search import best, search
 
@@ -55,9 +55,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> None:
-    from offload.hardware import with_overrides
-    from offload.shapes import load_shape
-    from tiers.budget import parse_size
+    from offload.common.sizes import parse_size
+    from offload.planner.profiles import with_overrides
+    from offload.planner.shapes import load_shape
 
     shape = load_shape(args.model)
     hw = _hardware(args.hardware)
@@ -83,11 +83,11 @@ def run_plan(args: argparse.Namespace) -> None:
 
 
 def _hardware(name: str) -> HardwareProfile:
-    from offload.hardware import load_profile
+    from offload.planner.profiles import load_profile
 
     if name != "probe":
         return load_profile(name)
-    from offload.probe import local_profile
+    from offload.planner.probe import local_profile
 
     return local_profile()
 
@@ -133,7 +133,7 @@ def report(
     predictions: list[Prediction],
     top: int,
 ) -> str:
-    from offload.shapes import estimate_sizes
+    from offload.planner.shapes import estimate_sizes
 
     cap = capacity(hw, budgets)
     lines = [
@@ -219,7 +219,7 @@ def _explain(winner: Prediction, predictions: list[Prediction]) -> list[str]:
 def report_json(
     shape: ModelShape, hw: HardwareProfile, workload: Workload, dtype: str, predictions: list[Prediction], top: int
 ) -> dict:
-    from offload.shapes import estimate_sizes
+    from offload.planner.shapes import estimate_sizes
 
     def row(p: Prediction) -> dict:
         return {

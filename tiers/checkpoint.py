@@ -11,11 +11,12 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from offload.errors import OffloadError
-from tiers.io.pread import PreadReader
+from offload.common.errors import OffloadError
+from tiers.io.buffered import BufferedReader
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -38,6 +39,26 @@ FLOAT_CODES = ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A checkpoint tensor a model family needs: its name in the checkpoint and the shape it must have."""
+
+    name: str
+    shape: tuple[int, ...]
+
+
+TensorGroup = dict[str, TensorSpec]  # short name (e.g. "q_proj") -> the checkpoint tensor
+
+
+class ModelTensors(NamedTuple):
+    """Every tensor a model reads, by the group it is loaded and streamed as. With tied embeddings the head
+    group holds only the final norm (the embedding serves as the LM head)."""
+
+    embed: TensorGroup
+    head: TensorGroup
+    layers: tuple[TensorGroup, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Extent:
     """Where one tensor's bytes lie in a file."""
 
@@ -49,7 +70,7 @@ class Extent:
     shape: tuple[int, ...]
 
 
-def _parse_header(reader: PreadReader, path: Path) -> dict[str, Extent]:
+def _parse_header(reader: BufferedReader, path: Path) -> dict[str, Extent]:
     file_size = reader.size(path)
     if file_size < 8:
         raise OffloadError(f"{path}: truncated: {file_size} bytes, not a safetensors file")
@@ -111,7 +132,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
 class Checkpoint:
     """Every tensor of a model directory's safetensors files, by extent; data is read on demand."""
 
-    def __init__(self, model_dir: Path, reader: PreadReader) -> None:
+    def __init__(self, model_dir: Path, reader: BufferedReader) -> None:
         self.model_dir = model_dir
         self.reader = reader
         self.extents: dict[str, Extent] = {}

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import torch
 
-from offload.config import EngineConfig
-from offload.errors import OffloadError
-from offload.hardware import HardwareProfile
+from offload.common.config import EngineConfig
+from offload.common.errors import OffloadError
+from offload.common.hardware import HardwareProfile
+from offload.common.sizes import format_size
 from scheduler.cost import Budgets, Prediction, Workload
 from scheduler.search import best, search
-from tiers.budget import format_size
 from tiers.kv import KVCache
 
 
-def plan_engine_config(
+def autoconfigure(
     model_dir: Path,
     config: EngineConfig,
     prompt_lens: list[int],
@@ -36,14 +36,14 @@ def plan_engine_config(
     hardware: None = this machine's profile (`offload probe`'s, measured quickly now if there is none).
     """
     from offload.model.loader import load_spec
-    from offload.shapes import load_shape
+    from offload.planner.shapes import load_shape
 
     if not prompt_lens:
         raise OffloadError("no prompts to plan for")
     spec, _ = load_spec(model_dir)
     shape = load_shape(str(model_dir))
     if hardware is None:
-        from offload.probe import local_profile
+        from offload.planner.probe import local_profile
 
         hardware = local_profile()
     dtype = spec.dtype if config.dtype == "auto" else config.dtype

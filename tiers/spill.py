@@ -28,15 +28,14 @@ from pathlib import Path
 
 import torch
 
-from offload.config import Policy
-from offload.errors import OffloadError
-from offload.model.checkpoint import TORCH_DTYPES
-from tiers.budget import format_size
+from offload.common.config import Policy
+from offload.common.errors import OffloadError
+from offload.common.sizes import format_size
+from tiers.checkpoint import TORCH_DTYPES
 from tiers.io.base import ReadBackend, aligned_buffer, aligned_span, make_backend
 from tiers.io.direct import PreadBackend
-from tiers.layout import GroupLayout, Run, TensorAt
+from tiers.layout import GroupLayout, ModelLayout, Run, TensorAt
 from tiers.ring import read
-from tiers.weights import ModelLayout
 
 FORMAT = 1  # bump when the file layout or the manifest changes: older spill files then count as stale
 MANIFEST = "manifest.json"
@@ -86,7 +85,7 @@ def plan_file(name: str, tensors: Sequence[tuple[str, str, tuple[int, ...]]]) ->
     return SpillFile(name, tuple(placed), at)
 
 
-class NvmeTier:
+class SpillStore:
     """Spill files in `directory`/`namespace` under a byte budget (`capacity`; None: only the filesystem's).
 
     `open(key)` reads the manifest, `lookup` hands out a listed file once checked, `write` adds files.
@@ -154,7 +153,7 @@ class NvmeTier:
         manifest; their layouts, in order. Files other than `files` and `keep` may be deleted to stay under the
         budget. On any failure everything this call wrote is removed and an OffloadError says why."""
         if self._key is None:
-            raise ValueError("NvmeTier.write before open(key)")
+            raise ValueError("SpillStore.write before open(key)")
         needed = sum(f.size for f in files)  # bytes; at most: another process may have written some meanwhile
         self._check_room(needed, keep={*keep, *(f.name for f in files)})
         created: list[Path] = []
@@ -265,7 +264,7 @@ def spill_layers(
     paths = sorted({r.path for g in (layout.embed, layout.head, *layout.layers) for r in g.runs})
     model_dir = paths[0].parent.resolve()
     digest = hashlib.blake2b(str(model_dir).encode(), digest_size=4).hexdigest()
-    tier = NvmeTier(offload_dir, capacity, namespace=f"{model_dir.name}-{name}-{digest}")
+    tier = SpillStore(offload_dir, capacity, namespace=f"{model_dir.name}-{name}-{digest}")
     planned = {
         i: plan_file(f"layer{i}.bin", [(t.short, _CODES[dtype], t.shape) for t in layout.layers[i].tensors])
         for i in needs

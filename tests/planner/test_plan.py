@@ -7,8 +7,8 @@ import json
 import pytest
 
 from offload.cli import main
-from offload.hardware import load_profile
-from offload.shapes import load_shape
+from offload.planner.profiles import load_profile
+from offload.planner.shapes import load_shape
 from scheduler.cost import Budgets, Workload
 from scheduler.search import best, search
 

@@ -1,0 +1,162 @@
+"""The architecture's layers, checked over the source: every import points down or sideways, never up, and no
+two modules import each other, directly or through others (lazy imports inside functions count too).
+
+The layers, bottom first, as docs/ARCHITECTURE.md draws them. A module belongs to the first layer whose prefix
+names it (the longest prefix wins); everything under offload/ not claimed by a lower layer is the face.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("offload", "kernels", "tiers", "scheduler")
+LAYERS = (
+    ("common", ("offload.common",)),
+    ("kernels", ("kernels",)),
+    ("tiers", ("tiers",)),
+    ("scheduler", ("scheduler",)),
+    ("model", ("offload.model",)),
+    ("planner", ("offload.planner",)),
+    ("core", ("offload.core",)),
+    ("face", ("offload",)),
+)
+# what each layer may not touch at all, whatever its place: the scheduler decides without tensors or files
+FORBIDDEN = {"scheduler": ("torch", "os", "pathlib", "safetensors")}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    """The index of `module`'s layer: the layer with the longest prefix of it."""
+    best, best_len = -1, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    if best < 0:
+        raise AssertionError(f"{module} is in no layer")
+    return best
+
+
+def imports(path: Path, known: set[str]) -> set[str]:
+    """The project's modules `path` imports anywhere in it (a `from package import name` of a submodule counts
+    as importing the submodule)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in known}
+    return found
+
+
+def external_imports(path: Path) -> set[str]:
+    """Top-level names of everything `path` imports that is not relative."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Each import from a module into a higher layer, as a readable line."""
+    return [
+        f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+        for m, targets in sorted(graph.items())
+        for t in sorted(targets)
+        if layer_of(t) > layer_of(m)
+    ]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Each cycle a depth-first walk of `graph` closes, as "a -> b -> a"."""
+    found = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                found.append(" -> ".join([*path[path.index(t) :], t]))
+            elif t not in state:
+                visit(t)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return found
+
+
+MODULES = source_modules()
+# a package's __init__ is its own module: importing tiers.io.base does not run tiers.io's code on our behalf
+GRAPH = {m: imports(p, set(MODULES)) - {m} for m, p in MODULES.items()}
+
+
+def test_every_module_has_a_layer():
+    assert {m: layer_of(m) for m in MODULES}  # raises for a module outside every layer
+    assert layer_of("offload.api") == len(LAYERS) - 1
+    assert layer_of("offload.common.errors") == 0
+    assert layer_of("offload.model.engine") == 4
+
+
+def test_no_import_points_up():
+    bad = upward(GRAPH)
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    bad = cycles(GRAPH)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checks_catch_what_they_look_for():
+    assert upward({"tiers.weights": {"offload.model.registry"}}) == [
+        "tiers.weights (tiers) imports offload.model.registry (model)"
+    ]
+    assert upward({"offload.api": {"tiers.kv"}, "tiers.kv": {"tiers.io.base"}}) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
+    assert cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_forbidden_dependencies(layer: str):
+    index = [name for name, _ in LAYERS].index(layer)
+    bad = [
+        f"{m} imports {name}"
+        for m, p in sorted(MODULES.items())
+        if layer_of(m) == index
+        for name in sorted(external_imports(p) & set(FORBIDDEN[layer]))
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_modules_stay_readable():
+    """A module over 400 lines says why in its opening docstring ("Over 400 lines: ...")."""
+    too_long = []
+    for m, p in sorted(MODULES.items()):
+        text = p.read_text()
+        lines = len(text.splitlines())
+        if lines > 400 and "Over 400 lines" not in (ast.get_docstring(ast.parse(text)) or ""):
+            too_long.append(f"{m}: {lines} lines")
+    assert not too_long, "\n".join(too_long)

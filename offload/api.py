@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from offload.common.config import EngineConfig, ModelSpec, Policy, SamplingParams
+from offload.common.config import EngineConfig, Policy, SamplingParams
 from offload.common.errors import OffloadError
+from offload.common.model_config import ModelSpec
 from offload.model.engine import Engine
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
@@ -22,7 +23,7 @@ from scheduler.sequence import Sequence
 from tiers.checkpoint import Checkpoint
 from tiers.device import DeviceTier
 from tiers.host import HostTier
-from tiers.io.base import make_backend
+from tiers.io.backends import make_backend
 from tiers.io.buffered import BufferedReader
 from tiers.kv import BlockPool, BlockTables, KVCache
 from tiers.layout import ModelLayout, model_layout

@@ -20,9 +20,10 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
-from offload.planner.shapes import ModelShape
+from offload.common.model_config import ModelSpec
 
 # Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
 # the call; what the layer itself costs at the least is the profile's measured layer_floor, where it has one.
@@ -164,7 +165,7 @@ def _gemm_seconds(
 
 @dataclass(frozen=True, slots=True)
 class Context:
-    shape: ModelShape
+    shape: ModelSpec
     hw: HardwareProfile
     dtype: str  # compute dtype
     dtype_bytes: int
@@ -194,8 +195,8 @@ def _layer_step(
     `seqs_per_mb` whole prompts of `context` tokens, a decode one `seqs_per_mb` tokens."""
     s, hw = ctx.shape, ctx.hw
     rows_per_mb = seqs_per_mb * (context if prefill else 1)
-    w_bytes = ctx.weight_bytes(s.layer_params, cand.weight_bits)
-    active_bytes = ctx.weight_bytes(s.active_layer_params, cand.weight_bits)
+    w_bytes = ctx.weight_bytes(s.params.layer, cand.weight_bits)
+    active_bytes = ctx.weight_bytes(s.params.active_layer, cand.weight_bits)
     busy = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0}
     if tier == "disk":
         busy["disk"] = w_bytes / hw.disk_read
@@ -203,10 +204,10 @@ def _layer_step(
         busy["link"] = w_bytes / hw.host_to_device
     attn_unit = hw.host if cand.kv_tier == "host" and not ctx.on_cpu else hw.device
     packed = ctx.on_cpu and tier == "device"  # the engine packs resident layers where that pays
-    compute = _gemm_seconds(hw.device, ctx.dtype, s.active_layer_params, active_bytes, rows_per_mb, packed)
+    compute = _gemm_seconds(hw.device, ctx.dtype, s.params.active_layer, active_bytes, rows_per_mb, packed)
     compute += _elementwise_seconds(ctx, rows_per_mb)
     if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
-        compute += s.active_layer_params * ctx.dtype_bytes / hw.device.memory_bandwidth
+        compute += s.params.active_layer * ctx.dtype_bytes / hw.device.memory_bandwidth
     attention = seqs_per_mb * _attention_seconds(ctx, attn_unit, cand.kv_bits, context, prefill)
     if floor := hw.device.layer_floor.get(ctx.dtype):  # a small layer costs its calls, not its bytes
         on_device = compute + (attention if attn_unit is hw.device else 0.0)
@@ -286,7 +287,7 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     """Peak bytes `cand` holds per tier: weights, KV cache, activations, ring and staging buffers."""
     s = ctx.shape
     n_dev, n_host, n_disk = cand.layers
-    w = ctx.weight_bytes(s.layer_params, cand.weight_bits)
+    w = ctx.weight_bytes(s.params.layer, cand.weight_bits)
     streamed = n_host + n_disk if not ctx.on_cpu else n_disk
     kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
     rows = cand.micro_batch * workload.prompt_len  # the prefill micro-batch sets the activation peak
@@ -297,7 +298,7 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     activations = rows * per_token * ctx.dtype_bytes
     activations += cand.batch * workload.prompt_len * s.hidden_size * ctx.dtype_bytes
     activations += cand.batch * s.vocab_size * 4
-    device = (s.embed_params + s.head_params) * ctx.dtype_bytes + n_dev * w + activations
+    device = (s.params.embed + s.params.head) * ctx.dtype_bytes + n_dev * w + activations
     if streamed:
         device += ctx.ring_slots * w
     host = (n_host * w if n_host else 0) + (ctx.ring_slots * w if n_disk and not ctx.on_cpu else 0)
@@ -309,14 +310,14 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     return {"device": int(device), "host": int(host), "disk": int(disk)}
 
 
-def _intermediate(s: ModelShape) -> int:
+def _intermediate(s: ModelSpec) -> int:
     """The MLP width, recovered from the active parameter count (attention and norms removed)."""
     attn = s.hidden_size * s.num_heads * s.head_dim * 2 + s.hidden_size * s.num_kv_heads * s.head_dim * 2
-    return max((s.active_layer_params - attn) // (3 * s.hidden_size), s.hidden_size)
+    return max((s.params.active_layer - attn) // (3 * s.hidden_size), s.hidden_size)
 
 
 def predict(
-    shape: ModelShape,
+    shape: ModelSpec,
     hw: HardwareProfile,
     workload: Workload,
     cand: Candidate,
@@ -354,14 +355,13 @@ def predict(
     )
 
 
-def make_context(shape: ModelShape, hw: HardwareProfile, dtype: str | None, ring: int, block: int) -> Context:
+def make_context(shape: ModelSpec, hw: HardwareProfile, dtype: str | None, ring: int, block: int) -> Context:
     """What every prediction for this model on this machine shares; fails early, in one line, on a bad dtype."""
     dtype = dtype or shape.dtype
-    sizes = {"float32": 4, "float16": 2, "bfloat16": 2}
-    if dtype not in sizes:
-        raise OffloadError(f"dtype {dtype!r} is not one of {', '.join(sizes)}")
+    if dtype not in DTYPE_BYTES:
+        raise OffloadError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     matmul_rate(hw.device, dtype, 1)  # fails early, naming the dtype, when the device has no such GEMM
-    return Context(shape, hw, dtype, sizes[dtype], ring, block)
+    return Context(shape, hw, dtype, DTYPE_BYTES[dtype], ring, block)
 
 
 def capacity(hw: HardwareProfile, budgets: Budgets) -> dict[str, int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from offload.common.hardware import HardwareProfile
-from offload.planner.shapes import ModelShape
+from offload.common.model_config import ModelSpec
 from scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity, make_context, predict, tier_memory
 
 KV_TIERS = ("device", "host")
@@ -18,7 +18,7 @@ WHOLE_MACHINE = Budgets()  # no budget: every tier as big as the hardware profil
 
 
 def place_layers(
-    shape: ModelShape,
+    shape: ModelSpec,
     hw: HardwareProfile,
     workload: Workload,
     batch: int,
@@ -37,7 +37,7 @@ def place_layers(
     ctx = make_context(shape, hw, dtype, ring_slots, block_size)
     n = shape.num_layers
     cap = capacity(ctx.hw, budgets)
-    w = ctx.weight_bytes(shape.layer_params, weight_bits)
+    w = ctx.weight_bytes(shape.params.layer, weight_bits)
     bare = Candidate(batch, micro_batches, (0, 0, n), kv_tier, weight_bits, kv_bits)
     fixed = tier_memory(ctx, Candidate(batch, micro_batches, (0, 0, 0), kv_tier, weight_bits, kv_bits), workload)
     device_room = cap["device"] - fixed["device"]
@@ -60,7 +60,7 @@ def place_layers(
 
 
 def search(
-    shape: ModelShape,
+    shape: ModelSpec,
     hw: HardwareProfile,
     workload: Workload,
     *,

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from offload.common.model_config import ModelSpec, ParamCounts, RopeSpec
+
 TINY = dict(
     vocab_size=300,
     hidden_size=64,
@@ -19,6 +21,21 @@ TINY = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+def toy_spec(layer: int, embed: int, head: int, **fields) -> ModelSpec:
+    """A Llama-shaped ModelSpec with the given parameter counts (the cost model reads counts, not weights)."""
+    shape = dict(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=1000)
+    return ModelSpec(
+        architecture="LlamaForCausalLM",
+        intermediate_size=4 * shape["hidden_size"],
+        max_position=4096,
+        rms_norm_eps=1e-6,
+        rope=RopeSpec(),
+        dtype="bfloat16",
+        params=ParamCounts(layer=layer, active_layer=layer, embed=embed, head=head),
+        **shape | fields,
+    )
 
 
 def family_config(family: str, **overrides):

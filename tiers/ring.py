@@ -42,13 +42,18 @@ def read(backend: ReadBackend, layout: GroupLayout, buf: torch.Tensor) -> list[R
 
 class Ring(ABC):
     """Hands out layers in the engine's order. Invariant: every acquire is followed by a release of that layer
-    before the same layer is acquired again; acquiring out of order is allowed and restarts the read-ahead."""
+    before the same layer is acquired again; acquiring out of order is allowed and restarts the read-ahead.
 
-    _reading: deque[_Reading]  # layers whose reads were started, in order
+    Subclasses say where a drained read's buffer goes back (`_give_back`) and how reading resumes after a
+    restart (`_read_ahead`); a ring that copies extends `settle` and `_restart_at` to wait for and drop its
+    copies."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: list[int]) -> None:
+        self.order = order  # the layers through the ring, in the engine's order
         self.stall_seconds = 0.0  # host time spent waiting for reads (and, staged, for a staging slot's copy)
         self.h2d_bytes = 0  # bytes copied host -> device (copies issued)
+        self._reading: deque[_Reading] = deque()  # the next layers in order, reads started (a host layer's: none)
+        self._next = 0  # index into order of the next layer to read
 
     @abstractmethod
     def acquire(self, layer: int) -> Weights:
@@ -58,9 +63,11 @@ class Ring(ABC):
     def release(self, layer: int) -> None:
         """The compute issued so far is the last to read `layer`: its slot may be refilled after it."""
 
-    @abstractmethod
     def settle(self) -> None:
         """Wait for reads and copies in flight, so byte counts are final; the ring stays usable."""
+        for r in self._reading:
+            for req in r.requests:
+                req.wait()
 
     def close(self) -> None:
         """Wait for reads and copies in flight (their buffers must outlive them) and forget them."""
@@ -72,6 +79,23 @@ class Ring(ABC):
         for r in requests:
             r.wait()
         self.stall_seconds += time.perf_counter() - start
+
+    def _restart_at(self, layer: int) -> None:
+        """Out-of-order access (not the engine's layer order): drain the ring and read from `layer` on."""
+        for r in self._reading:
+            self._wait(r.requests)  # a buffer is given back only once nothing is landing in it
+            self._give_back(r)
+        self._reading.clear()
+        self._next = self.order.index(layer)
+        self._read_ahead()
+
+    @abstractmethod
+    def _give_back(self, drained: _Reading) -> None:
+        """A queued layer is dropped, its reads all landed: its buffer may take another read."""
+
+    @abstractmethod
+    def _read_ahead(self) -> None:
+        """Queue layers from order[_next] on, at least one when the queue is empty."""
 
 
 @dataclass(slots=True)
@@ -93,17 +117,14 @@ class DirectRing(Ring):
         dtype: torch.dtype,
         slots: int,
     ) -> None:
-        super().__init__()
+        super().__init__(sorted(layouts))  # the streamed layers
         self.layouts, self.backend, self.device_tier, self.dtype = layouts, backend, device_tier, dtype
-        self.order = sorted(layouts)  # the streamed layers, in the engine's order
         slot_bytes = max((g.slot_bytes for g in layouts.values()), default=0)
         self._free = [take(device_tier, slot_bytes, "a ring slot for streamed layers") for _ in self.order[:1] * slots]
-        self._reading: deque[_Reading] = deque()
-        self._next = 0  # index into order of the next layer to read
         self._acquired: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # layer -> (slot, converted)
-        self._fill()
+        self._read_ahead()
 
-    def _fill(self) -> None:
+    def _read_ahead(self) -> None:
         """Start reading the next streamed layers, in cyclic order, into every free slot."""
         while self._free:
             layer = self.order[self._next]
@@ -126,21 +147,10 @@ class DirectRing(Ring):
         for t in converted:
             self.device_tier.free(t)
         self._free.append(slot)
-        self._fill()
+        self._read_ahead()
 
-    def _restart_at(self, layer: int) -> None:
-        """Out-of-order access (not the engine's layer order): drain the ring and read from `layer` on."""
-        for r in self._reading:
-            self._wait(r.requests)
-            self._free.append(r.buf)
-        self._reading.clear()
-        self._next = self.order.index(layer)
-        self._fill()
-
-    def settle(self) -> None:
-        for r in self._reading:
-            for req in r.requests:
-                req.wait()
+    def _give_back(self, drained: _Reading) -> None:
+        self._free.append(drained.buf)
 
 
 def convert(views: Weights, dtype: torch.dtype, tier: MemoryTier, keep: list[torch.Tensor]) -> Weights:
@@ -195,9 +205,8 @@ class StagedRing(Ring):
         dtype: torch.dtype,
         slots: int,
     ) -> None:
-        super().__init__()
+        super().__init__(sorted(layouts))
         self.layouts, self.backend, self.copier = layouts, backend, copier
-        self.order = sorted(layouts)  # the layers through the ring, in the engine's order
         self.slots = slots
         self.packed: dict[int, SlotLayout] = {i: slot_layout(g, dtype) for i, g in layouts.items()}
         self._host: dict[int, torch.Tensor] = {}  # host layer -> its bytes as read, pinned
@@ -217,10 +226,8 @@ class StagedRing(Ring):
         )
         scratch = max((p.convert_bytes for p in self.packed.values()), default=0)
         self._scratch = take(device_tier, scratch, "a buffer for dtype conversion") if scratch else None
-        self._reading: deque[_Reading] = deque()  # next layers in order, bytes in (or on their way to) host RAM
-        self._copied: deque[_Copied] = deque()  # the layers after those, copies issued
+        self._copied: deque[_Copied] = deque()  # the layers before those of _reading, copies issued
         self._acquired: dict[int, torch.Tensor] = {}  # layer -> its device slot
-        self._next = 0  # index into order of the next layer to queue
         self._advance()
 
     def acquire(self, layer: int) -> Weights:
@@ -238,9 +245,7 @@ class StagedRing(Ring):
         self._advance()
 
     def settle(self) -> None:
-        for q in self._reading:
-            for req in q.requests:
-                req.wait()
+        super().settle()
         self.copier.synchronize()
 
     def _bring(self, layer: int) -> None:
@@ -296,15 +301,15 @@ class StagedRing(Ring):
         self._copied.append(_Copied(head.layer, slot, event))
         return True
 
+    def _give_back(self, drained: _Reading) -> None:
+        if drained.layer not in self._host:
+            self._staging.append((drained.buf, DONE))  # taken once its last copy had landed; nothing copied since
+
+    def _read_ahead(self) -> None:
+        self._enqueue(block=True)  # one layer, waiting for a staging slot if need be; _advance queues the rest
+
     def _restart_at(self, layer: int) -> None:
-        """Out-of-order access (not the engine's layer order): drain the ring and queue from `layer` on."""
-        for q in self._reading:
-            self._wait(q.requests)
-            if q.layer not in self._host:
-                self._staging.append((q.buf, DONE))  # taken once its last copy had landed; nothing copied since
-        for c in self._copied:
+        for c in self._copied:  # copied ahead, never acquired: each slot is free again once its copy has landed
             self._slots.append((c.slot, c.event))
-        self._reading.clear()
         self._copied.clear()
-        self._next = self.order.index(layer)
-        self._enqueue(block=True)
+        super()._restart_at(layer)

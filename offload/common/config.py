@@ -1,89 +1,14 @@
-"""Frozen configuration: the model's shape, the engine's settings and a request's sampling parameters."""
+"""Frozen configuration: where layers live (Policy), the engine's settings and a request's sampling parameters.
+
+The model's own shape is offload/common/model_config.py's ModelSpec."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
+from offload.common.dtypes import DTYPES
 from offload.common.errors import OffloadError
-
-DTYPES = ("float32", "float16", "bfloat16")
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True, slots=True)
-class RopeSpec:
-    """Rotary position embedding parameters, as read from config.json."""
-
-    theta: float = 10000.0
-    kind: str = "default"  # "default", "linear" or "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """The shape of a decoder-only transformer of the Llama family."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position: int
-    rms_norm_eps: float
-    rope: RopeSpec
-    dtype: str  # the checkpoint's declared dtype, one of DTYPES
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    # per layer: attend only to the last `window` positions, or None for full causal attention
-    sliding_windows: tuple[int | None, ...] = ()
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise OffloadError(f"config.json: {name} must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise OffloadError(
-                f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
-            )
-        if self.dtype not in DTYPES:
-            raise OffloadError(f"config.json: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if len(self.sliding_windows) not in (0, self.num_layers):
-            raise OffloadError(f"config.json: {len(self.sliding_windows)} layer types for {self.num_layers} layers")
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def window(self, layer: int) -> int | None:
-        return self.sliding_windows[layer] if self.sliding_windows else None
-
 
 TIERS = ("device", "host", "nvme")
 

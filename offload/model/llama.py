@@ -12,120 +12,21 @@ import torch.nn.functional as F
 
 from kernels.linear import linear
 from kernels.paged_attention import paged_attention
-from offload.common.config import ModelSpec, RopeSpec
 from offload.common.errors import OffloadError
+from offload.common.model_config import ModelSpec
 from offload.model.registry import LayerInput
 from offload.model.rope import apply_rope
 from tiers.checkpoint import TensorSpec
 from tiers.layout import Weights
 
-_CONFIG_DTYPES = {
-    "float32": "float32",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "fp32": "float32",
-    "fp16": "float16",
-    "bf16": "bfloat16",
-    "half": "float16",
-    "float": "float32",
-}
-
-
-def _require(config: dict, key: str, source: str) -> object:
-    if key not in config:
-        raise OffloadError(f"{source}: missing field {key!r}")
-    return config[key]
-
-
-def _rope(config: dict, source: str) -> RopeSpec:
-    # transformers 5 writes `rope_parameters` (theta inside); earlier configs `rope_theta` + `rope_scaling`.
-    params = dict(config.get("rope_scaling") or {})
-    params.update(config.get("rope_parameters") or {})
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return RopeSpec(theta=theta)
-    if kind == "linear":
-        return RopeSpec(theta=theta, kind="linear", factor=float(params["factor"]))
-    if kind == "llama3":
-        try:
-            return RopeSpec(
-                theta=theta,
-                kind="llama3",
-                factor=float(params["factor"]),
-                low_freq_factor=float(params["low_freq_factor"]),
-                high_freq_factor=float(params["high_freq_factor"]),
-                original_max_position=int(params["original_max_position_embeddings"]),
-            )
-        except KeyError as exc:
-            raise OffloadError(f"{source}: llama3 rope scaling lacks {exc.args[0]!r}") from None
-    raise OffloadError(f"{source}: rope_type {kind!r} is not supported (supported: default, linear, llama3)")
-
-
-def _sliding_windows(config: dict, architecture: str, num_layers: int) -> tuple[int | None, ...]:
-    window = config.get("sliding_window")
-    if architecture == "MistralForCausalLM":
-        return (window,) * num_layers if window else ()
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if not config.get("use_sliding_window") or not window:
-            return ()
-        types = config.get("layer_types")
-        if types is None:
-            first = config.get("max_window_layers", num_layers)
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    return ()
-
-
-def _dtype(config: dict, source: str) -> str:
-    raw = config.get("dtype", config.get("torch_dtype", "float32"))
-    if raw not in _CONFIG_DTYPES:
-        raise OffloadError(f"{source}: dtype {raw!r} is not one of float32, float16, bfloat16")
-    return _CONFIG_DTYPES[raw]
-
-
-def _eos(config: dict) -> tuple[int, ...]:
-    eos = config.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (eos,)
+ROPE_KINDS = ("default", "linear", "llama3")  # what offload/model/rope.py computes
 
 
 class LlamaFamily:
-    def spec_from_config(self, config: dict, source: str) -> ModelSpec:
-        arch = config["architectures"][0]
-        heads = int(_require(config, "num_attention_heads", source))
-        hidden = int(_require(config, "hidden_size", source))
-        layers = int(_require(config, "num_hidden_layers", source))
-        act = config.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise OffloadError(f"{source}: hidden_act {act!r} is not supported (the Llama family uses silu)")
-        qwen2 = arch == "Qwen2ForCausalLM"
-        # transformers' Mistral has no attention biases whatever the config says; Qwen2 always has q/k/v biases
-        bias = bool(config.get("attention_bias", False)) and arch != "MistralForCausalLM"
-        qwen3 = arch == "Qwen3ForCausalLM"
-        return ModelSpec(
-            architecture=arch,
-            vocab_size=int(_require(config, "vocab_size", source)),
-            hidden_size=hidden,
-            intermediate_size=int(_require(config, "intermediate_size", source)),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or (128 if qwen3 else hidden // heads)),  # transformers' defaults
-            max_position=int(config.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope=_rope(config, source),
-            dtype=_dtype(config, source),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=qwen2 or bias,
-            o_bias=bias and not qwen2,
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=qwen3,
-            sliding_windows=_sliding_windows(config, arch, layers),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=_eos(config),
-        )
+    def check(self, spec: ModelSpec, source: str) -> None:
+        if spec.rope is None or spec.rope.kind not in ROPE_KINDS:
+            kind = spec.rope.kind if spec.rope else "learned positions"
+            raise OffloadError(f"{source}: rope_type {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
 
     def embed_tensors(self, spec: ModelSpec) -> dict[str, TensorSpec]:
         return {"embed": TensorSpec("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))}

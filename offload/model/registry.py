@@ -12,8 +12,8 @@ from typing import Protocol
 import torch
 
 from kernels.paged_attention import PagedBatch
-from offload.common.config import ModelSpec
 from offload.common.errors import OffloadError
+from offload.common.model_config import ModelSpec
 from tiers.checkpoint import ModelTensors, TensorSpec
 from tiers.layout import Weights
 
@@ -39,7 +39,8 @@ class LayerInput:
 class Family(Protocol):
     """The functional forward of one model family; weights arrive as arguments, never read from files."""
 
-    def spec_from_config(self, config: dict, source: str) -> ModelSpec: ...
+    def check(self, spec: ModelSpec, source: str) -> None:
+        """Raise OffloadError naming `source` when this family cannot run a model of that spec."""
 
     def embed_tensors(self, spec: ModelSpec) -> dict[str, TensorSpec]: ...
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from offload.common.config import RopeSpec
+from offload.common.model_config import RopeSpec
 
 
 def inverse_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:

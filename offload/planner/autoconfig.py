@@ -36,12 +36,12 @@ def autoconfigure(
     hardware: None = this machine's profile (`offload probe`'s, measured quickly now if there is none).
     """
     from offload.model.loader import load_spec
-    from offload.planner.shapes import load_shape
+    from offload.planner.models import load_model_spec
 
     if not prompt_lens:
         raise OffloadError("no prompts to plan for")
     spec, _ = load_spec(model_dir)
-    shape = load_shape(str(model_dir))
+    shape = load_model_spec(str(model_dir))
     if hardware is None:
         from offload.planner.probe import local_profile
 

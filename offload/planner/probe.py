@@ -48,7 +48,8 @@ from offload.planner.rates import (
     measure_links,
     measure_matmul,
 )
-from tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache, make_backend
+from tiers.io.backends import make_backend
+from tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache
 
 MiB = 1 << 20
 PROBE_DTYPES = ("float32", "bfloat16", "float16")

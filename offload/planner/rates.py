@@ -165,6 +165,7 @@ def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0
     than bytes or FLOPs (on this project's 2-core VMs a [1, 64] x [64, 64] product took 7 us, [1, 256] x [256, 256]
     28 us, and such a layer 0.6 ms)."""
     from kernels.paged_attention import PagedBatch
+    from offload.common.model_config import parse_model_config
     from offload.model.llama import FAMILY
     from offload.model.registry import LayerInput
     from offload.model.rope import cos_sin, inverse_frequencies
@@ -180,7 +181,7 @@ def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0
         "num_key_value_heads": shape.kv_heads,
         "torch_dtype": dtype,
     }
-    spec = FAMILY.spec_from_config(config, "the probe's tiny layer")
+    spec = parse_model_config(config, "the probe's tiny layer")
     gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype)
     weights = {

@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
-from offload.planner.shapes import ModelShape
+from offload.common.model_config import ModelSpec
 from scheduler.cost import Budgets, Prediction, Workload, capacity
 from scheduler.search import best, search
 
@@ -56,10 +56,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_plan(args: argparse.Namespace) -> None:
     from offload.common.sizes import parse_size
+    from offload.planner.models import load_model_spec
     from offload.planner.profiles import with_overrides
-    from offload.planner.shapes import load_shape
 
-    shape = load_shape(args.model)
+    shape = load_model_spec(args.model)
     hw = _hardware(args.hardware)
     if args.disk_read is not None:
         if not args.disk_read > 0:
@@ -92,7 +92,7 @@ def _hardware(name: str) -> HardwareProfile:
     return local_profile()
 
 
-def _default_dtype(shape: ModelShape, hw: HardwareProfile) -> str:
+def _default_dtype(shape: ModelSpec, hw: HardwareProfile) -> str:
     """The model's dtype when the device multiplies it, else float16 (a T4 has no bfloat16 units)."""
     if shape.dtype in hw.device.matmul_flops or shape.dtype in hw.device.matmul_curve:
         return shape.dtype
@@ -125,7 +125,7 @@ def _per_batch(predictions: list[Prediction]) -> dict[int, Prediction]:
 
 
 def report(
-    shape: ModelShape,
+    shape: ModelSpec,
     hw: HardwareProfile,
     workload: Workload,
     dtype: str,
@@ -133,7 +133,7 @@ def report(
     predictions: list[Prediction],
     top: int,
 ) -> str:
-    from offload.planner.shapes import estimate_sizes
+    from offload.planner.models import estimate_sizes
 
     cap = capacity(hw, budgets)
     lines = [
@@ -217,9 +217,9 @@ def _explain(winner: Prediction, predictions: list[Prediction]) -> list[str]:
 
 
 def report_json(
-    shape: ModelShape, hw: HardwareProfile, workload: Workload, dtype: str, predictions: list[Prediction], top: int
+    shape: ModelSpec, hw: HardwareProfile, workload: Workload, dtype: str, predictions: list[Prediction], top: int
 ) -> dict:
-    from offload.planner.shapes import estimate_sizes
+    from offload.planner.models import estimate_sizes
 
     def row(p: Prediction) -> dict:
         return {

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from offload.common.config import RopeSpec
+from offload.common.model_config import RopeSpec
 from offload.model.rope import apply_rope, cos_sin, inverse_frequencies
 
 LLAMA3 = RopeSpec(

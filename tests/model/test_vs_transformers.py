@@ -107,15 +107,15 @@ def test_sharded_checkpoint_with_index(tmp_path):
 
 def test_config_defaults_follow_transformers():
     """Fields a config.json may omit or that an architecture ignores are read as transformers reads them."""
-    from offload.model.llama import FAMILY
+    from offload.common.model_config import parse_model_config
 
     base = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4}
     base |= {"num_key_value_heads": 2, "vocab_size": 100, "torch_dtype": "float32"}
-    qwen3 = FAMILY.spec_from_config(base | {"architectures": ["Qwen3ForCausalLM"]}, "config.json")
+    qwen3 = parse_model_config(base | {"architectures": ["Qwen3ForCausalLM"]}, "config.json")
     assert qwen3.head_dim == 128  # Qwen3Config's default, not hidden_size / heads (64)
-    mistral = FAMILY.spec_from_config(
+    mistral = parse_model_config(
         base | {"architectures": ["MistralForCausalLM"], "attention_bias": True}, "config.json"
     )
     assert not mistral.qkv_bias and not mistral.o_bias  # transformers' Mistral has no attention biases
-    llama = FAMILY.spec_from_config(base | {"architectures": ["LlamaForCausalLM"], "attention_bias": True}, "c")
+    llama = parse_model_config(base | {"architectures": ["LlamaForCausalLM"], "attention_bias": True}, "c")
     assert llama.qkv_bias and llama.o_bias and llama.head_dim == 64

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from offload.cli import main
+from offload.planner.models import load_model_spec
 from offload.planner.profiles import load_profile
-from offload.planner.shapes import load_shape
 from scheduler.cost import Budgets, Workload
 from scheduler.search import best, search
 
@@ -22,7 +22,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_opt175b_on_a_t4_is_within_2x_of_flexgen():
-    shape, hw = load_shape("opt-175b"), load_profile("t4-16gb")
+    shape, hw = load_model_spec("opt-175b"), load_profile("t4-16gb")
     preds = search(shape, hw, Workload(512, 32), dtype="float16", budgets=Budgets(host=208 * 10**9))
     top = best(preds)
     assert top is not None and top.fits
@@ -48,7 +48,7 @@ def test_plan_json_agrees_with_the_search(capsys):
     code, out, _ = run(capsys, *argv, "--requests", "64", "--json", "--top", "3")
     assert code == 0
     data = json.loads(out)
-    shape, hw = load_shape("mixtral-8x7b"), load_profile("a100-80gb")
+    shape, hw = load_model_spec("mixtral-8x7b"), load_profile("a100-80gb")
     top = best(search(shape, hw, Workload(256, 16, 64), dtype="bfloat16"))
     assert len(data["best"]) == 3
     assert data["best"][0]["tokens_per_second"] == pytest.approx(top.tokens_per_second)

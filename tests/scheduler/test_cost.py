@@ -7,31 +7,16 @@ import random
 
 import pytest
 
+from conftest import toy_spec
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
-from offload.planner.shapes import ModelShape
 from scheduler.cost import LAYER_OVERHEAD, SEQ_OVERHEAD, Budgets, Candidate, Workload, matmul_rate, predict
 from scheduler.search import best, place_layers, search
 
 MB = 10**6
 
 # 4 layers of 1e6 parameters (2 MB in bf16); heads 4 x 16, 2 KV heads: 256 bytes of KV per token and layer
-SHAPE = ModelShape(
-    name="toy",
-    architecture="LlamaForCausalLM",
-    num_layers=4,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    vocab_size=1000,
-    max_position=4096,
-    dtype="bfloat16",
-    layer_params=1_000_000,
-    active_layer_params=1_000_000,
-    embed_params=64_000,
-    head_params=64_064,
-)
+SHAPE = toy_spec(layer=1_000_000, embed=64_000, head=64_064, name="toy")
 
 
 def unit(memory: int, bandwidth: float, flops: float, curve=()) -> ComputeUnit:

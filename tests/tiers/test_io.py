@@ -16,7 +16,8 @@ import torch
 from offload.common.errors import OffloadError
 from tiers.io import base
 from tiers.io.aio import AioBackend, aio_unavailable
-from tiers.io.base import ALIGN, ReadBackend, aligned_buffer, aligned_span, evict_page_cache, make_backend
+from tiers.io.backends import make_backend
+from tiers.io.base import ALIGN, ReadBackend, aligned_buffer, aligned_span, evict_page_cache
 from tiers.io.direct import PreadBackend
 
 SIZE = 3 * (1 << 20) + 1234  # bytes; the last page is partial

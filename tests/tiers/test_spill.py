@@ -29,7 +29,7 @@ from tiers.io.direct import PreadBackend
 from tiers.layout import model_layout
 from tiers.placement import group_cost, place_weights
 from tiers.ring import read
-from tiers.spill import MANIFEST, SpillStore, plan_file
+from tiers.spill_store import MANIFEST, SpillStore, plan_file
 from tiers.weights import WeightStore
 
 KV = 1 << 20

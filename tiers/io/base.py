@@ -1,8 +1,9 @@
-"""The NVMe read interface: asynchronous reads of byte extents into aligned buffers, backends chosen by name.
+"""The NVMe read interface: asynchronous reads of byte extents into aligned buffers.
 
 A backend reads the ALIGN-aligned superset of the requested extent into the start of the caller's aligned
 buffer, with O_DIRECT wherever the filesystem accepts it, so the page cache holds none of the checkpoint and
-the bandwidth measured is the device's. `ReadRequest.wait()` hands back exactly the requested bytes.
+the bandwidth measured is the device's. `ReadRequest.wait()` hands back exactly the requested bytes. The backends
+subclass ReadBackend (tiers/io/direct.py, tiers/io/aio.py); tiers/io/backends.py picks one by name.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from offload.common.errors import OffloadError
 
 ALIGN = 4096  # bytes; O_DIRECT alignment of file offsets, lengths and buffer addresses (>= the logical block size)
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has no O_DIRECT: every file then reads buffered
-BACKENDS = ("auto", "pread", "aio")
 
 
 class Span(NamedTuple):
@@ -218,26 +218,6 @@ def evict_page_cache(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def make_backend(name: str = "auto", threads: int = 8) -> ReadBackend:
-    """The backend called `name`: "pread" (O_DIRECT preadv on a thread pool), "aio" (DeepSpeed's AsyncIO op,
-    libaio) or "auto". `threads` sizes the pread pool.
-
-    "auto" takes aio only on CUDA machines, where buffers are page-locked: on a CPU-only machine the op
-    locks and copies through a bounce buffer per read, and measured slower than pread
-    (benchmarks/results/io_bandwidth.json)."""
-    from tiers.io.aio import AioBackend, aio_unavailable
-    from tiers.io.direct import PreadBackend
-
-    if name == "pread":
-        return PreadBackend(threads=threads)
-    if name == "aio":
-        return AioBackend()
-    if name == "auto":
-        use_aio = torch.cuda.is_available() and aio_unavailable() is None
-        return AioBackend() if use_aio else PreadBackend(threads=threads)
-    raise OffloadError(f"I/O backend {name!r}: unknown; choose one of {', '.join(BACKENDS)}")
 
 
 def _open_file(path: Path) -> OpenFile:

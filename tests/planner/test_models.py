@@ -1,4 +1,4 @@
-"""Model shapes: parameter counts equal those of the models transformers builds (on the meta device: no memory)."""
+"""Model specs for planning: parameter counts equal those of the models transformers builds (on the meta device)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ import json
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, toy_spec
 from offload.common.errors import OffloadError
-from offload.planner.shapes import (
+from offload.common.model_config import ModelSpec, parse_model_config
+from offload.planner.models import (
     MODELS_DIR,
-    ModelShape,
     SizeEstimate,
     estimate_sizes,
     known_models,
-    load_shape,
-    shape_from_config,
+    load_model_spec,
 )
 
 TINY_OPT = dict(
@@ -71,7 +70,7 @@ def meta_model(config):
 
 
 def counts(model) -> tuple[int, list[int], int]:
-    """(embed, [params of each decoder layer], head) as ModelShape splits them; tied weights are listed once."""
+    """(embed, [params of each decoder layer], head) as ModelSpec splits them; tied weights are listed once."""
     embed, head, layers = 0, 0, {}
     for name, p in model.named_parameters():
         parts = name.split(".")
@@ -85,12 +84,12 @@ def counts(model) -> tuple[int, list[int], int]:
     return embed, [layers[i] for i in sorted(layers)], head
 
 
-def assert_matches(shape: ModelShape, model) -> None:
+def assert_matches(shape: ModelSpec, model) -> None:
     embed, layers, head = counts(model)
     assert len(layers) == shape.num_layers
-    assert set(layers) == {shape.layer_params}
-    assert shape.embed_params == embed
-    assert shape.head_params == head
+    assert set(layers) == {shape.params.layer}
+    assert shape.params.embed == embed
+    assert shape.params.head == head
     assert shape.total_params == sum(p.numel() for p in model.parameters())
 
 
@@ -104,7 +103,7 @@ def test_tiny_configs_match_transformers(variant, tmp_path):
     config.architectures = [type(model).__name__]
     config.save_pretrained(tmp_path)  # the config.json a checkpoint directory would hold
 
-    shape = load_shape(str(tmp_path))
+    shape = load_model_spec(str(tmp_path))
 
     assert_matches(shape, model)
     assert shape.name == tmp_path.name
@@ -115,13 +114,13 @@ def test_tiny_configs_match_transformers(variant, tmp_path):
     assert shape.head_dim == attn.head_dim
     assert shape.num_kv_heads * shape.head_dim == attn.k_proj.out_features
     if variant != "mixtral":
-        assert shape.active_layer_params == shape.layer_params
+        assert shape.params.active_layer == shape.params.layer
 
 
 def test_mixtral_active_params_count_only_the_routed_experts():
     from transformers import MixtralConfig
 
-    shape = shape_from_config(
+    shape = parse_model_config(
         MixtralConfig(
             **TINY, num_local_experts=4, num_experts_per_tok=2, architectures=["MixtralForCausalLM"]
         ).to_dict(),
@@ -130,8 +129,8 @@ def test_mixtral_active_params_count_only_the_routed_experts():
     )
     attention = 64 * 64 + 2 * 64 * 32 + 64 * 64  # q, k, v (2 kv heads of 16), o
     norms, router, expert = 2 * 64, 4 * 64, 3 * 64 * 96
-    assert shape.layer_params == attention + norms + router + 4 * expert
-    assert shape.active_layer_params == attention + norms + router + 2 * expert == 49_536
+    assert shape.params.layer == attention + norms + router + 4 * expert
+    assert shape.params.active_layer == attention + norms + router + 2 * expert == 49_536
 
 
 def test_known_models_are_the_files_in_configs():
@@ -148,28 +147,28 @@ def test_published_model_matches_transformers(name):
     kwargs = {k: v for k, v in fields.items() if k not in ("_source", "model_type")}
     model = meta_model(AutoConfig.for_model(fields["model_type"], **kwargs))
 
-    shape = load_shape(name)
+    shape = load_model_spec(name)
 
     assert type(model).__name__ == shape.architecture == fields["architectures"][0]
     assert_matches(shape, model)
 
 
 def test_published_counts_anchor():
-    shape = load_shape("llama-3.1-8b")
+    shape = load_model_spec("llama-3.1-8b")
     assert shape.total_params == 8_030_261_248
     assert shape.kv_bytes_per_token(2) == 131_072  # 2 (K, V) * 32 layers * 8 kv heads * 128 * 2 bytes
 
 
 def test_mixtral_8x7b_active_params():
-    shape = load_shape("mixtral-8x7b")
-    dense = shape.layer_params - 6 * 3 * 4096 * 14336  # 6 of 8 experts idle per token
-    assert shape.active_layer_params == dense
-    active_total = shape.num_layers * shape.active_layer_params + shape.embed_params + shape.head_params
+    shape = load_model_spec("mixtral-8x7b")
+    dense = shape.params.layer - 6 * 3 * 4096 * 14336  # 6 of 8 experts idle per token
+    assert shape.params.active_layer == dense
+    active_total = shape.num_layers * shape.params.active_layer + shape.params.embed + shape.params.head
     assert round(active_total / 1e9, 1) == 12.9  # Mistral's published "12.9B active parameters"
 
 
 def test_names_are_case_insensitive():
-    assert load_shape("Llama-3.1-8B") == load_shape("llama-3.1-8b")
+    assert load_model_spec("Llama-3.1-8B") == load_model_spec("llama-3.1-8b")
 
 
 @pytest.mark.parametrize(
@@ -177,18 +176,19 @@ def test_names_are_case_insensitive():
     [
         ({"torch_dtype": "float16"}, "float16"),
         ({"dtype": "float32", "torch_dtype": "bfloat16"}, "float32"),
-        ({"torch_dtype": None}, "bfloat16"),
+        ({"torch_dtype": "bf16"}, "bfloat16"),
+        ({"torch_dtype": None}, "float32"),  # what transformers loads a config without a dtype in
     ],
 )
 def test_dtype(fields, dtype):
     config = llama_8b() | fields
-    assert shape_from_config(config, "m", "test").dtype == dtype
+    assert parse_model_config(config, "test", "m").dtype == dtype
 
 
-def test_opt_dtype_defaults_to_float16():
+def test_opt_dtype_defaults_to_float32_like_every_architecture():
     config = json.loads((MODELS_DIR / "opt-30b.json").read_text())
     del config["torch_dtype"]
-    assert shape_from_config(config, "m", "test").dtype == "float16"
+    assert parse_model_config(config, "test", "m").dtype == "float32"
 
 
 def llama_8b() -> dict:
@@ -204,7 +204,7 @@ def error(fn, *args) -> str:
 
 
 def test_unknown_name_lists_the_known_ones():
-    message = error(load_shape, "llama-9000")
+    message = error(load_model_spec, "llama-9000")
     assert "'llama-9000'" in message
     assert all(name in message for name in MODELS)
 
@@ -213,7 +213,7 @@ def test_missing_field_names_file_and_field(tmp_path):
     config = llama_8b()
     del config["intermediate_size"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    message = error(load_shape, str(tmp_path))
+    message = error(load_model_spec, str(tmp_path))
     assert str(tmp_path / "config.json") in message
     assert "'intermediate_size'" in message
 
@@ -222,7 +222,7 @@ def test_missing_field_names_file_and_field(tmp_path):
     ("field", "value"), [("hidden_size", "4096"), ("num_hidden_layers", 0), ("tie_word_embeddings", "no")]
 )
 def test_ill_typed_field_names_field_and_value(field, value):
-    message = error(shape_from_config, llama_8b() | {field: value}, "m", "some/config.json")
+    message = error(parse_model_config, llama_8b() | {field: value}, "some/config.json")
     assert "some/config.json" in message
     assert repr(field) in message and repr(value) in message
 
@@ -230,16 +230,16 @@ def test_ill_typed_field_names_field_and_value(field, value):
 def test_mixtral_needs_its_expert_counts():
     config = json.loads((MODELS_DIR / "mixtral-8x7b.json").read_text())
     del config["num_experts_per_tok"]
-    assert "'num_experts_per_tok'" in error(shape_from_config, config, "m", "test")
+    assert "'num_experts_per_tok'" in error(parse_model_config, config, "test")
 
 
 def test_bad_dtype_names_the_value():
-    message = error(shape_from_config, llama_8b() | {"torch_dtype": "int8"}, "m", "test")
+    message = error(parse_model_config, llama_8b() | {"torch_dtype": "int8"}, "test")
     assert "'int8'" in message and "'torch_dtype'" in message
 
 
 def test_unsupported_architecture_names_it_and_the_supported_ones():
-    message = error(shape_from_config, llama_8b() | {"architectures": ["GPT2LMHeadModel"]}, "m", "test")
+    message = error(parse_model_config, llama_8b() | {"architectures": ["GPT2LMHeadModel"]}, "test")
     assert "'GPT2LMHeadModel'" in message
     assert "LlamaForCausalLM" in message and "OPTForCausalLM" in message
 
@@ -247,27 +247,11 @@ def test_unsupported_architecture_names_it_and_the_supported_ones():
 def test_missing_architectures():
     config = llama_8b()
     del config["architectures"]
-    assert "'architectures'" in error(shape_from_config, config, "m", "test")
+    assert "'architectures'" in error(parse_model_config, config, "test")
 
 
-def tiny_shape(**overrides) -> ModelShape:
-    fields = dict(
-        name="t",
-        architecture="LlamaForCausalLM",
-        num_layers=2,
-        hidden_size=8,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-        vocab_size=100,
-        max_position=16,
-        dtype="bfloat16",
-        layer_params=3001,
-        active_layer_params=3001,
-        embed_params=1000,
-        head_params=999,
-    )
-    return ModelShape(**fields | overrides)
+def tiny_shape(embed: int = 1000, head: int = 999) -> ModelSpec:
+    return toy_spec(layer=3001, embed=embed, head=head, num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1)
 
 
 def test_estimate_sizes_exact():
@@ -283,7 +267,7 @@ def test_estimate_sizes_exact():
 
 
 def test_estimate_sizes_largest_layer_ties_go_to_the_embeddings():
-    rows = estimate_sizes(tiny_shape(embed_params=5000, head_params=5000))
+    rows = estimate_sizes(tiny_shape(embed=5000, head=5000))
     assert [(row.largest_layer_name, row.largest_layer_bytes) for row in rows][::4] == [
         ("embeddings", 20_000),
         ("embeddings", 2_500),
@@ -291,7 +275,7 @@ def test_estimate_sizes_largest_layer_ties_go_to_the_embeddings():
 
 
 def test_estimate_sizes_largest_layer_of_a_big_vocabulary():
-    shape = load_shape("qwen2.5-7b")  # the untied 152064 x 3584 head outweighs one 233M-parameter layer
+    shape = load_model_spec("qwen2.5-7b")  # the untied 152064 x 3584 head outweighs one 233M-parameter layer
     rows = {row.dtype: row for row in estimate_sizes(shape)}
     assert rows["bfloat16"].largest_layer_name == "head"
     assert rows["bfloat16"].largest_layer_bytes == 2 * (152_064 * 3_584 + 3_584)  # lm_head + final norm

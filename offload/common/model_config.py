@@ -1,0 +1,337 @@
+"""A model's shape, read once from its config.json: what the runtime builds and what the planner counts.
+
+`parse_model_config` is the one reader of config.json. It knows every architecture `offload plan` can price
+(the Llama family, Mixtral, OPT); which of them the engine can run is the model registry's business
+(offload/model/registry.py), which checks a parsed spec before loading any weight. Parameter counts equal the
+parameters transformers creates for the config (tied weights counted once), per decoder layer, which every
+supported architecture keeps uniform.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from offload.common.dtypes import DTYPES, canonical_dtype
+from offload.common.errors import OffloadError
+
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = (*LLAMA_LIKE, "OPTForCausalLM")
+_REQUIRED = object()
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """Rotary position embedding parameters, as read from config.json."""
+
+    theta: float = 10000.0
+    kind: str = "default"  # "default", "linear" or "llama3" run; other kinds are kept for the runtime to refuse
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+class ParamCounts(NamedTuple):
+    """Parameters by the unit the engine places and streams."""
+
+    layer: int  # one decoder layer, every expert included
+    active_layer: int  # what each token multiplies by in one layer (mixture of experts: the routed experts only)
+    embed: int  # input embeddings (and learned positions)
+    head: int  # final norm plus the LM head when it is not tied to the embeddings
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer. `params` is derived from the other fields for the Llama family
+    (pre-norm RMSNorm, grouped-query attention, gated MLP or a mixture of them) unless given."""
+
+    architecture: str  # config.json's architectures[0]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the MLP width (one expert's, for a mixture)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_norm_eps: float
+    rope: RopeSpec | None  # None: learned positions (OPT)
+    dtype: str  # the checkpoint's declared dtype, one of DTYPES
+    name: str = ""  # what reports call the model: a directory's or a known model's name
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0  # routed experts per layer; 0 for a dense MLP
+    experts_per_token: int = 0
+    # per layer: attend only to the last `window` positions, or None for full causal attention
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    params: ParamCounts | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise OffloadError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise OffloadError(
+                f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.dtype not in DTYPES:
+            raise OffloadError(f"config.json: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if len(self.sliding_windows) not in (0, self.num_layers):
+            raise OffloadError(f"config.json: {len(self.sliding_windows)} layer types for {self.num_layers} layers")
+        if self.params is None:
+            object.__setattr__(self, "params", _llama_like_params(self))
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def total_params(self) -> int:
+        p = self.params
+        return self.num_layers * p.layer + p.embed + p.head
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def kv_bytes_per_token(self, dtype_bytes: float) -> float:
+        """K and V of one token across all layers (bytes)."""
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+
+def read_config(model_dir: Path) -> dict:
+    """`model_dir/config.json` as a dict; errors name the directory or the file."""
+    if not model_dir.is_dir():
+        raise OffloadError(f"{model_dir}: model directory not found")
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise OffloadError(f"{path}: not found (a model directory holds config.json and *.safetensors)") from None
+    except json.JSONDecodeError as exc:
+        raise OffloadError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise OffloadError(f"{path}: not a JSON object")
+    return config
+
+
+def parse_model_config(config: dict, source: str, name: str = "") -> ModelSpec:
+    """The spec of a parsed config.json; errors name `source` (the file) and the field."""
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise OffloadError(f"{source}: field 'architectures' must name the model class, got {archs!r}")
+    arch = archs[0]
+    if arch not in SUPPORTED:
+        raise OffloadError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    if arch == "OPTForCausalLM":
+        return _opt_spec(config, name, source)
+    return _llama_like_spec(config, arch, name, source)
+
+
+def _llama_like_spec(config: dict, arch: str, name: str, source: str) -> ModelSpec:
+    hidden = _int(config, "hidden_size", source)
+    heads = _int(config, "num_attention_heads", source)
+    layers = _int(config, "num_hidden_layers", source)
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise OffloadError(f"{source}: hidden_act {act!r} is not supported (the Llama family uses silu)")
+    qwen2, qwen3, mixtral = (arch == a for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"))
+    # transformers' Mistral has no attention biases whatever the config says; Qwen2 always has q/k/v biases
+    bias = _flag(config, "attention_bias", source, False) and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+    return ModelSpec(
+        architecture=arch,
+        name=name,
+        vocab_size=_int(config, "vocab_size", source),
+        hidden_size=hidden,
+        intermediate_size=_int(config, "intermediate_size", source),
+        num_layers=layers,
+        num_heads=heads,
+        # transformers' defaults: Llama falls back to full multi-head attention; the others' defaults are not
+        # the published models' values, so their configs must say
+        num_kv_heads=_int(config, "num_key_value_heads", source, heads if arch == "LlamaForCausalLM" else _REQUIRED),
+        # Qwen3Config's default head_dim is 128, not hidden_size / heads
+        head_dim=_int(config, "head_dim", source, 128 if qwen3 else hidden // heads),
+        max_position=_int(config, "max_position_embeddings", source, 2048),
+        rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
+        rope=_rope(config, source),
+        dtype=_dtype(config, source),
+        hidden_act="silu",
+        tie_word_embeddings=_flag(config, "tie_word_embeddings", source, False),
+        qkv_bias=qwen2 or bias,
+        o_bias=bias,
+        mlp_bias=_flag(config, "mlp_bias", source, False) and arch == "LlamaForCausalLM",
+        qk_norm=qwen3,
+        num_experts=_int(config, "num_local_experts", source) if mixtral else 0,
+        experts_per_token=_int(config, "num_experts_per_tok", source) if mixtral else 0,
+        sliding_windows=_sliding_windows(config, arch, layers),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=_eos(config),
+    )
+
+
+def _llama_like_params(s: ModelSpec) -> ParamCounts:
+    h, q, kv = s.hidden_size, s.q_size, s.kv_size
+    attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
+    attention += (q + 2 * kv if s.qkv_bias else 0) + (h if s.o_bias else 0)
+    attention += 2 * s.head_dim if s.qk_norm else 0  # q_norm, k_norm over head_dim
+    mlp = 3 * h * s.intermediate_size  # gate, up, down
+    mlp += 2 * s.intermediate_size + h if s.mlp_bias else 0
+    norms = 2 * h  # input and post-attention RMSNorm
+    if s.num_experts:
+        router = s.num_experts * h
+        layer = attention + norms + router + s.num_experts * mlp
+        active = attention + norms + router + s.experts_per_token * mlp
+    else:
+        layer = active = attention + norms + mlp
+    head = h + (0 if s.tie_word_embeddings else s.vocab_size * h)  # final RMSNorm + lm_head
+    return ParamCounts(layer, active, s.vocab_size * h, head)
+
+
+def _opt_spec(config: dict, name: str, source: str) -> ModelSpec:
+    """Post-2022 OPT: LayerNorms with bias, biased projections, learned positions, optional embedding projection."""
+    h = _int(config, "hidden_size", source)
+    ffn = _int(config, "ffn_dim", source)
+    heads = _int(config, "num_attention_heads", source)
+    vocab = _int(config, "vocab_size", source)
+    max_position = _int(config, "max_position_embeddings", source)
+    proj = _int(config, "word_embed_proj_dim", source, h)
+    bias = _flag(config, "enable_bias", source, True)
+    norm = 2 * h if _flag(config, "layer_norm_elementwise_affine", source, True) else 0  # weight + bias
+    final_norm = _flag(config, "do_layer_norm_before", source, True) and not _flag(
+        config, "_remove_final_layer_norm", source, False
+    )
+    project = proj * h if proj != h else 0  # project_in (embeddings) and project_out (head), no bias
+    tied = _flag(config, "tie_word_embeddings", source, True)
+    layer = 4 * h * h + 2 * h * ffn + 2 * norm  # q, k, v, out_proj, fc1, fc2, two LayerNorms
+    layer += 4 * h + ffn + h if bias else 0
+    params = ParamCounts(
+        layer=layer,
+        active_layer=layer,
+        # OPT's learned positions keep 2 rows ahead of position 0, a fairseq padding legacy
+        embed=vocab * proj + (max_position + 2) * h + project,
+        head=(norm if final_norm else 0) + project + (0 if tied else vocab * proj),
+    )
+    return ModelSpec(
+        architecture="OPTForCausalLM",
+        name=name,
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=ffn,
+        num_layers=_int(config, "num_hidden_layers", source),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=h // heads,
+        max_position=max_position,
+        rms_norm_eps=1e-5,  # LayerNorm's epsilon
+        rope=None,
+        dtype=_dtype(config, source),
+        hidden_act=str(config.get("activation_function", "relu")),
+        tie_word_embeddings=tied,
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bias,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=_eos(config),
+        params=params,
+    )
+
+
+def _rope(config: dict, source: str) -> RopeSpec:
+    # transformers 5 writes `rope_parameters` (theta inside); earlier configs `rope_theta` + `rope_scaling`.
+    params = dict(config.get("rope_scaling") or {})
+    params.update(config.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "linear":
+        return RopeSpec(theta=theta, kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        try:
+            return RopeSpec(
+                theta=theta,
+                kind="llama3",
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position=int(params["original_max_position_embeddings"]),
+            )
+        except KeyError as exc:
+            raise OffloadError(f"{source}: llama3 rope scaling lacks {exc.args[0]!r}") from None
+    return RopeSpec(theta=theta, kind=str(kind))
+
+
+def _sliding_windows(config: dict, architecture: str, num_layers: int) -> tuple[int | None, ...]:
+    window = config.get("sliding_window")
+    if architecture == "MistralForCausalLM":
+        return (window,) * num_layers if window else ()
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not config.get("use_sliding_window") or not window:
+            return ()
+        types = config.get("layer_types")
+        if types is None:
+            first = config.get("max_window_layers", num_layers)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return ()
+
+
+def _eos(config: dict) -> tuple[int, ...]:
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def _int(config: dict, key: str, source: str, default: object = _REQUIRED) -> int:
+    """A positive integer field; null counts as absent, as transformers' configs treat it."""
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise OffloadError(f"{source}: missing field {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise OffloadError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(config: dict, key: str, source: str, default: bool) -> bool:
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise OffloadError(f"{source}: field {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _dtype(config: dict, source: str) -> str:
+    """The checkpoint's dtype; a config that names none holds float32 weights, as transformers reads it."""
+    key = "dtype" if config.get("dtype") is not None else "torch_dtype"  # transformers 5 writes "dtype"
+    value = config.get(key)
+    if value is None:
+        return "float32"
+    dtype = canonical_dtype(value)
+    if dtype is None:
+        raise OffloadError(f"{source}: field {key!r} is {value!r}, not one of {', '.join(DTYPES)}")
+    return dtype

@@ -1,0 +1,76 @@
+"""The models `offload plan` knows by name (configs/models/*.json), and what their weights weigh per dtype.
+
+No weights are read: a known model and a local directory alike are their config.json, parsed by
+offload/common/model_config.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from offload.common.errors import OffloadError
+from offload.common.model_config import ModelSpec, parse_model_config, read_config
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+@dataclass(frozen=True, slots=True)
+class SizeEstimate:
+    """Weight bytes of a model stored in one dtype, as `accelerate estimate-memory` reports them."""
+
+    dtype: str  # "float32", "float16", "bfloat16", "int8" or "int4"
+    total_bytes: int
+    largest_layer_bytes: int  # the largest unit the engine streams: embeddings, one decoder layer or the head
+    largest_layer_name: str  # "embeddings", "decoder layer" or "head"
+
+
+# bits per parameter. Quantized sizes exclude scales and zero points, and assume every parameter (norms and
+# embeddings too) is quantized, as accelerate's estimate does.
+_SIZE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8, "int4": 4}
+
+
+def estimate_sizes(spec: ModelSpec) -> list[SizeEstimate]:
+    """One row per dtype in float32, float16, bfloat16, int8, int4 order; bytes rounded up to whole bytes."""
+    parts = {"embeddings": spec.params.embed, "decoder layer": spec.params.layer, "head": spec.params.head}
+    largest = max(parts, key=parts.__getitem__)  # ties go to the first in the dict's order
+    return [
+        SizeEstimate(dtype, _bytes(spec.total_params, bits), _bytes(parts[largest], bits), largest)
+        for dtype, bits in _SIZE_BITS.items()
+    ]
+
+
+def _bytes(params: int, bits: int) -> int:
+    return -(-params * bits // 8)
+
+
+def known_models() -> list[str]:
+    """Names accepted by load_model_spec: the stems of configs/models/*.json, lowercase and sorted."""
+    return sorted(_model_files())
+
+
+def _model_files() -> dict[str, Path]:
+    return {path.stem.lower(): path for path in MODELS_DIR.glob("*.json")}
+
+
+def load_model_spec(model: str) -> ModelSpec:
+    """The spec of `model`: a directory holding config.json, or a name from known_models() (any case)."""
+    path = Path(model)
+    if path.is_dir():
+        return parse_model_config(read_config(path), str(path / "config.json"), path.resolve().name)
+    files = _model_files()
+    name = model.lower()
+    if name not in files:
+        raise OffloadError(
+            f"unknown model {model!r}: not a directory holding config.json nor a known name "
+            f"(known: {', '.join(sorted(files))})"
+        )
+    file = files[name]
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise OffloadError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise OffloadError(f"{file}: not a JSON object")
+    return parse_model_config(config, str(file), name)

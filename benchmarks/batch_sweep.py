@@ -21,13 +21,12 @@ JSON). Prints a table and the goals; writes benchmarks/results/batch_sweep.json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import offload_vs_peers as peers
+from bench_common import machine, timestamp, write_report
 
 RESULTS = Path(__file__).parent / "results" / "batch_sweep.json"
 GOALS = {"wall_vs_limit": 1.25, "prediction_error": 0.20}
@@ -35,7 +34,7 @@ GOALS = {"wall_vs_limit": 1.25, "prediction_error": 0.20}
 
 def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, workload: peers.Workload):
     """The cost model's prediction for the placement and micro-batching our engine actually ran."""
-    from offload.planner.shapes import load_shape
+    from offload.planner.models import load_model_spec
     from scheduler.cost import Budgets, Candidate, Workload, predict
 
     tiers = result.extra["layer_tiers"]
@@ -44,7 +43,7 @@ def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, w
     cand = Candidate(batch, micro_batches, layers)
     work = Workload(workload.prompt_tokens, workload.new_tokens, batch)
     budgets = Budgets(device=result.extra["device_memory"], host=0)
-    return predict(load_shape(str(model_dir)), hw, work, cand, dtype="bfloat16", budgets=budgets)
+    return predict(load_model_spec(str(model_dir)), hw, work, cand, dtype="bfloat16", budgets=budgets)
 
 
 def error(pred, result: peers.EngineResult) -> float:
@@ -165,7 +164,7 @@ def main() -> None:
     hw = local_profile() if args.hardware == "probe" else load_profile(args.hardware)
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = peers.ensure_checkpoint(args.work_dir, args.layers)
+    model_dir = peers.peers_checkpoint(args.work_dir, args.layers)
     checkpoint = sorted(model_dir.glob("*.safetensors"))
     cache_paths = peers.files_under(model_dir, args.work_dir / "accelerate_offload")
     raw = peers.raw_bandwidth(checkpoint)
@@ -238,8 +237,8 @@ def main() -> None:
         print(f"{verdict:<5} {goal}: {value}")
     report = {
         "benchmark": "batch_sweep",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": peers.machine(args.work_dir),
+        "date": timestamp(),
+        "machine": machine(args.work_dir),
         "hardware_profile": hw.name,
         "profile_disk_read_gbps": hw.disk_read / 1e9,
         "checkpoint": {"dir": str(model_dir), "layers": args.layers, **peers.SHAPE, "dtype": "bfloat16"},
@@ -248,9 +247,7 @@ def main() -> None:
         "rows": rows,
         "goals": [{"goal": g, "measured": v, "verdict": x} for g, v, x in goal_rows],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

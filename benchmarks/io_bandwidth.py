@@ -10,16 +10,14 @@ machine it ran on, to benchmarks/results/io_bandwidth.json. GB/s is 1e9 bytes pe
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import socket
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_common import host, storage, timestamp, write_report
 
 from tiers.io.aio import AioBackend, aio_unavailable
 from tiers.io.base import ReadBackend, aligned_buffer, evict_page_cache
@@ -93,35 +91,6 @@ def measure(path: Path, read: Callable[[], int], repeats: int) -> list[float]:
     return rates
 
 
-def machine(directory: Path) -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.processor()
-    )
-    mount = max(
-        (line.split() for line in Path("/proc/mounts").read_text().splitlines()),
-        key=lambda m: len(m[1]) if str(directory.resolve()).startswith(m[1]) else -1,
-    )
-    device = Path(mount[0]).name
-    sys_block = Path("/sys/class/block") / device
-    info = {
-        "hostname": socket.gethostname(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "dir": str(directory.resolve()),
-        "device": mount[0],
-        "filesystem": mount[2],
-        "mount": mount[1],
-    }
-    for key, rel in (("rotational", "queue/rotational"), ("model", "device/model")):
-        for base in (sys_block, sys_block.parent):  # a partition's queue facts live on its disk
-            if (base / rel).exists():
-                info[key] = (base / rel).read_text().strip()
-                break
-    return info
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, required=True, help="a directory on the drive to measure")
@@ -176,8 +145,8 @@ def main() -> None:
         print(f"{r['method']:<{width}}  {r['median']:11.3f}  {r['best']:9.3f}  {runs_text}")
     report = {
         "benchmark": "io_bandwidth",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(args.dir),
+        "date": timestamp(),
+        "machine": host() | {"dir": str(args.dir.resolve())} | storage(args.dir),
         "file_bytes": nbytes,
         "request_bytes": request,
         "depth": args.depth,
@@ -185,9 +154,7 @@ def main() -> None:
         "o_direct": direct,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

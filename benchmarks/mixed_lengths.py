@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -41,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
+
+from bench_common import cpuinfo, ensure_checkpoint, generate_exactly, host, ram_bytes, timestamp, write_report
 
 RESULTS = Path(__file__).parent / "results" / "mixed_lengths.json"
 GOAL_SPEEDUP = 2.0  # ours / transformers' static batching, generated tokens/s
@@ -172,32 +173,6 @@ class RunResult:
         return self.prefill_passes + self.decode_passes
 
 
-# ---- the checkpoint ----------------------------------------------------------------------------------------
-
-
-def ensure_checkpoint(work_dir: Path, shape: ModelShape) -> Path:
-    """A random-weight bf16 Llama in Hugging Face layout (safetensors), written once and reused."""
-    model_dir = work_dir / shape.name
-    if (model_dir / "config.json").exists() and any(model_dir.glob("*.safetensors")):
-        return model_dir
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**asdict(shape), dtype="bfloat16", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # never materialise a float32 copy of the weights
-    try:
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    tmp = model_dir.with_name(model_dir.name + ".tmp")
-    model.save_pretrained(tmp)
-    tmp.rename(model_dir)
-    return model_dir
-
-
 # ---- the engines -------------------------------------------------------------------------------------------
 
 
@@ -242,11 +217,7 @@ def run_transformers(model_dir: Path, requests: list[Request], batch: int) -> Ru
         for row, r in enumerate(group):
             ids[row, longest - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             mask[row, longest - len(r.prompt_ids) :] = 1
-        with torch.inference_mode():
-            out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=most, min_new_tokens=most, do_sample=False, pad_token_id=0
-            )
-        new = out[:, longest:].tolist()
+        new = generate_exactly(model, ids, mask, most).tolist()
         return [row[: r.new_tokens] for row, r in zip(new, group, strict=True)]
 
     # warm-up: first-call allocations and kernel selection stay out of the timing
@@ -368,26 +339,20 @@ def agreement(ours: list[list[int]], theirs: list[list[int]], first: int = AGREE
     }
 
 
-def machine() -> dict:
+def host_and_libraries() -> dict:
+    """The host, its CPU's bf16 matrix units and RAM, and the versions of what computed."""
     import torch
     import transformers
 
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), platform.processor())
-    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo if ln.startswith("flags")), [])
-    mem = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
-    return {
-        "hostname": platform.node(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
+    flags = (cpuinfo("flags") or "").split()
+    return host() | {
         "matrix_units": [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags],
-        "ram_bytes": int(mem.split()[1]) * 1024,
-        "kernel": platform.release(),
+        "ram_bytes": ram_bytes(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "date": timestamp(),
     }
 
 
@@ -510,7 +475,7 @@ def main() -> None:
         raise SystemExit(f"--requests: {exc}") from None
     out = args.out or (work_dir / "mixed_lengths-quick.json" if args.quick else RESULTS)
 
-    model_dir = ensure_checkpoint(work_dir, shape)
+    model_dir = ensure_checkpoint(work_dir / shape.name, asdict(shape))
     requests = workload.make(shape.vocab_size)
     static = static_cost(requests, batch)
     print(f"{len(requests)} requests, {static.real} real positions, batch {batch}", flush=True)
@@ -555,7 +520,7 @@ def main() -> None:
     )
     report = {
         "benchmark": "mixed_lengths",
-        "machine": machine() | {"load_average_before": load_before, "load_average_after": load_after},
+        "machine": host_and_libraries() | {"load_average_before": load_before, "load_average_after": load_after},
         "engine_source": engine_source(),
         "config": {
             "checkpoint": {
@@ -587,9 +552,7 @@ def main() -> None:
             "requests": [{"prompt_tokens": len(r.prompt_ids), "new_tokens": r.new_tokens} for r in requests],
         },
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(out, report)
 
 
 if __name__ == "__main__":

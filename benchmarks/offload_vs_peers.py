@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,8 @@ import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from bench_common import ensure_checkpoint, generate_exactly, machine, timestamp, write_report
 
 RESULTS = Path(__file__).parent / "results" / "offload_vs_peers.json"
 ENGINES = ("ours", "accelerate", "zero")
@@ -101,26 +101,9 @@ class EngineResult:
 # ---- the checkpoint and the page cache ---------------------------------------------------------------------
 
 
-def ensure_checkpoint(work_dir: Path, layers: int) -> Path:
-    """A random-weight bf16 Llama in Hugging Face layout, written once and reused."""
-    model_dir = work_dir / f"llama-{layers}L-bf16"
-    if (model_dir / "config.json").exists() and any(model_dir.glob("*.safetensors")):
-        return model_dir
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(num_hidden_layers=layers, dtype="bfloat16", tie_word_embeddings=False, **SHAPE)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # never materialise a float32 copy of the weights
-    try:
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    tmp = model_dir.with_name(model_dir.name + ".tmp")
-    model.save_pretrained(tmp)
-    tmp.rename(model_dir)
-    return model_dir
+def peers_checkpoint(work_dir: Path, layers: int) -> Path:
+    """The random-weight bf16 Llama of TinyLlama-1.1B's shape with `layers` decoder layers, built once in work_dir."""
+    return ensure_checkpoint(work_dir / f"llama-{layers}L-bf16", SHAPE | {"num_hidden_layers": layers})
 
 
 def files_under(*dirs: Path) -> list[Path]:
@@ -168,7 +151,8 @@ def peak_rss_bytes() -> int:
 
 def raw_bandwidth(files: list[Path], request: int = 64 * MiB, depth: int = 4, repeats: int = 3) -> dict:
     """O_DIRECT sequential reads of every file through our pread backend, cold; median and runs in GB/s."""
-    from tiers.io.base import aligned_buffer, make_backend
+    from tiers.io.backends import make_backend
+    from tiers.io.base import aligned_buffer
 
     rates = []
     for _ in range(repeats):
@@ -299,17 +283,8 @@ def hf_generate(model, workload: Workload, vocab: int, evict_paths: list[Path]) 
     evict(evict_paths)
     before = storage_read_bytes()
     start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=workload.new_tokens,
-            min_new_tokens=workload.new_tokens,  # random weights: eos must not end a sequence early
-            do_sample=False,
-            pad_token_id=0,
-        )
+    new = generate_exactly(model, input_ids, torch.ones_like(input_ids), workload.new_tokens)
     wall = time.perf_counter() - start
-    new = out[:, input_ids.shape[1] :]
     return EngineResult(
         engine="",
         wall_seconds=wall,
@@ -554,42 +529,13 @@ def token_agreement(results: dict[str, EngineResult]) -> dict[str, float]:
     return out
 
 
-def machine(directory: Path) -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), platform.processor())
-    mem = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
-    resolved = str(directory.resolve())
-    mount = max(
-        (ln.split() for ln in Path("/proc/mounts").read_text().splitlines()),
-        key=lambda m: len(m[1]) if resolved.startswith(m[1]) else -1,
-    )
-    info = {
-        "hostname": socket.gethostname(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "ram_bytes": int(mem.split()[1]) * 1024,
-        "kernel": platform.release(),
-        "work_dir": resolved,
-        "device": mount[0],
-        "filesystem": mount[2],
-        "mount": mount[1],
-    }
-    block = Path("/sys/class/block") / Path(mount[0]).name
-    for key, rel in (("rotational", "queue/rotational"), ("model", "device/model")):
-        for base in (block, block.parent):
-            if (base / rel).exists():
-                info[key] = (base / rel).read_text().strip()
-                break
-    return info
-
-
 def main_run(args: argparse.Namespace) -> None:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise SystemExit(f"--engines: {bad[0]!r} is not one of {', '.join(ENGINES)}")
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = ensure_checkpoint(args.work_dir, args.layers)
+    model_dir = peers_checkpoint(args.work_dir, args.layers)
     checkpoint = sorted(model_dir.glob("*.safetensors"))
     cache_paths = files_under(model_dir, args.work_dir / "accelerate_offload")
     raw = raw_bandwidth(checkpoint)
@@ -612,7 +558,7 @@ def main_run(args: argparse.Namespace) -> None:
         print("greedy tokens equal to ours: " + ", ".join(f"{k} {v:.0%}" for k, v in agreement.items()))
     report = {
         "benchmark": "offload_vs_peers",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "date": timestamp(),
         "machine": machine(args.work_dir),
         "checkpoint": {
             "dir": str(model_dir),
@@ -629,9 +575,7 @@ def main_run(args: argparse.Namespace) -> None:
         "goals": [{"goal": g, "measured": v, "verdict": x} for g, v, x in goal_rows],
         "token_agreement_with_ours": agreement,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 def main() -> None:

@@ -164,9 +164,9 @@ class LLM:
         self.spill: SpillStats | None = None  # streamed layers converted once into --offload-dir
         if config.offload_dir is not None:
             layout, self.spill = spill_layers(
-                layout, self._plan, self.dtype, config.offload_dir, config.disk_memory, config.io_backend
+                layout, self._place, self.dtype, config.offload_dir, config.disk_memory, config.io_backend
             )
-        self.policy = self._plan(layout)
+        self.policy = self._place(layout)
         self.backend = make_backend(config.io_backend)
         self.weights = WeightStore(layout, self.backend, self.policy, self.device_tier, self.host_tier, self.dtype)
         self.tables = BlockTables(BlockPool(self.kv.num_blocks), config.block_size)
@@ -191,7 +191,7 @@ class LLM:
             )
         return kv
 
-    def _plan(self, layout: ModelLayout) -> Policy:
+    def _place(self, layout: ModelLayout) -> Policy:
         """Place the layers in what the device budget leaves after the KV cache, the embedding and the head."""
         return place_weights(layout, self.dtype, self.device_tier, self.host_tier, self.config.ring_slots)
 

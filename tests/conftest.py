@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -21,6 +25,18 @@ TINY = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@contextlib.contextmanager
+def benchmark_module(name: str) -> Iterator[ModuleType]:
+    """benchmarks/`name`.py imported by name with benchmarks/ on sys.path, as when it runs (it imports its
+    siblings so); sys.path is restored afterwards."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        yield importlib.import_module(name)
 
 
 def toy_spec(layer: int, embed: int, head: int, **fields) -> ModelSpec:

@@ -1,7 +1,7 @@
-"""SlotLayout groups: a group's tensors side by side in one device buffer, in the compute dtype.
+"""Device slots: how a group's tensors sit side by side in one device buffer, in the compute dtype.
 
-The staged path copies a group from its host buffer (laid out as read, see tiers/layout.py) into a packed
-device buffer: gaps and alignment padding of the reads stay on the host, and tensors stored in another dtype
+The staged path copies a group from its host buffer (laid out as read, see tiers/layout.py) into a device
+slot: gaps and alignment padding of the reads stay on the host, and tensors stored in another dtype
 pass through a scratch buffer and are converted on the device.
 """
 

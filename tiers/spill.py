@@ -1,4 +1,4 @@
-"""The NVMe tier's writer: layers converted to the compute dtype once, spilled to files streamed in their place.
+"""Spilling: streamed layers converted to the compute dtype once, written to --offload-dir and streamed from there.
 
 A float32 checkpoint run in bfloat16 reads twice the bytes it computes with on every pass, and converts them
 again; spilled once in the compute dtype, a streamed layer reads only what it uses. `spill_layers` chooses the

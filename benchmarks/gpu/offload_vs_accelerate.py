@@ -24,6 +24,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -38,13 +39,21 @@ LAYER_SHAPE = {  # Llama-2-7B's decoder layer
 }
 
 
-def peers_module():
-    """benchmarks/offload_vs_peers.py (page-cache and storage-counter helpers), loaded by path."""
-    spec = importlib.util.spec_from_file_location("offload_vs_peers", HERE.parent / "offload_vs_peers.py")
+def sibling(name: str) -> ModuleType:
+    """benchmarks/<name>.py, loaded by path (benchmarks/ is not on sys.path when this script runs) and registered in
+    sys.modules under its name: dataclasses look their module up while being defined, and offload_vs_peers imports
+    bench_common by name."""
+    spec = importlib.util.spec_from_file_location(name, HERE.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def siblings() -> tuple[ModuleType, ModuleType]:
+    """benchmarks/bench_common.py (machine facts, generation, the report) and benchmarks/offload_vs_peers.py
+    (page-cache helpers, the prompts), in that order: the second imports the first."""
+    return sibling("bench_common"), sibling("offload_vs_peers")
 
 
 def layer_params() -> int:
@@ -105,12 +114,12 @@ def build_checkpoint(work_dir: Path, budget: int) -> Path:
     return model_dir
 
 
-def prompts(peers, n: int, length: int) -> list[list[int]]:
+def prompts(peers: ModuleType, n: int, length: int) -> list[list[int]]:
     """The peer benchmark's seeded random prompts (its Workload), n of `length` tokens."""
     return peers.Workload(prompts=n, prompt_tokens=length).prompt_ids(LAYER_SHAPE["vocab_size"])
 
 
-def run_ours(peers, model_dir: Path, args: argparse.Namespace) -> dict:
+def run_ours(peers: ModuleType, model_dir: Path, args: argparse.Namespace) -> dict:
     from offload.api import LLM
     from offload.common.config import EngineConfig, SamplingParams
     from offload.planner.autoconfig import autoconfigure, describe
@@ -152,7 +161,9 @@ def run_ours(peers, model_dir: Path, args: argparse.Namespace) -> dict:
     return result
 
 
-def run_accelerate_batch(peers, model_dir: Path, args: argparse.Namespace, batch: int) -> dict:
+def run_accelerate_batch(
+    common: ModuleType, peers: ModuleType, model_dir: Path, args: argparse.Namespace, batch: int
+) -> dict:
     from transformers import AutoModelForCausalLM
 
     offload_dir = args.work_dir / "accelerate_offload"
@@ -173,18 +184,9 @@ def run_accelerate_batch(peers, model_dir: Path, args: argparse.Namespace, batch
     ids = torch.tensor(prompts(peers, batch, args.prompt_len), device="cuda")
     try:
         start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=args.gen_len,
-                min_new_tokens=args.gen_len,
-                do_sample=False,
-                pad_token_id=0,
-            )
+        new = common.generate_exactly(model, ids, torch.ones_like(ids), args.gen_len)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-        new = out[:, ids.shape[1] :]
         return {
             "status": "ok",
             "batch": batch,
@@ -220,7 +222,7 @@ def main() -> None:
     args.budget_bytes = parse_size(args.budget, "--budget")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     card = torch.cuda.get_device_name(0)
-    peers = peers_module()
+    common, peers = siblings()
     start = time.perf_counter()
     model_dir = build_checkpoint(args.work_dir, args.budget_bytes)
     ckpt_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
@@ -229,7 +231,7 @@ def main() -> None:
     accelerate = []
     batch = 1
     while batch <= min(args.max_accelerate_batch, args.requests):
-        r = run_accelerate_batch(peers, model_dir, args, batch)
+        r = run_accelerate_batch(common, peers, model_dir, args, batch)
         accelerate.append(r)
         print(f"accelerate batch {batch}: {r['status']} {r.get('tokens_per_second', 0):.3f} tok/s", flush=True)
         if r["status"] != "ok":
@@ -251,9 +253,9 @@ def main() -> None:
         print(f"{'PASS' if ratio >= 20 else 'FAIL'}  ours / accelerate = {ratio:.1f}x (goal 20x)")
     report = {
         "benchmark": "gpu_offload_vs_accelerate",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "date": common.timestamp(),
         "card": card,
-        "machine": peers.machine(args.work_dir),
+        "machine": common.machine(args.work_dir),
         "budget_bytes": args.budget_bytes,
         "checkpoint_bytes": ckpt_bytes,
         "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "gen_len": args.gen_len},
@@ -263,9 +265,7 @@ def main() -> None:
     }
     slug = "".join(ch if ch.isalnum() else "_" for ch in card.lower()).strip("_")
     out = args.out or HERE.parent / "results" / f"gpu_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    common.write_report(out, report)
 
 
 if __name__ == "__main__":

@@ -3,30 +3,15 @@ predictions (from compute measured at the point, and from the start-of-sweep pro
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).parents[2] / "benchmarks"
+from conftest import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    """The script as a module; it imports its sibling offload_vs_peers by name, so that one is registered first."""
-    names = []
-    try:
-        for name in ("offload_vs_peers", "batch_sweep"):
-            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            names.append(name)
-            spec.loader.exec_module(module)
+    with benchmark_module("batch_sweep") as module:
         yield module
-    finally:
-        for name in names:
-            del sys.modules[name]
 
 
 def row(batch: int, tps: float, predicted: float, wall: float, limit: float, bound: str = "disk", **extra) -> dict:

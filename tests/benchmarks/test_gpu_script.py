@@ -13,7 +13,8 @@ def test_gpu_script_loads_the_peer_helpers_and_their_prompts():
     spec = importlib.util.spec_from_file_location("offload_vs_accelerate", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    peers = script.peers_module()
+    common, peers = script.siblings()
+    assert peers.machine is common.machine  # offload_vs_peers imported the shared module registered by name
     ids = script.prompts(peers, 3, 7)
     assert ids == peers.Workload(prompts=3, prompt_tokens=7).prompt_ids(script.LAYER_SHAPE["vocab_size"])
     assert len(ids) == 3 and all(len(p) == 7 for p in ids)

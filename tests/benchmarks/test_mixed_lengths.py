@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from conftest import make_checkpoint
-
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "mixed_lengths.py"
+from conftest import benchmark_module, make_checkpoint
 
 
 @pytest.fixture(scope="module")
 def bench():
-    """The script as a module (benchmarks/ is not a package); dataclasses need it in sys.modules while it loads."""
-    spec = importlib.util.spec_from_file_location("mixed_lengths", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_module("mixed_lengths") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def test_static_cost_counts_each_kind_of_padding(bench):

@@ -34,13 +34,13 @@ GOALS = {"wall_vs_limit": 1.25, "prediction_error": 0.20}
 
 def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, workload: peers.Workload):
     """The cost model's prediction for the placement and micro-batching our engine actually ran."""
+    from offload.common.config import Policy
     from offload.planner.models import load_model_spec
     from scheduler.cost import Budgets, Candidate, Workload, predict
 
-    tiers = result.extra["layer_tiers"]
-    layers = (tiers.count("device"), tiers.count("host"), tiers.count("nvme"))
+    policy = Policy(tuple(result.extra["layer_tiers"]), result.extra["ring_slots"])  # the engine's own
     micro_batches = math.ceil(batch * workload.prompt_tokens / result.extra["micro_batch_tokens"])
-    cand = Candidate(batch, micro_batches, layers)
+    cand = Candidate(batch, micro_batches, policy)
     work = Workload(workload.prompt_tokens, workload.new_tokens, batch)
     budgets = Budgets(device=result.extra["device_memory"], host=0)
     return predict(load_model_spec(str(model_dir)), hw, work, cand, dtype="bfloat16", budgets=budgets)

@@ -20,6 +20,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from offload.common.config import TIERS, Policy
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
@@ -65,7 +66,7 @@ class Candidate:
 
     batch: int  # sequences advanced together by each step
     micro_batches: int  # the batch runs as this many micro-batches, each reusing the layer's loaded weights
-    layers: tuple[int, int, int]  # decoder layers resident on the device, kept in host RAM, streamed from disk
+    policy: Policy  # each decoder layer's tier, and the device ring that streamed layers pass through
     kv_tier: str = "device"  # "host" on CUDA: attention runs on the CPU next to the cache (FlexGen's choice)
     weight_bits: int = 16
     kv_bits: int = 16
@@ -169,12 +170,17 @@ class Context:
     hw: HardwareProfile
     dtype: str  # compute dtype
     dtype_bytes: int
-    ring_slots: int
     block_size: int
 
     @property
     def on_cpu(self) -> bool:
         return self.hw.device_kind == "cpu"
+
+    def ring_layers(self, policy: Policy) -> int:
+        """Layers that pass through the device ring every step: those streamed from disk, and on CUDA those in
+        host RAM too (a CPU device reads host layers in place)."""
+        _, host, nvme = policy.counts
+        return nvme if self.on_cpu else host + nvme
 
     def weight_bytes(self, params: int, bits: int) -> float:
         if bits >= 8 * self.dtype_bytes:
@@ -198,7 +204,7 @@ def _layer_step(
     w_bytes = ctx.weight_bytes(s.params.layer, cand.weight_bits)
     active_bytes = ctx.weight_bytes(s.params.active_layer, cand.weight_bits)
     busy = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0}
-    if tier == "disk":
+    if tier == "nvme":
         busy["disk"] = w_bytes / hw.disk_read
     if tier != "device" and not ctx.on_cpu:
         busy["link"] = w_bytes / hw.host_to_device
@@ -268,7 +274,7 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
     micro_batches = cand.micro_batches if prefill else cand.decode_micro_batches(prompt_len)
     seqs = -(-cand.batch // micro_batches)
     total = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0, "wall": 0.0}
-    for tier, count in zip(("device", "host", "disk"), cand.layers, strict=True):
+    for tier, count in zip(TIERS, cand.policy.counts, strict=True):
         if not count:
             continue
         busy = _layer_step(ctx, cand, tier, micro_batches, seqs, context, prefill)
@@ -286,9 +292,9 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
 def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, int]:
     """Peak bytes `cand` holds per tier: weights, KV cache, activations, ring and staging buffers."""
     s = ctx.shape
-    n_dev, n_host, n_disk = cand.layers
+    n_dev, n_host, n_disk = cand.policy.counts
+    ring = cand.policy.ring_slots
     w = ctx.weight_bytes(s.params.layer, cand.weight_bits)
-    streamed = n_host + n_disk if not ctx.on_cpu else n_disk
     kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
     rows = cand.micro_batch * workload.prompt_len  # the prefill micro-batch sets the activation peak
     # live in a layer: input, q/k/v, attention output, gate and up (and their product), all in compute dtype,
@@ -299,9 +305,9 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     activations += cand.batch * workload.prompt_len * s.hidden_size * ctx.dtype_bytes
     activations += cand.batch * s.vocab_size * 4
     device = (s.params.embed + s.params.head) * ctx.dtype_bytes + n_dev * w + activations
-    if streamed:
-        device += ctx.ring_slots * w
-    host = (n_host * w if n_host else 0) + (ctx.ring_slots * w if n_disk and not ctx.on_cpu else 0)
+    if ctx.ring_layers(cand.policy):
+        device += ring * w
+    host = (n_host * w if n_host else 0) + (ring * w if n_disk and not ctx.on_cpu else 0)
     if cand.kv_tier == "device":
         device += kv
     else:
@@ -324,13 +330,15 @@ def predict(
     *,
     dtype: str | None = None,
     budgets: Budgets = Budgets(),
-    ring_slots: int = 3,
     block_size: int = 16,
 ) -> Prediction:
-    """Time and memory of `cand` on `hw` for `workload`."""
-    ctx = make_context(shape, hw, dtype, ring_slots, block_size)
-    if sum(cand.layers) != shape.num_layers:
-        raise ValueError(f"candidate places {sum(cand.layers)} layers, the model has {shape.num_layers}")
+    """Time and memory of `cand` on `hw` for `workload`, its streamed layers passing through its policy's ring."""
+    ctx = make_context(shape, hw, dtype, block_size)
+    placed, ring = len(cand.policy.layer_tiers), cand.policy.ring_slots
+    if placed != shape.num_layers:
+        raise ValueError(f"candidate places {placed} layers, the model has {shape.num_layers}")
+    if ctx.ring_layers(cand.policy) and ring < 2:
+        raise ValueError(f"candidate streams layers through the device ring: it needs at least 2 slots, got {ring}")
     prefill = _step(ctx, cand, workload.prompt_len, True, workload.prompt_len)
     resources = {k: v for k, v in prefill.items() if k != "wall"}
     decode_wall = 0.0
@@ -355,13 +363,13 @@ def predict(
     )
 
 
-def make_context(shape: ModelSpec, hw: HardwareProfile, dtype: str | None, ring: int, block: int) -> Context:
+def make_context(shape: ModelSpec, hw: HardwareProfile, dtype: str | None, block: int) -> Context:
     """What every prediction for this model on this machine shares; fails early, in one line, on a bad dtype."""
     dtype = dtype or shape.dtype
     if dtype not in DTYPE_BYTES:
         raise OffloadError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     matmul_rate(hw.device, dtype, 1)  # fails early, naming the dtype, when the device has no such GEMM
-    return Context(shape, hw, dtype, DTYPE_BYTES[dtype], ring, block)
+    return Context(shape, hw, dtype, DTYPE_BYTES[dtype], block)
 
 
 def capacity(hw: HardwareProfile, budgets: Budgets) -> dict[str, int]:

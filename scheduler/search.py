@@ -7,14 +7,17 @@ Plain numbers in, plain numbers out, like the cost model it drives.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
+from offload.common.config import Policy
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
 from scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity, make_context, predict, tier_memory
 
 KV_TIERS = ("device", "host")
 WHOLE_MACHINE = Budgets()  # no budget: every tier as big as the hardware profile says (frozen, safe to share)
+RING_SLOTS = 3  # device buffers streamed layers pass through, where the caller does not say
 
 
 def place_layers(
@@ -29,34 +32,41 @@ def place_layers(
     *,
     dtype: str | None = None,
     budgets: Budgets = WHOLE_MACHINE,
-    ring_slots: int = 3,
+    ring_slots: int = RING_SLOTS,
     block_size: int = 16,
 ) -> Candidate:
     """The candidate with as many layers on the device as fit beside the KV cache and activations, then as
-    many in host RAM, the rest streamed from disk (every layer costs the same, so this order is optimal)."""
-    ctx = make_context(shape, hw, dtype, ring_slots, block_size)
+    many in host RAM, the rest streamed from disk (every layer costs the same, so this order is optimal).
+    Its policy's ring is `ring_slots` when some layer passes through the device ring, else 0."""
+    ctx = make_context(shape, hw, dtype, block_size)
     n = shape.num_layers
     cap = capacity(ctx.hw, budgets)
     w = ctx.weight_bytes(shape.params.layer, weight_bits)
-    bare = Candidate(batch, micro_batches, (0, 0, n), kv_tier, weight_bits, kv_bits)
-    fixed = tier_memory(ctx, Candidate(batch, micro_batches, (0, 0, 0), kv_tier, weight_bits, kv_bits), workload)
+
+    def candidate(policy: Policy) -> Candidate:
+        return Candidate(batch, micro_batches, policy, kv_tier, weight_bits, kv_bits)
+
+    def fill(device_room: float, host_room: float) -> Policy:
+        # in whole layers of w bytes: floor division is exact where subtracting float bytes layer by layer is not
+        return Policy.fill([1] * n, int(device_room // w), int(host_room // w), ring_slots)
+
+    fixed = tier_memory(ctx, candidate(Policy(())), workload)
     device_room = cap["device"] - fixed["device"]
     host_room = cap["host"] - fixed["host"]
     if n * w <= device_room:
-        return Candidate(batch, micro_batches, (n, 0, 0), kv_tier, weight_bits, kv_bits)
+        return candidate(Policy.from_counts(n, 0, 0))
     # on a CPU machine host layers are read in place; on CUDA they pass through the device ring like disk layers
-    n_dev = max(0, min(n, int(device_room // w)))
-    n_host = max(0, min(n - n_dev, int(host_room // w)))
-    if ctx.on_cpu and n_dev + n_host == n:
-        return Candidate(batch, micro_batches, (n_dev, n_host, 0), kv_tier, weight_bits, kv_bits)
+    if ctx.on_cpu:
+        policy = fill(device_room, host_room)
+        if "nvme" not in policy.layer_tiers:
+            return candidate(policy)
     device_room -= ring_slots * w  # something passes through the ring of device slots
     if device_room < 0:
-        return bare  # does not fit: `predict` reports by how much
-    n_dev = min(n, int(device_room // w))
-    n_host = max(0, min(n - n_dev, int(host_room // w)))
-    if n_dev + n_host < n and not ctx.on_cpu:  # disk reads land in pinned staging buffers on the way
-        n_host = max(0, min(n - n_dev, int((host_room - ring_slots * w) // w)))
-    return Candidate(batch, micro_batches, (n_dev, n_host, n - n_dev - n_host), kv_tier, weight_bits, kv_bits)
+        return candidate(Policy.from_counts(0, 0, n, ring_slots))  # does not fit: `predict` reports by how much
+    policy = fill(device_room, host_room)
+    if "nvme" in policy.layer_tiers and not ctx.on_cpu:  # disk reads land in pinned staging buffers on the way
+        policy = fill(device_room, host_room - ring_slots * w)
+    return candidate(Policy(policy.layer_tiers, ring_slots))
 
 
 def search(
@@ -70,19 +80,20 @@ def search(
     micro_batches: Iterable[int] = (1, 2, 4, 8, 16, 32),
     kv_tiers: Iterable[str] = KV_TIERS,
     quantized: bool = False,
-    ring_slots: int = 3,
+    ring_slots: int = RING_SLOTS,
     block_size: int = 16,
 ) -> list[Prediction]:
     """Every candidate's prediction, best first: those that fit by throughput, then the rest by overflow.
 
     quantized: also 8- and 4-bit weights and KV cache, besides the compute dtype's own width.
     """
-    full = 8 * make_context(shape, hw, dtype, ring_slots, block_size).dtype_bytes
+    full = 8 * make_context(shape, hw, dtype, block_size).dtype_bytes
     weight_bits = kv_bits = (full, 8, 4) if quantized else (full,)
     if batches is None:
         top = workload.requests or 4096
         batches = sorted({1 << i for i in range(13) if 1 << i <= top} | ({top} if workload.requests else set()))
-    kw = dict(dtype=dtype, budgets=budgets, ring_slots=ring_slots, block_size=block_size)
+    kw = dict(dtype=dtype, budgets=budgets, block_size=block_size)
+    place = functools.partial(place_layers, shape, hw, workload, ring_slots=ring_slots, **kw)
     out = []
     for batch in batches:
         for mb in micro_batches:
@@ -93,8 +104,8 @@ def search(
                     continue  # host RAM is the device's own memory: no different from "device"
                 for wb in weight_bits:
                     for kb in kv_bits:
-                        cand = place_layers(shape, hw, workload, batch, mb, kv_tier, wb, kb, **kw)
-                        out.append(predict(shape, hw, workload, cand, **kw))
+                        cand = place(batch, mb, kv_tier, wb, kb)
+                        out.append(predict(shape, hw, workload, cand, **kw))  # the ring is the candidate's
     return rank(out)
 
 

@@ -27,9 +27,9 @@ def place_by_bytes(
     n = len(layer_bytes)
     if device_free is None or sum(layer_bytes) <= device_free:
         return Policy(("device",) * n)
-    tiers = _fill(layer_bytes, device_free, host_free)
-    if "nvme" not in tiers:  # device and host RAM hold everything: nothing streams, no ring needed
-        return Policy(tiers)
+    policy = Policy.fill(layer_bytes, device_free, host_free, ring_slots)
+    if not policy.ring_slots:  # device and host RAM hold everything: nothing streams, no ring needed
+        return policy
     room = device_free - ring_slots * slot_bytes
     if room < 0:
         raise OffloadError(
@@ -37,23 +37,7 @@ def place_by_bytes(
             f"is left, and streaming needs {ring_slots} layer buffers of {format_size(slot_bytes)} "
             f"({format_size(ring_slots * slot_bytes)})"
         )
-    tiers = _fill(layer_bytes, room, host_free)
-    return Policy(tiers, ring_slots=ring_slots if "nvme" in tiers else 0)
-
-
-def _fill(layer_bytes: list[int], device_room: int, host_room: int) -> tuple[str, ...]:
-    """Layers in order: on the device while it has room, then in host RAM, then streamed from NVMe."""
-    tiers = []
-    for nbytes in layer_bytes:
-        if nbytes <= device_room:
-            tiers.append("device")
-            device_room -= nbytes
-        elif nbytes <= host_room:
-            tiers.append("host")
-            host_room -= nbytes
-        else:
-            tiers.append("nvme")
-    return tuple(tiers)
+    return Policy.fill(layer_bytes, room, host_free, ring_slots)
 
 
 def group_cost(layout: GroupLayout, dtype: torch.dtype, tier: DeviceTier, staged: bool | None = None) -> int:

@@ -144,7 +144,7 @@ def run_ours(peers: ModuleType, model_dir: Path, args: argparse.Namespace) -> di
         "tokens_per_second": stats.generated_tokens / wall,
         "predicted_tokens_per_second": prediction.tokens_per_second,
         "predicted_bound": prediction.bound,
-        "layers": list(prediction.candidate.layers),
+        "layers": list(prediction.candidate.policy.counts),
         "device_peak_bytes": placement.device_peak,
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(),
         "bytes_read": stats.bytes_read,

@@ -5,6 +5,7 @@ The model's own shape is offload/common/model_config.py's ModelSpec."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from offload.common.dtypes import DTYPES
@@ -26,6 +27,32 @@ class Policy:
             raise OffloadError(f"policy: tier {bad[0]!r} is not one of {', '.join(TIERS)}")
         if "nvme" in self.layer_tiers and self.ring_slots < 2:
             raise OffloadError(f"policy: streamed layers need at least 2 ring slots, got {self.ring_slots}")
+
+    @classmethod
+    def from_counts(cls, device: int, host: int, nvme: int, ring_slots: int = 0) -> Policy:
+        """`device` resident layers, then `host` in host RAM, then `nvme` streamed: the order `fill` places them."""
+        return cls(("device",) * device + ("host",) * host + ("nvme",) * nvme, ring_slots)
+
+    @classmethod
+    def fill(cls, layer_bytes: Sequence[float], device_room: float, host_room: float, ring_slots: int) -> Policy:
+        """Layers in order: on the device while it has room, then in host RAM, then streamed from NVMe through a
+        ring of `ring_slots` device buffers (0 when nothing streams). Rooms and layer_bytes in the same unit."""
+        tiers = []
+        for nbytes in layer_bytes:
+            if nbytes <= device_room:
+                tiers.append("device")
+                device_room -= nbytes
+            elif nbytes <= host_room:
+                tiers.append("host")
+                host_room -= nbytes
+            else:
+                tiers.append("nvme")
+        return cls(tuple(tiers), ring_slots if "nvme" in tiers else 0)
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        """Layers per tier: (device, host, nvme)."""
+        return self.layer_tiers.count("device"), self.layer_tiers.count("host"), self.layer_tiers.count("nvme")
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,7 +87,7 @@ def autoconfigure(
 
 def describe(prediction: Prediction) -> str:
     c = prediction.candidate
-    dev, host, disk = c.layers
+    dev, host, disk = c.policy.counts
     return (
         f"batch {c.batch} in {c.micro_batches} micro-batch{'es' if c.micro_batches > 1 else ''}, "
         f"layers {dev} resident / {host} host / {disk} streamed: "

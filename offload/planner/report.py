@@ -17,7 +17,7 @@ from dataclasses import asdict
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
-from scheduler.cost import Budgets, Prediction, Workload, capacity
+from scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity
 from scheduler.search import best, search
 
 GB = 1e9
@@ -111,7 +111,7 @@ def _gb(nbytes: float) -> str:
 
 def _policy(p: Prediction) -> str:
     c = p.candidate
-    dev, host, disk = c.layers
+    dev, host, disk = c.policy.counts
     bits = "" if c.weight_bits == c.kv_bits >= 16 else f" w{c.weight_bits}/kv{c.kv_bits}"
     return f"{c.batch:>5} {c.micro_batches:>3}  {dev:>4}/{host:>4}/{disk:<4} {c.kv_tier:<6}{bits}"
 
@@ -223,7 +223,7 @@ def report_json(
 
     def row(p: Prediction) -> dict:
         return {
-            "policy": asdict(p.candidate),
+            "policy": _candidate_json(p.candidate),
             "tokens_per_second": p.tokens_per_second,
             "ttft_seconds": p.ttft_seconds,
             "prefill_seconds": p.prefill_seconds,
@@ -246,6 +246,18 @@ def report_json(
         "workload": asdict(workload),
         "best": [row(p) for p in predictions if p.fits][:top],
         "per_batch": [row(p) for _, p in sorted(per_batch.items())],
+    }
+
+
+def _candidate_json(c: Candidate) -> dict:
+    """The candidate with its placement as layer counts on device / host / disk, as the report prints it."""
+    return {
+        "batch": c.batch,
+        "micro_batches": c.micro_batches,
+        "layers": list(c.policy.counts),
+        "kv_tier": c.kv_tier,
+        "weight_bits": c.weight_bits,
+        "kv_bits": c.kv_bits,
     }
 
 

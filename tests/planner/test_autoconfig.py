@@ -39,6 +39,7 @@ def test_planned_config_fits_the_budget_and_runs(model_dir):
     assert config.max_step_tokens >= cand.batch * 10  # every prompt of the batch in one pass
     llm = LLM(model_dir, config)
     assert llm.device_tier.capacity == budget
+    assert llm.policy == cand.policy  # the engine runs the placement the cost model priced, ring included
     out = llm.generate_ids([[5 + i] * 10 for i in range(12)], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert all(len(c.token_ids) == 6 for c in out)
     assert llm.stats.preemptions == 0  # the KV cache holds the whole batch

@@ -10,7 +10,7 @@ from offload.cli import main
 from offload.planner.models import load_model_spec
 from offload.planner.profiles import load_profile
 from scheduler.cost import Budgets, Workload
-from scheduler.search import best, search
+from scheduler.search import RING_SLOTS, best, search
 
 FLEXGEN_OPT175B_T4 = 0.69  # tokens/s FlexGen published for OPT-175B on a T4, 208 GB DRAM, SSD; prompt 512, gen 32
 
@@ -28,7 +28,8 @@ def test_opt175b_on_a_t4_is_within_2x_of_flexgen():
     assert top is not None and top.fits
     assert FLEXGEN_OPT175B_T4 / 2 <= top.tokens_per_second <= FLEXGEN_OPT175B_T4 * 2
     # 349 GB of fp16 weights cannot sit in 16 + 208 GB: the best policy streams layers from disk and is bound by it
-    assert top.candidate.layers[2] > 0 and top.bound == "disk"
+    assert top.candidate.policy.counts[2] > 0 and top.candidate.policy.ring_slots == RING_SLOTS
+    assert top.bound == "disk"
     assert top.memory["device"] <= 16 * 10**9 and top.memory["host"] <= 208 * 10**9
 
 
@@ -53,6 +54,7 @@ def test_plan_json_agrees_with_the_search(capsys):
     assert len(data["best"]) == 3
     assert data["best"][0]["tokens_per_second"] == pytest.approx(top.tokens_per_second)
     assert data["best"][0]["policy"]["batch"] == top.candidate.batch
+    assert data["best"][0]["policy"]["layers"] == list(top.candidate.policy.counts)  # device, host, disk
     assert all(row["fits"] for row in data["best"])
     assert {s["dtype"] for s in data["sizes"]} >= {"float16", "bfloat16", "int8", "int4"}
 

@@ -8,15 +8,21 @@ import random
 import pytest
 
 from conftest import toy_spec
+from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
 from scheduler.cost import LAYER_OVERHEAD, SEQ_OVERHEAD, Budgets, Candidate, Workload, matmul_rate, predict
-from scheduler.search import best, place_layers, search
+from scheduler.search import RING_SLOTS, best, place_layers, search
 
 MB = 10**6
 
 # 4 layers of 1e6 parameters (2 MB in bf16); heads 4 x 16, 2 KV heads: 256 bytes of KV per token and layer
 SHAPE = toy_spec(layer=1_000_000, embed=64_000, head=64_064, name="toy")
+
+
+def candidate(batch: int, micro_batches: int, layers: tuple[int, int, int], ring_slots: int = RING_SLOTS) -> Candidate:
+    """`layers`: (device, host, nvme) counts; a ring only where layers stream from disk (as on a CPU machine)."""
+    return Candidate(batch, micro_batches, Policy.from_counts(*layers, ring_slots=ring_slots if layers[2] else 0))
 
 
 def unit(memory: int, bandwidth: float, flops: float, curve=()) -> ComputeUnit:
@@ -56,7 +62,7 @@ def test_matmul_rate_interpolates_the_curve_in_log_rows():
 
 def test_disk_bound_decode_step_costs_the_reads():
     hw = cpu_machine(disk_read=1e9, flops=1e15)  # compute is nearly free: the disk sets the pace
-    cand = Candidate(batch=1, micro_batches=1, layers=(0, 0, 4))
+    cand = candidate(1, 1, (0, 0, 4))
     p = predict(SHAPE, hw, Workload(prompt_len=8, gen_len=3), cand)
     per_layer_read = 2e6 / 1e9  # 2 MB of bf16 weights at 1 GB/s
     # each decode step reads the four layers; compute per layer is far smaller, so the layer costs its read
@@ -69,7 +75,7 @@ def test_disk_bound_decode_step_costs_the_reads():
 
 def test_compute_bound_prefill_is_the_roofline_of_its_gemms_and_attention():
     hw = cpu_machine(flops=1e11)
-    cand = Candidate(batch=2, micro_batches=1, layers=(4, 0, 0))
+    cand = candidate(2, 1, (4, 0, 0))
     p = predict(SHAPE, hw, Workload(prompt_len=100, gen_len=1), cand)
     rows = 2 * 100
     gemm = max(2 * 1e6 * rows / 1e11, 2e6 / 1e10)
@@ -95,7 +101,7 @@ def test_measured_curves_price_the_rest_of_a_layer():
         decode_attention_curve={"bfloat16": ((10, 1e8), (1000, 2e9))},
     )
     hw = dataclasses.replace(plain, device=measured, host=measured)
-    cand = Candidate(batch=2, micro_batches=1, layers=(4, 0, 0))
+    cand = candidate(2, 1, (4, 0, 0))
     p = predict(SHAPE, hw, Workload(prompt_len=100, gen_len=2), cand)
     q = predict(SHAPE, plain, Workload(prompt_len=100, gen_len=2), cand)
     rows, per_token = 200, 3584 + 960 + 128 + 768 + 51_440  # the elementwise bytes of the test above
@@ -129,13 +135,13 @@ def test_resident_layers_and_the_head_use_the_packed_gemm_rate_on_a_cpu():
     # the LM head for 64 sequences: compute-bound both ways (128 kB of weights take 12.8 us at 1e10 B/s)
     head_saved = 2 * 64_000 * 64 * (1 / 1e11 - 1 / 4e11)
     # all resident: every GEMM at 4e11 instead of 1e11 FLOP/s (the prefill here is compute-bound)
-    resident = Candidate(batch=64, micro_batches=1, layers=(4, 0, 0))
+    resident = candidate(64, 1, (4, 0, 0))
     p, q = predict(SHAPE, packed, work, resident), predict(SHAPE, plain, work, resident)
     assert q.prefill_seconds - p.prefill_seconds == pytest.approx(
         4 * 2 * 1e6 * 6400 * (1 / 1e11 - 1 / 4e11) + head_saved
     )
     # streamed layers stay dense: only the head gains
-    streamed = Candidate(batch=64, micro_batches=1, layers=(0, 0, 4))
+    streamed = candidate(64, 1, (0, 0, 4))
     p, q = predict(SHAPE, packed, work, streamed), predict(SHAPE, plain, work, streamed)
     assert q.resources["compute"] - p.resources["compute"] == pytest.approx(head_saved)
     assert matmul_rate(unit, "bfloat16", 8, packed=True) == 4e11 and matmul_rate(unit, "bfloat16", 8) == 1e11
@@ -146,7 +152,7 @@ def test_a_measured_layer_floor_binds_small_layers_only():
 
     plain = cpu_machine(flops=1e11)
     work = Workload(prompt_len=100, gen_len=2)
-    cand = Candidate(batch=1, micro_batches=1, layers=(4, 0, 0))
+    cand = candidate(1, 1, (4, 0, 0))
     base = predict(SHAPE, plain, work, cand)
 
     def with_floor(seconds):
@@ -166,19 +172,19 @@ def test_a_decode_step_fills_micro_batches_of_the_prefill_token_budget():
     # 8 prompts of 64 tokens in 4 micro-batches: a budget of 128 tokens, which one decode step of 8 tokens fits
     hw = cpu_machine(flops=1e11)
     work = Workload(prompt_len=64, gen_len=4)
-    split = predict(SHAPE, hw, work, Candidate(8, 4, (4, 0, 0)))
-    whole = predict(SHAPE, hw, work, Candidate(8, 1, (4, 0, 0)))
+    split = predict(SHAPE, hw, work, candidate(8, 4, (4, 0, 0)))
+    whole = predict(SHAPE, hw, work, candidate(8, 1, (4, 0, 0)))
     assert split.decode_seconds == whole.decode_seconds
     assert split.prefill_seconds > whole.prefill_seconds  # 4 x LAYER_OVERHEAD, smaller GEMMs: never cheaper
-    assert Candidate(8, 4, (4, 0, 0)).decode_micro_batches(64) == 1
-    assert Candidate(8, 8, (4, 0, 0)).decode_micro_batches(1) == 8  # a budget of one token: one per micro-batch
-    assert Candidate(10, 4, (4, 0, 0)).decode_micro_batches(2) == 2  # a budget of 5 tokens: 10 tokens need 2
+    assert candidate(8, 4, (4, 0, 0)).decode_micro_batches(64) == 1
+    assert candidate(8, 8, (4, 0, 0)).decode_micro_batches(1) == 8  # a budget of one token: one per micro-batch
+    assert candidate(10, 4, (4, 0, 0)).decode_micro_batches(2) == 2  # a budget of 5 tokens: 10 tokens need 2
 
 
 def test_throughput_rises_with_batch_while_disk_bound_then_flattens():
     hw = cpu_machine(disk_read=1e9, flops=1e10)
     work = Workload(prompt_len=16, gen_len=8)
-    preds = [predict(SHAPE, hw, work, Candidate(b, 1, (0, 0, 4))) for b in (1, 2, 4, 8, 64, 512, 2048)]
+    preds = [predict(SHAPE, hw, work, candidate(b, 1, (0, 0, 4))) for b in (1, 2, 4, 8, 64, 512, 2048)]
     rates = [p.tokens_per_second for p in preds]
     assert rates == sorted(rates)
     # a decode step of 1 or 2 sequences costs its reads alone: twice the tokens for the same time
@@ -191,31 +197,35 @@ def test_place_layers_fills_device_then_host_then_disk():
     hw = cpu_machine(ram=10_000 * MB)
     work = Workload(prompt_len=8, gen_len=8)
     ring = dict(ring_slots=2)
-    fixed = predict(SHAPE, hw, work, Candidate(1, 1, (0, 0, 4)), **ring).memory["device"] - 2 * 2_000_000
+    fixed = predict(SHAPE, hw, work, candidate(1, 1, (0, 0, 4), **ring)).memory["device"] - 2 * 2_000_000
     budget = fixed + 3 * 2_000_000  # three layers' worth beside the embedding, head, KV cache and activations
     # with one layer's room in host RAM, nothing streams: no ring, three resident, one in host RAM
-    assert place_layers(SHAPE, hw, work, 1, 1, budgets=Budgets(budget, 2_000_000), **ring).layers == (3, 1, 0)
+    host_one = place_layers(SHAPE, hw, work, 1, 1, budgets=Budgets(budget, 2_000_000), **ring).policy
+    assert host_one == Policy(("device", "device", "device", "host"))
     # with none, layers stream through a ring of two slots, which leaves room for one resident layer
     cand = place_layers(SHAPE, hw, work, 1, 1, budgets=Budgets(budget, 0), **ring)
-    assert cand.layers == (1, 0, 3)
-    p = predict(SHAPE, hw, work, cand, budgets=Budgets(budget, 0), **ring)
+    assert cand.policy == Policy.from_counts(1, 0, 3, ring_slots=2)
+    p = predict(SHAPE, hw, work, cand, budgets=Budgets(budget, 0))
     assert p.fits and p.memory["device"] == budget and p.memory["host"] == 0
     everything = place_layers(SHAPE, hw, work, 1, 1, budgets=Budgets(device=fixed + 4 * 2_000_000), **ring)
-    assert everything.layers == (4, 0, 0)  # all layers fit: no ring is needed
+    assert everything.policy == Policy(("device",) * 4)  # all layers fit: no ring is needed
     # on CUDA host layers pass through the device ring too; disk reads also need two pinned staging slots, so
     # host RAM for two layers holds either two layers (then one still streams, with no room to stage) or staging
     gpu = gpu_machine(device_memory=10_000 * MB, host_memory=4 * 2_000_000)
-    assert place_layers(SHAPE, gpu, work, 1, 1, budgets=Budgets(budget), **ring).layers == (1, 3, 0)
+    host_three = place_layers(SHAPE, gpu, work, 1, 1, budgets=Budgets(budget), **ring).policy
+    assert host_three == Policy.from_counts(1, 3, 0, ring_slots=2)
     two = Budgets(budget, 2 * 2_000_000)
-    assert place_layers(SHAPE, gpu, work, 1, 1, budgets=two, **ring).layers == (1, 0, 3)
+    assert place_layers(SHAPE, gpu, work, 1, 1, budgets=two, **ring).policy == Policy.from_counts(1, 0, 3, ring_slots=2)
+    with pytest.raises(ValueError, match="at least 2 slots, got 0"):  # host layers on CUDA need the ring too
+        predict(SHAPE, gpu, work, Candidate(1, 1, Policy.from_counts(1, 3, 0)))
 
 
 def test_overflow_says_by_how_much_a_kv_cache_is_too_big():
     hw = cpu_machine()
     work = Workload(prompt_len=1000, gen_len=24)  # 1024 tokens: 64 blocks of 16
-    small = predict(SHAPE, hw, work, Candidate(1, 1, (0, 0, 4)))
+    small = predict(SHAPE, hw, work, candidate(1, 1, (0, 0, 4)))
     budget = small.memory["device"]
-    big = predict(SHAPE, hw, work, Candidate(2, 1, (0, 0, 4)), budgets=Budgets(device=budget))
+    big = predict(SHAPE, hw, work, candidate(2, 1, (0, 0, 4)), budgets=Budgets(device=budget))
     kv_per_seq = 1024 * 4 * 256 * 2  # tokens x layers x (K+V of 2 heads x 16 dims) x bf16
     activation_delta = big.memory["device"] - budget - kv_per_seq
     assert not big.fits
@@ -259,7 +269,7 @@ def test_cpu_machine_shares_one_ram_between_device_arena_and_host_tier():
 
 def test_requests_make_rounds():
     hw = cpu_machine()
-    p = predict(SHAPE, hw, Workload(16, 4, requests=10), Candidate(4, 1, (4, 0, 0)))
+    p = predict(SHAPE, hw, Workload(16, 4, requests=10), candidate(4, 1, (4, 0, 0)))
     assert p.rounds == 3 and p.generated_tokens == 40
     assert p.total_seconds == pytest.approx(3 * (p.prefill_seconds + p.decode_seconds))
     assert math.isclose(p.tokens_per_second, 40 / p.total_seconds)

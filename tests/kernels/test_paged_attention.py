@@ -1,4 +1,5 @@
-"""paged_attention_ref against dense attention over contiguous K/V, and the launcher's input checks."""
+"""paged_attention (the dispatcher) and paged_attention_ref against dense attention computed independently over
+contiguous K/V, and the launcher's input checks."""
 
 from __future__ import annotations
 
@@ -161,12 +162,13 @@ def test_sequences_are_independent() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_equals_ref_on_cpu(window: int | None, dtype: torch.dtype) -> None:
-    case = make_case(SEQS, 16, 4, 2, 24, dtype)
+def test_dispatcher_matches_dense(window: int | None, dtype: torch.dtype) -> None:
+    """What the engine calls, whichever implementation the dispatcher picks here, against attention computed
+    independently on contiguous K/V."""
+    case = make_case(SEQS, 16, 4, 2, 24, dtype, seed=2)
     out = paged_attention(case.q, case.k_cache, case.v_cache, case.batch, 0.2, window)
-    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.batch, 0.2, window)
-    assert out.dtype == dtype
-    assert torch.equal(out, ref)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), dense_attention(case, 0.2, window), atol=ATOL[dtype], rtol=RTOL[dtype])
 
 
 # --- launcher checks ---------------------------------------------------------------------------

@@ -59,9 +59,12 @@ class RunStats:
     bytes_read: int  # weight bytes read from storage during the run
     read_seconds: float  # wall time with at least one weight read in flight
     stall_seconds: float  # time the engine waited for weight reads
+    # the whole generate call, start to return: scheduling, steps, sampling, stop checks (what a caller waits)
+    wall_seconds: float
 
     @property
-    def wall_seconds(self) -> float:
+    def step_seconds(self) -> float:
+        """Time inside steps (the engine's pass and sampling); wall_seconds minus this is the loop around them."""
         return self.prefill_seconds + self.decode_seconds
 
     @property
@@ -80,8 +83,8 @@ class RunStats:
 
     @property
     def tokens_per_second(self) -> float:
-        """Generated tokens over the whole run (prefill included)."""
-        return self.generated_tokens / max(self.prefill_seconds + self.decode_seconds, 1e-9)
+        """Generated tokens over the whole call's wall time (prefill included)."""
+        return self.generated_tokens / max(self.wall_seconds, 1e-9)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -280,6 +283,7 @@ class LLM:
     ) -> list[Completion]:
         """Generate for already-tokenized prompts; one Completion per prompt, in order. `params` is one for all
         prompts or one per prompt (each its own length, temperature, seed, stop strings)."""
+        called = time.perf_counter()
         per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_ids)
         if len(per_prompt) != len(prompt_ids):
             raise OffloadError(f"{len(per_prompt)} sampling params for {len(prompt_ids)} prompts")
@@ -308,6 +312,8 @@ class LLM:
             peak = max(peak, self.tables.num_used)
             batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)))
             self._check_stop_strings([seqs[i] for i in out.seq_ids], batcher)
+        prompts = prompts or [None] * len(seqs)
+        completions = [self._completion(s, p) for s, p in zip(seqs, prompts, strict=True)]
         self.stats = RunStats(
             requests=len(seqs),
             prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
@@ -321,9 +327,9 @@ class LLM:
             bytes_read=self.weights.stats.bytes_read - io_before.bytes_read,
             read_seconds=self.weights.stats.read_seconds - io_before.read_seconds,
             stall_seconds=self.weights.stats.stall_seconds - io_before.stall_seconds,
+            wall_seconds=time.perf_counter() - called,
         )
-        prompts = prompts or [None] * len(seqs)
-        return [self._completion(s, p) for s, p in zip(seqs, prompts, strict=True)]
+        return completions
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
         return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)

@@ -179,7 +179,8 @@ def _summary(llm, completions) -> str:
     lines = [
         f"model      {llm.model_dir}",
         f"requests   {s.requests}: {s.prompt_tokens} prompt tokens, {s.generated_tokens} generated ({reasons})",
-        f"time       prefill {s.prefill_seconds:.3f} s, decode {s.decode_seconds:.3f} s in {s.steps} steps"
+        f"time       {s.wall_seconds:.3f} s wall: prefill {s.prefill_seconds:.3f} s, decode {s.decode_seconds:.3f} s "
+        f"in {s.steps} steps"
         + (f", {s.preemptions} preemptions" if s.preemptions else ""),
         f"speed      {s.tokens_per_second:.1f} tokens/s overall, {s.decode_tokens_per_second:.1f} tokens/s decoding",
         f"weights    {pl.dtype}: {format_size(pl.weight_bytes)} resident on {pl.device}, "

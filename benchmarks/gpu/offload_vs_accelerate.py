@@ -52,8 +52,10 @@ def sibling(name: str) -> ModuleType:
 
 def siblings() -> tuple[ModuleType, ModuleType]:
     """benchmarks/bench_common.py (machine facts, generation, the report) and benchmarks/offload_vs_peers.py
-    (page-cache helpers, the prompts), in that order: the second imports the first."""
-    return sibling("bench_common"), sibling("offload_vs_peers")
+    (page-cache helpers, the prompts), loaded in import order: offload_vs_peers imports peer_engines, which
+    imports bench_common."""
+    common, _ = sibling("bench_common"), sibling("peer_engines")
+    return common, sibling("offload_vs_peers")
 
 
 def layer_params() -> int:

@@ -51,9 +51,14 @@ class HardwareProfile:
     host: ComputeUnit
     host_to_device: float  # bytes/s over the link; 0 when the device is the host (no copy is made)
     device_to_host: float  # bytes/s; 0 when the device is the host
-    disk_read: float  # bytes/s, O_DIRECT sequential reads of large extents
+    # bytes/s, O_DIRECT sequential reads of large extents (measured: through the fastest backend, the one
+    # io_backend="auto" then takes)
+    disk_read: float
     disk_write: float  # bytes/s
     source: str  # where the numbers come from: a spec sheet and its derating, or the probe's run
+    # read backend ("pread", "aio") -> bytes/s, cold reads of the same file through each, as `offload probe`
+    # measured them; empty for published profiles and older probes (io_backend="auto" then uses its default rule)
+    disk_read_by_backend: dict[str, float] = field(default_factory=dict)
 
 
 # the optional measured curves: JSON field -> (the x of a point, the unit of its rate, that unit in base units)

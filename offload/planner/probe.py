@@ -1,8 +1,9 @@
 """`offload probe`: measure this machine into a HardwareProfile, through the engine's own I/O and compute paths
 (the compute rates are offload.planner.rates).
 
-- disk: a test file written with O_DIRECT and fsync, dropped from the page cache, then read back with the
-  pread backend (tiers.io) in large extents, several in flight, into aligned buffers; the file is always removed.
+- disk: a test file written with O_DIRECT and fsync, dropped from the page cache, then read back cold through each
+  backend (tiers.io: the pread pool, and aio where its op is built, which the probe never waits to do) in
+  large extents, several in flight, into aligned buffers; io_backend="auto" takes the faster; the file is removed.
 - memory bandwidth: a large tensor copy, counted as bytes read + bytes written per second.
 - matmul: [rows, k] x [k, n] through kernels.linear per dtype, the median of a few runs after a warm-up; every row
   count goes into matmul_curve, the largest one's rate is matmul_flops.
@@ -19,25 +20,22 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from offload.common.errors import OffloadError
 from offload.common.hardware import CURVES, ComputeUnit, HardwareProfile
+from offload.common.paths import cache_dir
 from offload.common.sizes import format_size, parse_size
-from offload.planner.profiles import format_profile, save_profile
+from offload.planner.disk import measure_disk
+from offload.planner.profiles import format_profile, load_profile, local_profile_path, save_profile
 from offload.planner.rates import (
     MIN_REPEATS,
     layer_shape,
@@ -48,12 +46,10 @@ from offload.planner.rates import (
     measure_links,
     measure_matmul,
 )
-from tiers.io.backends import make_backend
-from tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache
+from tiers.io.base import ALIGN
 
 MiB = 1 << 20
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
-DISK_HEADROOM = 64 * MiB  # bytes the disk test leaves free beyond its own file
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +106,6 @@ class ProbeSizes:
         )
 
 
-class DiskSpeed(NamedTuple):
-    read: float  # bytes/s, cold sequential reads of `extent_bytes` through the pread backend
-    write: float  # bytes/s, sequential O_DIRECT writes including the final fsync
-    direct: bool  # whether the reads bypassed the page cache (O_DIRECT was accepted)
-
-
 def probe(
     directory: str | Path, sizes: ProbeSizes | None = None, log: Callable[[str], None] | None = None
 ) -> HardwareProfile:
@@ -132,7 +122,8 @@ def probe(
     layer = layer_shape(sizes.k, sizes.head_dim)
     what = [
         f"disk: a {format_size(sizes.disk_bytes)} file in {directory} written with O_DIRECT + fsync, read back cold "
-        f"with the pread backend in {format_size(sizes.extent_bytes)} requests, {sizes.depth} in flight"
+        f"through {' and '.join(disk.by_backend)} in {format_size(sizes.extent_bytes)} requests, "
+        f"{sizes.depth} in flight, the fastest's rate as read_gbps{f' ({disk.missing})' if disk.missing else ''}"
         + ("" if disk.direct else " (buffered: the filesystem refused O_DIRECT; pages evicted first)"),
         f"memory: a {format_size(sizes.copy_bytes)} tensor copy, bytes read + written per second",
         f"matmul: kernels.linear on [rows, {sizes.k}] x [{sizes.k}, {sizes.n}], median of >= {MIN_REPEATS} runs "
@@ -166,42 +157,12 @@ def probe(
         disk_read=disk.read,
         disk_write=disk.write,
         source=f"offload probe {time.strftime('%Y-%m-%d %H:%M %Z')}; " + "; ".join(what),
+        disk_read_by_backend=disk.by_backend,
     )
-
-
-def measure_disk(directory: str | Path, nbytes: int, extent: int = 64 * MiB, depth: int = 4) -> DiskSpeed:
-    """Write, then cold-read, a test file of `nbytes` in `directory`; the file is removed whatever happens."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise OffloadError(f"{directory}: no such directory")
-    nbytes = aligned_span(0, nbytes).length
-    free = shutil.disk_usage(directory).free
-    if free < nbytes + DISK_HEADROOM:
-        raise OffloadError(
-            f"{directory}: {format_size(free)} free, the disk test needs {format_size(nbytes + DISK_HEADROOM)} "
-            "(a smaller --disk-bytes, or another --dir)"
-        )
-    try:
-        fd, name = tempfile.mkstemp(dir=directory, prefix=".offload-probe-", suffix=".bin")
-    except OSError as exc:
-        raise OffloadError(f"{directory}: cannot write the disk test file ({exc.strerror})") from None
-    path = Path(name)
-    try:
-        os.close(fd)
-        write_seconds = _write_test_file(path, nbytes, extent)
-        evict_page_cache(path)
-        read_seconds, direct = _read_test_file(path, nbytes, extent, depth)
-    except OSError as exc:
-        raise OffloadError(f"{directory}: disk test failed ({exc.strerror})") from None
-    finally:
-        path.unlink(missing_ok=True)
-    return DiskSpeed(nbytes / read_seconds, nbytes / write_seconds, direct)
 
 
 def run_probe(out: str | None, directory: str | None, disk_bytes: str | None, quick: bool) -> Path:
     """`offload probe`: measure, print the table, save the profile to `out` (default: the cache); returns the path."""
-    from offload.common.paths import cache_dir
-
     cache = cache_dir()
     if directory is None:
         directory = cache
@@ -251,20 +212,14 @@ def remeasure(
     profile = dataclasses.replace(profile, device=unit, host=unit)
     if disk_dir is not None:
         disk = measure_disk(disk_dir, sizes.disk_bytes, sizes.extent_bytes, sizes.depth)
-        profile = dataclasses.replace(profile, disk_read=disk.read, disk_write=disk.write)
+        profile = dataclasses.replace(
+            profile, disk_read=disk.read, disk_write=disk.write, disk_read_by_backend=disk.by_backend
+        )
     return profile
-
-
-def local_profile_path() -> Path:
-    from offload.common.paths import cache_dir
-
-    return cache_dir() / "hardware" / "local.json"
 
 
 def local_profile() -> HardwareProfile:
     """This machine's profile: the one `offload probe` saved, else a quick probe now (saved for next time)."""
-    from offload.planner.profiles import load_profile
-
     path = local_profile_path()
     if path.exists():
         profile = load_profile(path)
@@ -277,11 +232,8 @@ def local_profile() -> HardwareProfile:
             )
         return profile
     print(f"no hardware profile at {path}: measuring this machine (offload probe --quick) ...", file=sys.stderr)
-    from offload.common.paths import cache_dir
-
-    directory = cache_dir()
     path.parent.mkdir(parents=True, exist_ok=True)
-    profile = probe(directory, ProbeSizes.quick(), log=lambda line: print(line, file=sys.stderr, flush=True))
+    profile = probe(cache_dir(), ProbeSizes.quick(), log=lambda line: print(line, file=sys.stderr, flush=True))
     save_profile(profile, path)
     return load_profile(path)
 
@@ -329,57 +281,6 @@ def _compute_unit(
         decode_attention_curve=decode,
         layer_floor=floor,
     )
-
-
-def _write_test_file(path: Path, nbytes: int, extent: int) -> float:
-    """Fill `path` with `nbytes` of incompressible, page-unique bytes in `extent` writes; seconds incl. fsync."""
-    buf = aligned_buffer(extent)  # [extent] uint8, ALIGN-aligned for O_DIRECT
-    buf.copy_(torch.randint(0, 256, (extent,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
-    # a distinct page number at the head of every page, so no layer below can deduplicate the extents
-    stamps = buf.view(-1, ALIGN)[:, :8].view(torch.int64)  # [extent / ALIGN, 1]
-    pages = torch.arange(stamps.shape[0], dtype=torch.int64).unsqueeze(1)
-    data = memoryview(buf.numpy())
-    fd = _open_for_write(path)
-    try:
-        start = time.perf_counter()
-        for i, offset in enumerate(range(0, nbytes, extent)):
-            length = min(extent, nbytes - offset)
-            stamps.copy_(pages + i * stamps.shape[0])
-            done = 0
-            while done < length:
-                done += os.pwrite(fd, data[done:length], offset + done)
-        os.fsync(fd)
-        return time.perf_counter() - start
-    finally:
-        os.close(fd)
-
-
-def _open_for_write(path: Path) -> int:
-    try:
-        return os.open(path, os.O_WRONLY | O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return os.open(path, os.O_WRONLY)  # this filesystem refuses O_DIRECT: buffered writes, then fsync
-
-
-def _read_test_file(path: Path, nbytes: int, extent: int, depth: int) -> tuple[float, bool]:
-    """Seconds to read `path` with the pread backend, `depth` requests of `extent` in flight; and whether direct."""
-    backend = make_backend("pread")
-    try:
-        bufs = [aligned_buffer(extent, pin=torch.cuda.is_available()) for _ in range(depth)]
-        in_flight: deque = deque()
-        start = time.perf_counter()
-        for i, offset in enumerate(range(0, nbytes, extent)):
-            if len(in_flight) == depth:
-                in_flight.popleft().wait()  # frees bufs[i % depth], the buffer of the oldest request
-            in_flight.append(backend.submit(path, offset, min(extent, nbytes - offset), bufs[i % depth]))
-        while in_flight:
-            in_flight.popleft().wait()
-        seconds = time.perf_counter() - start
-        return seconds, backend.is_direct(path)
-    finally:
-        backend.close()
 
 
 def _total_ram() -> int:

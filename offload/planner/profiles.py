@@ -10,7 +10,8 @@ TFLOP/s so a person can read and edit it:
                 "matmul_curve": {"float16": [[1, 0.2], [8, 1.5], ...]}},     (optional; [rows, TFLOP/s])
      "host": {"memory_gb": 208, "memory_bandwidth_gbps": 72.5, "matmul_tflops": {...}},
      "links": {"host_to_device_gbps": 12, "device_to_host_gbps": 12},
-     "disk": {"read_gbps": 2.0, "write_gbps": 1.0}}
+     "disk": {"read_gbps": 2.0, "write_gbps": 1.0,
+              "read_gbps_by_backend": {"pread": 2.0, "aio": 1.8}}}       (optional; `offload probe`'s, per backend)
 
 GB is 1e9 bytes and TFLOP/s 1e12 FLOP/s. Shipped profiles live in configs/hardware/ and are loaded by name
 (the file's stem, any case); `offload probe` writes one for this machine.
@@ -27,8 +28,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from offload.common.config import READ_BACKENDS
 from offload.common.errors import OffloadError
 from offload.common.hardware import CURVES, DEVICE_KINDS, DTYPES, GB, TFLOP, ComputeUnit, HardwareProfile
+from offload.common.paths import cache_dir
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 
@@ -51,6 +54,17 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     return _read(path)
 
 
+def local_profile_path() -> Path:
+    """Where `offload probe` saves this machine's profile."""
+    return cache_dir() / "hardware" / "local.json"
+
+
+def saved_read_rates() -> dict[str, float]:
+    """Read backend -> bytes/s, as this machine's saved profile holds them; {} without one (nothing is measured)."""
+    path = local_profile_path()
+    return load_profile(path).disk_read_by_backend if path.exists() else {}
+
+
 def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile:
     """A profile from its JSON object (human units); errors name `where` (the file) and the field."""
     top = _fields(data, where, "", ("name", "source", "device", "host", "links", "disk"))
@@ -62,7 +76,7 @@ def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile
     if kind not in DEVICE_KINDS:
         raise OffloadError(f"{where}: device.kind: unknown kind {kind!r} (known: {', '.join(DEVICE_KINDS)})")
     links = _fields(top["links"], where, "links", ("host_to_device_gbps", "device_to_host_gbps"))
-    disk = _fields(top["disk"], where, "disk", ("read_gbps", "write_gbps"))
+    disk = _fields(top["disk"], where, "disk", ("read_gbps", "write_gbps"), ("read_gbps_by_backend",))
     # a cuda device reaches host memory only over the link; a cpu "device" is host RAM itself (links 0)
     link_min = 0.0 if kind == "cpu" else None
     return HardwareProfile(
@@ -75,11 +89,13 @@ def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile
         disk_read=_number(disk, where, "disk", "read_gbps") * GB,
         disk_write=_number(disk, where, "disk", "write_gbps") * GB,
         source=top["source"],
+        disk_read_by_backend=_by_backend(disk, where),
     )
 
 
 def profile_to_json(p: HardwareProfile) -> dict:
     """The JSON object of `p` in human units (GB, GB/s, TFLOP/s), rates to 6 significant digits."""
+    by_backend = p.disk_read_by_backend
     return {
         "name": p.name,
         "source": p.source,
@@ -89,7 +105,11 @@ def profile_to_json(p: HardwareProfile) -> dict:
             "host_to_device_gbps": _human(p.host_to_device / GB),
             "device_to_host_gbps": _human(p.device_to_host / GB),
         },
-        "disk": {"read_gbps": _human(p.disk_read / GB), "write_gbps": _human(p.disk_write / GB)},
+        "disk": {
+            "read_gbps": _human(p.disk_read / GB),
+            "write_gbps": _human(p.disk_write / GB),
+            **({"read_gbps_by_backend": {b: _human(r / GB) for b, r in by_backend.items()}} if by_backend else {}),
+        },
     }
 
 
@@ -171,6 +191,10 @@ def format_profile(p: HardwareProfile) -> str:
         f"links     {links}",
         f"disk      read {_short(p.disk_read / GB)} GB/s, write {_short(p.disk_write / GB)} GB/s",
     ]
+    if by_backend := p.disk_read_by_backend:
+        rates = ", ".join(f"{b} {_short(r / GB)} GB/s" for b, r in by_backend.items())
+        fastest = f" ({max(by_backend, key=by_backend.__getitem__)} fastest)" if len(by_backend) > 1 else ""
+        lines.append(f"          read by backend: {rates}{fastest}")
     units = (("device", p.device),) if p.device == p.host else (("device", p.device), ("host", p.host))
     floors = [(label, d, seconds) for label, u in units for d, seconds in u.layer_floor.items()]
     if floors:
@@ -278,6 +302,19 @@ def _unit(data: dict, where: str, field_path: str) -> ComputeUnit:
         **curves,
         layer_floor=_layer_floor(data, where, field_path),
     )
+
+
+def _by_backend(disk: dict, where: str) -> dict[str, float]:
+    if "read_gbps_by_backend" not in disk:
+        return {}
+    name = "disk.read_gbps_by_backend"
+    rates = disk["read_gbps_by_backend"]
+    if not isinstance(rates, dict) or not rates:
+        raise OffloadError(f"{where}: {name}: must be a non-empty object of backend -> GB/s, got {rates!r}")
+    for backend in rates:
+        if backend not in READ_BACKENDS:
+            raise OffloadError(f"{where}: {name}.{backend}: unknown backend (known: {', '.join(READ_BACKENDS)})")
+    return {backend: _number(rates, where, name, backend) * GB for backend in rates}
 
 
 def _layer_floor(data: dict, where: str, field_path: str) -> dict[str, float]:

@@ -173,3 +173,71 @@ def test_each_prompt_may_have_its_own_sampling_params(tmp_path):
     assert [c.token_ids for c in together] == alone
     with pytest.raises(OffloadError, match="2 sampling params for 3 prompts"):
         llm.generate_ids(prompts, params[:2])
+
+
+@pytest.fixture
+def probed(tmp_path, monkeypatch):
+    """Saves `offload probe`'s per-backend read rates (GB/s) as this machine's profile, in a temporary cache."""
+    import dataclasses
+
+    from offload.planner.profiles import load_profile, local_profile_path, save_profile
+
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+
+    def save(**gbps: float) -> None:
+        rates = {backend: rate * 1e9 for backend, rate in gbps.items()}
+        save_profile(dataclasses.replace(load_profile("t4-16gb"), disk_read_by_backend=rates), local_profile_path())
+
+    return save
+
+
+def test_auto_io_backend_follows_the_probe(model_dir, probed, monkeypatch):
+    from offload.cli import _summary
+    from tiers.io import aio
+
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4)
+    assert config.io_backend == "auto"
+    probed(pread=1.02, aio=0.88)
+    llm = LLM(model_dir, config)
+    assert llm.io_backend == ("pread", "probe: 1.02 vs aio 0.88 GB/s") and llm.backend.name == "pread"
+    completions = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+    assert "\ni/o        backend pread (probe: 1.02 vs aio 0.88 GB/s)" in _summary(llm, completions)
+    probed(pread=1.02, aio=1.5)
+    monkeypatch.setattr(aio, "_load_op", lambda: "libaio is missing")
+    assert LLM(model_dir, config).io_backend == ("pread", "probe measured aio, but it is unavailable now")
+    pread = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4, io_backend="pread"))
+    assert pread.io_backend == ("pread", "asked") and pread.backend.name == "pread"
+
+
+def test_auto_io_backend_takes_aio_where_the_probe_found_it_faster(model_dir, probed, greedy_alone):
+    from tiers.io.aio import aio_unavailable
+
+    if (why := aio_unavailable()) is not None:
+        pytest.skip(f"aio backend unavailable here: {why}")
+    probed(pread=1.02, aio=1.5)
+    llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
+    assert llm.io_backend == ("aio", "probe: 1.50 vs pread 1.02 GB/s") and llm.backend.name == "aio"
+    assert llm.backend.bytes_read > 0  # the checkpoint came through it
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == greedy_alone[0].token_ids
+
+
+def test_auto_io_backend_without_a_probe_keeps_the_default(model_dir, probed):
+    import torch
+
+    from offload.planner.profiles import local_profile_path
+    from tiers.io.aio import aio_unavailable
+
+    default = "aio" if torch.cuda.is_available() and aio_unavailable() is None else "pread"
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4)
+    assert LLM(model_dir, config).io_backend == (default, "no probe: default")  # no profile in the cache
+    assert not local_profile_path().exists()  # read if there, never measured now
+    probed(pread=1.02)  # an older probe, or aio unavailable when it ran
+    assert LLM(model_dir, config).io_backend == (default, "probe measured pread alone: default")
+    local_profile_path().write_text("{")
+    with pytest.raises(OffloadError, match=f"{local_profile_path()}: not valid JSON"):
+        LLM(model_dir, config)
+
+
+def test_io_backend_is_checked():
+    with pytest.raises(OffloadError, match="io_backend must be one of auto, pread, aio, got 'nvme'"):
+        EngineConfig(io_backend="nvme")

@@ -11,12 +11,14 @@ import psutil
 import pytest
 import torch
 
+import offload.planner.disk as disk_mod
 import offload.planner.probe as probe_mod
 import offload.planner.rates as rates
 from offload.cli import main
 from offload.common.errors import OffloadError
 from offload.planner.probe import ProbeSizes, measure_disk, probe
 from offload.planner.profiles import load_profile
+from tiers.io.backends import make_backend
 
 MiB = 1 << 20
 # a few seconds on two cores: every stage runs, on sizes far too small to mean anything
@@ -75,6 +77,8 @@ def test_probe_measures_every_unit(tiny_profile):
                 assert all(rate > 0 for _, rate in curve[dtype])
             assert 0 < unit.layer_floor[dtype] < 1  # seconds: one tiny layer, one token
     assert p.disk_read > 0 and p.disk_write > 0
+    assert "pread" in p.disk_read_by_backend and set(p.disk_read_by_backend) <= {"pread", "aio"}
+    assert p.disk_read == max(p.disk_read_by_backend.values())  # the rate of the backend "auto" then takes
     assert p.name.startswith("local (") and p.source.startswith("offload probe ")
     assert "kernels.linear on [rows, 256] x [256, 128]" in p.source
     assert "hidden 256, 16 heads of 16 (4 K/V heads), MLP 704" in p.source
@@ -113,6 +117,8 @@ def test_probed_profile_saves_and_loads(tiny_profile, tmp_path):
     assert (q.name, q.device_kind, q.source) == (p.name, p.device_kind, p.source)
     assert q.host.memory == p.host.memory
     assert q.disk_read == pytest.approx(p.disk_read, rel=1e-5)
+    assert q.disk_read_by_backend.keys() == p.disk_read_by_backend.keys()
+    assert list(q.disk_read_by_backend.values()) == pytest.approx(list(p.disk_read_by_backend.values()), rel=1e-5)
     assert q.host.layer_floor == pytest.approx(p.host.layer_floor, rel=1e-5)
     for key in ("matmul_curve", "elementwise_curve", "prefill_attention_curve", "decode_attention_curve"):
         loaded, measured = getattr(q.host, key), getattr(p.host, key)
@@ -159,10 +165,66 @@ def test_disk_test_file_is_removed_on_interrupt(tmp_path, monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(probe_mod, "_read_test_file", interrupted)
+    monkeypatch.setattr(disk_mod, "_read_test_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
         measure_disk(tmp_path, 4 * MiB, 1 * MiB, 2)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_reads_the_same_file_through_each_backend(tmp_path, monkeypatch):
+    from tiers.io import aio
+
+    monkeypatch.setattr(aio, "_load_op", lambda: object())  # aio runs here (never built: the reads are faked)
+    monkeypatch.setattr(disk_mod, "aio_built", lambda: True)
+    reads = []
+
+    def timed(path, nbytes, extent, depth, backend):
+        reads.append((path, nbytes, extent, depth, backend))
+        return {"pread": 2.0, "aio": 0.5}[backend], True
+
+    monkeypatch.setattr(disk_mod, "_read_test_file", timed)
+    speed = measure_disk(tmp_path, 4 * MiB, 1 * MiB, 2)
+    assert speed.by_backend == {"pread": 4 * MiB / 2.0, "aio": 4 * MiB / 0.5}
+    assert speed.read == 4 * MiB / 0.5 and speed.missing == ""  # the fastest
+    assert [r[1:] for r in reads] == [(4 * MiB, MiB, 2, "pread"), (4 * MiB, MiB, 2, "aio")]
+    assert reads[0][0] == reads[1][0]  # one test file, written once
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_test_never_builds_the_aio_op(tmp_path, monkeypatch):
+    def no_build():
+        raise AssertionError("the probe must not load (and so build) DeepSpeed's op")
+
+    monkeypatch.setattr(disk_mod, "aio_built", lambda: False)
+    monkeypatch.setattr(disk_mod, "make_backend", lambda name: no_build() if name == "aio" else make_backend(name))
+    speed = measure_disk(tmp_path, 4 * MiB, 1 * MiB, 2)
+    assert list(speed.by_backend) == ["pread"]
+    assert speed.missing == "aio not measured: its op is not built here (make aio-op)"
+
+
+def test_disk_test_leaves_out_aio_where_it_cannot_read_and_says_why(tmp_path, monkeypatch):
+    from tiers.io import aio
+
+    monkeypatch.setattr(disk_mod, "aio_built", lambda: True)
+    monkeypatch.setattr(aio, "_load_op", lambda: "libaio is missing (apt-get install libaio-dev)")
+    speed = measure_disk(tmp_path, 4 * MiB, 1 * MiB, 2)
+    assert list(speed.by_backend) == ["pread"] and speed.read == speed.by_backend["pread"]
+    assert speed.missing == "aio not measured: I/O backend 'aio': libaio is missing (apt-get install libaio-dev)"
+
+    monkeypatch.setattr(aio, "_load_op", lambda: object())
+    pread_only = disk_mod._read_test_file
+
+    def refused(path, nbytes, extent, depth, backend):
+        if backend == "aio":
+            raise OffloadError(f"{path}: aio read needs a bounce buffer beyond RLIMIT_MEMLOCK")
+        return pread_only(path, nbytes, extent, depth, backend)
+
+    monkeypatch.setattr(disk_mod, "_read_test_file", refused)
+    speed = measure_disk(tmp_path, 4 * MiB, 1 * MiB, 2)
+    assert list(speed.by_backend) == ["pread"]
+    assert speed.missing.startswith("aio not measured: ") and speed.missing.endswith("beyond RLIMIT_MEMLOCK")
+    assert list(tmp_path.iterdir()) == []
+    assert "(aio not measured: " in probe(tmp_path, TINY).source  # the saved profile says why
 
 
 def test_full_disk_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
@@ -177,7 +239,7 @@ def test_full_disk_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
 
 
 def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch):
-    monkeypatch.setattr(probe_mod.shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 40, free=10 * MiB))
+    monkeypatch.setattr(disk_mod.shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 40, free=10 * MiB))
     with pytest.raises(OffloadError, match=r"10.0 MiB free, the disk test needs .*--disk-bytes"):
         measure_disk(tmp_path, 1 << 30)
     assert list(tmp_path.iterdir()) == []
@@ -187,7 +249,7 @@ def test_read_only_filesystem_is_one_line(tmp_path, monkeypatch, capsys):
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(probe_mod.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(disk_mod.tempfile, "mkstemp", read_only)
     monkeypatch.setattr(ProbeSizes, "quick", classmethod(lambda cls: TINY))
     code = main(["probe", "--quick", "--dir", str(tmp_path), "--out", str(tmp_path / "x.json")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -216,7 +278,7 @@ def test_cli_wiring_with_tiny_sizes(tmp_path, monkeypatch, capsys):
     out = tmp_path / "hw" / "x.json"
     assert main(["probe", "--quick", "--dir", str(tmp_path), "--out", str(out), "--disk-bytes", "4MiB"]) == 0
     printed = capsys.readouterr()
-    assert f"saved {out}" in printed.out and "disk      read" in printed.out
+    assert f"saved {out}" in printed.out and "disk      read" in printed.out and "read by backend: pread" in printed.out
     assert "disk: writing and reading 4.0 MiB" in printed.err  # --disk-bytes wins over the preset
     assert load_profile(out).name.startswith("local (")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hw"]

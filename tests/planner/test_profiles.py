@@ -156,6 +156,10 @@ def _delete(path: str):
         (_set("device.decode_attention_curve", {"float16": [8, 1.0]}), ["float16[0]: must be a [tokens, GB/s] pair"]),
         (_set("host.layer_floor_us", {"float16": -2}), ["host.layer_floor_us.float16: must not be negative"]),
         (_set("device.layer_floor_us", {"fp8": 2}), ["device.layer_floor_us.fp8: unknown dtype"]),
+        (_set("disk.read_gbps_by_backend", {"io_uring": 2}), ["read_gbps_by_backend.io_uring: unknown backend"]),
+        (_set("disk.read_gbps_by_backend", {"aio": 0}), ["disk.read_gbps_by_backend.aio: must be positive"]),
+        (_set("disk.read_gbps_by_backend", {}), ["disk.read_gbps_by_backend: must be a non-empty object"]),
+        (_set("disk.read_gbps_by_backend", [2, 1]), ["disk.read_gbps_by_backend: must be a non-empty object"]),
     ],
 )
 def test_validation_names_the_file_and_the_field(tmp_path, edit, fragments):
@@ -185,6 +189,21 @@ def test_a_cpu_profile_may_have_no_links_and_keeps_its_curves(tmp_path):
     save_profile(p, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == p
     assert "[8, 0.0075]" in (tmp_path / "p.json").read_text()  # a curve point stays on one line
+
+
+def test_read_rates_by_backend_round_trip_and_are_optional(tmp_path):
+    p = tiny_profile(disk_read_by_backend={"pread": 1.5e9, "aio": 1.25e9})
+    data = profile_to_json(p)
+    assert data["disk"] == {"read_gbps": 1.5, "write_gbps": 0.75, "read_gbps_by_backend": {"pread": 1.5, "aio": 1.25}}
+    assert parse_profile(data) == p
+    save_profile(p, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == p
+    # a profile from an older probe, or a published card: no field, no rates, and saved again without one
+    del data["disk"]["read_gbps_by_backend"]
+    old = parse_profile(data)
+    assert old.disk_read_by_backend == {} and old == tiny_profile()
+    assert profile_to_json(old)["disk"] == {"read_gbps": 1.5, "write_gbps": 0.75}
+    assert load_profile("t4-16gb").disk_read_by_backend == {}
 
 
 def test_with_overrides_replaces_facts_and_says_so():
@@ -229,6 +248,13 @@ def test_format_profile_shows_every_fact():
     assert "least a decoder layer costs (a tiny model, one token):\n  device float32   250 us" in text
     assert "weight packed for the CPU's GEMM (resident layers), TFLOP/s by rows:\n  device float32   1: 0.002" in text
     assert text.count("  device float32") == 6 and "  host " not in text  # host is the device: shown once
+    assert "by backend" not in text
+    assert "read by backend: pread 1.5 GB/s\n" in format_profile(tiny_profile(disk_read_by_backend={"pread": 1.5e9}))
+    text = format_profile(tiny_profile(disk_read_by_backend={"pread": 1.5e9, "aio": 1.25e9}))
+    assert (
+        "read 1.5 GB/s, write 0.75 GB/s\n          read by backend: pread 1.5 GB/s, aio 1.25 GB/s (pread fastest)"
+        in text
+    )
 
 
 def test_parse_does_not_modify_its_input():

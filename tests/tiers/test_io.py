@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import random
@@ -16,7 +17,7 @@ import torch
 from offload.common.errors import OffloadError
 from tiers.io import base
 from tiers.io.aio import AioBackend, aio_unavailable
-from tiers.io.backends import make_backend
+from tiers.io.backends import BackendChoice, choose_backend, make_backend
 from tiers.io.base import ALIGN, ReadBackend, aligned_buffer, aligned_span, evict_page_cache
 from tiers.io.direct import PreadBackend
 
@@ -276,6 +277,54 @@ def test_make_backend_by_name(monkeypatch):
         assert backend.name == "pread"
 
 
+@pytest.fixture
+def aio_runs(monkeypatch):
+    """Whether the aio op loads, set by the test: the rule only asks aio_unavailable(), never builds a handle."""
+    from tiers.io import aio
+
+    def set_runs(runs: bool, cuda: bool = False) -> None:
+        monkeypatch.setattr(aio, "_load_op", (lambda: object()) if runs else (lambda: "libaio is missing"))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+
+    return set_runs
+
+
+def test_auto_takes_the_faster_backend_the_probe_measured(aio_runs):
+    aio_runs(True)
+    assert choose_backend("auto", {"pread": 1.02e9, "aio": 1.5e9}) == BackendChoice(
+        "aio", "probe: 1.50 vs pread 1.02 GB/s"
+    )
+    assert choose_backend("auto", {"pread": 1.02e9, "aio": 0.88e9}) == BackendChoice(
+        "pread", "probe: 1.02 vs aio 0.88 GB/s"
+    )
+    assert choose_backend("auto", {"pread": 1e9, "aio": 1e9}).name == "pread"  # a tie keeps the simpler path
+    aio_runs(False)  # measured faster once, unavailable now
+    assert choose_backend("auto", {"pread": 1.02e9, "aio": 1.5e9}) == BackendChoice(
+        "pread", "probe measured aio, but it is unavailable now"
+    )
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_auto_without_both_rates_keeps_the_default_rule(aio_runs, cuda):
+    aio_runs(True, cuda=cuda)
+    default = "aio" if cuda else "pread"  # aio only where buffers are page-locked
+    assert choose_backend("auto") == BackendChoice(default, "no probe: default")
+    assert choose_backend("auto", {}) == BackendChoice(default, "no probe: default")
+    assert choose_backend("auto", {"pread": 2e9}) == BackendChoice(default, "probe measured pread alone: default")
+    aio_runs(False, cuda=cuda)
+    assert choose_backend("auto") == BackendChoice("pread", "no probe: default")
+
+
+def test_a_named_backend_is_taken_as_asked(aio_runs):
+    aio_runs(False)
+    assert choose_backend("pread", {"pread": 1e9, "aio": 2e9}) == BackendChoice("pread", "asked")
+    assert choose_backend("aio") == BackendChoice("aio", "asked")  # make_backend says why it cannot run
+    with pytest.raises(OffloadError, match="I/O backend 'aio': libaio is missing"):
+        make_backend("aio")
+    with pytest.raises(OffloadError, match="I/O backend 'fast': unknown; choose one of auto, pread, aio"):
+        choose_backend("fast")
+
+
 def test_aio_refuses_a_bounce_buffer_beyond_the_mlock_limit(data, monkeypatch):
     """The op mlocks a bounce buffer for an unpinned one and aborts the process if mlock fails: refuse first."""
     if reason := aio_skip_reason():
@@ -328,3 +377,16 @@ def test_read_seconds_counts_a_busy_interval_still_open(tmp_path):
     assert backend.read_seconds == closed >= 0.05  # closed: no longer grows
     assert backend.bytes_read == ALIGN
     backend.close()
+
+
+def test_aio_built_looks_for_the_cached_build_without_building(tmp_path, monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    from tiers.io import aio
+
+    monkeypatch.setattr(aio, "_load_op", functools.cache(lambda: pytest.fail("aio_built must not load the op")))
+    monkeypatch.setattr(ext, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
+    assert not aio.aio_built()
+    (tmp_path / "async_io").mkdir()
+    (tmp_path / "async_io" / "async_io.so").write_bytes(b"")
+    assert aio.aio_built()

@@ -49,6 +49,17 @@ def _load_op() -> ModuleType | str:
         return f"building DeepSpeed's async_io op failed ({str(exc).splitlines()[0] if str(exc) else exc!r})"
 
 
+def aio_built() -> bool:
+    """Whether the op is loaded, or was built before in this environment, so that using it costs no build."""
+    if _load_op.cache_info().currsize:
+        return not isinstance(_load_op(), str)
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # where torch's JIT keeps the build
+    except ImportError:
+        return False
+    return (Path(_get_build_directory("async_io", verbose=False)) / "async_io.so").exists()
+
+
 def aio_unavailable() -> str | None:
     """None when the aio backend can run here, else why not (loading, and if needed building, the op)."""
     op = _load_op()

@@ -1,32 +1,52 @@
-"""The read backends by name: what --io-backend chooses between.
+"""The read backends by name: what --io-backend chooses between, and how "auto" chooses.
 
 The one module that imports every backend, so the read interface (tiers/io/base.py) imports none of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 import torch
 
+from offload.common.config import IO_BACKENDS, READ_BACKENDS
 from offload.common.errors import OffloadError
 from tiers.io.aio import AioBackend, aio_unavailable
 from tiers.io.base import ReadBackend
 from tiers.io.direct import PreadBackend
 
-BACKENDS = ("auto", "pread", "aio")
+
+class BackendChoice(NamedTuple):
+    """A backend name resolved to one that runs, and why, in a few words for the run summary."""
+
+    name: str  # "pread" or "aio"
+    why: str  # "asked", "probe: 1.02 vs aio 0.88 GB/s" (the chosen one's rate first), "no probe: default", ...
+
+
+def choose_backend(name: str, measured: Mapping[str, float] | None = None) -> BackendChoice:
+    """Resolve `name`. "pread" and "aio" are taken as asked (make_backend says why aio cannot run). "auto", when
+    `measured` (backend -> bytes/s of cold reads, what `offload probe` saved for this machine) holds both, takes
+    the faster (pread on a tie, or where aio is unavailable now); without both rates, the default rule: aio only
+    on CUDA machines, where buffers are page-locked: on a CPU-only machine the op locks and copies through a
+    bounce buffer per read, and measured slower than pread (benchmarks/results/io_bandwidth.json)."""
+    if name in READ_BACKENDS:
+        return BackendChoice(name, "asked")
+    if name != "auto":
+        raise OffloadError(f"I/O backend {name!r}: unknown; choose one of {', '.join(IO_BACKENDS)}")
+    measured = measured or {}
+    if "pread" in measured and "aio" in measured:
+        if aio_unavailable() is not None:
+            return BackendChoice("pread", "probe measured aio, but it is unavailable now")
+        best, other = sorted(("pread", "aio"), key=lambda b: measured[b], reverse=True)
+        return BackendChoice(best, f"probe: {measured[best] / 1e9:.2f} vs {other} {measured[other] / 1e9:.2f} GB/s")
+    why = "no probe: default" if not measured else "probe measured pread alone: default"
+    use_aio = torch.cuda.is_available() and aio_unavailable() is None
+    return BackendChoice("aio" if use_aio else "pread", why)
 
 
 def make_backend(name: str = "auto", threads: int = 8) -> ReadBackend:
     """The backend called `name`: "pread" (O_DIRECT preadv on a thread pool), "aio" (DeepSpeed's AsyncIO op,
-    libaio) or "auto". `threads` sizes the pread pool.
-
-    "auto" takes aio only on CUDA machines, where buffers are page-locked: on a CPU-only machine the op
-    locks and copies through a bounce buffer per read, and measured slower than pread
-    (benchmarks/results/io_bandwidth.json)."""
-    if name == "pread":
-        return PreadBackend(threads=threads)
-    if name == "aio":
-        return AioBackend()
-    if name == "auto":
-        use_aio = torch.cuda.is_available() and aio_unavailable() is None
-        return AioBackend() if use_aio else PreadBackend(threads=threads)
-    raise OffloadError(f"I/O backend {name!r}: unknown; choose one of {', '.join(BACKENDS)}")
+    libaio) or "auto" (choose_backend's default rule, no probe consulted). `threads` sizes the pread pool."""
+    name = choose_backend(name).name
+    return AioBackend() if name == "aio" else PreadBackend(threads=threads)

@@ -1,5 +1,6 @@
-"""The engines offload_vs_peers.py compares, each run in its own subprocess: ours, transformers with Accelerate's
-disk offload, and DeepSpeed ZeRO-Inference; the workload, the result record and the page-cache tools they share.
+"""The engines offload_vs_peers.py and same_memory.py compare, each run in its own subprocess: ours (under a weight
+budget, or under a cap on the whole process), transformers with Accelerate's disk offload, and DeepSpeed
+ZeRO-Inference; the workload, the result record and the page-cache tools they share.
 
 Every engine is timed by the same clock: the harness's perf_counter around the generate call, with the harness's
 own page-cache eviction (done for the peers before every forward pass, so that they read from storage as ours
@@ -12,10 +13,14 @@ import os
 import resource
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench_common import ensure_checkpoint, generate_exactly
+
+if TYPE_CHECKING:
+    from offload.common.config import EngineConfig
 
 SHAPE = {  # TinyLlama-1.1B's shape; the layer count comes from --layers
     "hidden_size": 2048,
@@ -153,8 +158,7 @@ def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: P
     """Our engine. budget None: every weight resident (the compute reference of the physical limit)."""
     import torch
 
-    from offload.api import LLM
-    from offload.common.config import EngineConfig, SamplingParams
+    from offload.common.config import EngineConfig
     from offload.model.loader import load_spec
     from tiers.kv import KVCache
 
@@ -163,9 +167,8 @@ def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: P
     block = 16
     blocks = workload.prompts * -(-workload.max_tokens // block)
     kv_bytes = blocks * KVCache.block_bytes(spec.num_layers, block, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
-    device_memory = None if budget is None else budget + kv_bytes
     config = EngineConfig(
-        device_memory=device_memory,
+        device_memory=None if budget is None else budget + kv_bytes,
         kv_cache_bytes=kv_bytes,
         io_backend="pread",
         dtype="bfloat16",
@@ -174,6 +177,44 @@ def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: P
         # every prompt in one prefill step: one pass over the weights, as each peer's generate() makes
         max_step_tokens=max(4096, workload.prompts * workload.prompt_tokens),
     )
+    result = generate_ours(model_dir, config, workload)
+    result.engine = "ours" if budget is not None else "ours (all resident)"
+    result.baseline_rss_bytes = baseline
+    return result
+
+
+def run_ours_capped(model_dir: Path, cap: int, workload: Workload, scratch: Path) -> EngineResult:
+    """Our engine under a cap on the whole process's memory: an EngineConfig with only `memory=cap` (and the dtype,
+    block and reads run_ours uses), planned by the cost model for `workload.prompts` candidate requests, then one
+    batch of the size it chose: that many requests, one round, as the peers run theirs."""
+    from offload.common.config import EngineConfig
+    from offload.planner.autoconfig import autoconfigure, describe
+
+    baseline = rss_bytes()
+    capped = EngineConfig(memory=cap, io_backend="pread", dtype="bfloat16", block_size=16)
+    lengths = [workload.prompt_tokens] * workload.prompts
+    config, prediction = autoconfigure(model_dir, capped, lengths, workload.new_tokens)
+    batch = replace(workload, prompts=config.max_num_seqs)
+    result = generate_ours(model_dir, config, batch)
+    result.engine = "ours-capped"
+    result.baseline_rss_bytes = baseline
+    result.extra |= {
+        "memory": cap,
+        "batch": config.max_num_seqs,
+        "candidate_requests": workload.prompts,
+        "plan": describe(prediction),
+        "predicted_tokens_per_second": prediction.tokens_per_second,
+        "predicted_device_bytes": prediction.memory["device"],
+    }
+    return result
+
+
+def generate_ours(model_dir: Path, config: EngineConfig, workload: Workload) -> EngineResult:
+    """Load our engine with `config`, generate `workload` greedily, and measure it (the engine name and baseline RSS
+    are the caller's to fill in)."""
+    from offload.api import LLM
+    from offload.common.config import SamplingParams
+
     before = storage_read_bytes()
     start = time.perf_counter()
     llm = LLM(model_dir, config)
@@ -181,7 +222,7 @@ def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: P
     pass_seconds: list[float] = []
     timed_calls(llm.engine, "step", pass_seconds)
     params = SamplingParams(max_new_tokens=workload.new_tokens, ignore_eos=True)
-    prompts = workload.prompt_ids(spec.vocab_size)
+    prompts = workload.prompt_ids(llm.spec.vocab_size)
     loaded = storage_read_bytes()
     start = time.perf_counter()
     out = llm.generate_ids(prompts, params)
@@ -189,7 +230,7 @@ def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: P
     read = storage_read_bytes() - loaded
     stats, placement, tiers = llm.stats, llm.placement, llm.policy.layer_tiers
     return EngineResult(
-        engine="ours" if budget is not None else "ours (all resident)",
+        engine="",
         wall_seconds=wall,
         generated_tokens=stats.generated_tokens,
         passes=stats.steps,
@@ -201,11 +242,10 @@ def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: P
         layers_resident=sum(t != "nvme" for t in tiers),
         layers_streamed=sum(t == "nvme" for t in tiers),
         peak_rss_bytes=peak_rss_bytes(),
-        baseline_rss_bytes=baseline,
         token_ids=[list(c.token_ids) for c in out],
         extra={
-            "device_memory": device_memory,
-            "kv_cache_bytes": kv_bytes,
+            "device_memory": config.device_memory,
+            "kv_cache_bytes": config.kv_cache_bytes,
             "kv_blocks": placement.kv_blocks,
             "device_peak_bytes": placement.device_peak,
             "resident_weight_bytes": placement.weight_bytes,
@@ -389,6 +429,7 @@ def run_zero(model_dir: Path, budget: int, workload: Workload, scratch: Path) ->
 WORKERS: dict[str, Callable[[Path, int | None, Workload, Path], EngineResult]] = {
     "ours": run_ours,
     "resident": run_ours,
+    "ours-capped": run_ours_capped,  # benchmarks/same_memory.py: the budget is the cap on the whole process
     "accelerate": run_accelerate,
     "zero": run_zero,
 }

@@ -17,13 +17,14 @@ from offload.model.engine import Engine
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
 from offload.model.sampling import sample
+from offload.planner.profiles import saved_read_rates
 from scheduler.batcher import Batcher, BatchLimits
 from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from scheduler.sequence import Sequence
 from tiers.checkpoint import Checkpoint
 from tiers.device import DeviceTier
 from tiers.host import HostTier
-from tiers.io.backends import make_backend
+from tiers.io.backends import choose_backend, make_backend
 from tiers.io.buffered import BufferedReader
 from tiers.kv import BlockPool, BlockTables, KVCache
 from tiers.layout import ModelLayout, model_layout
@@ -153,6 +154,11 @@ class LLM:
         from offload.demo import ensure_demo_model
 
         config = config or EngineConfig()
+        if config.memory is not None:  # the cap becomes a device budget only where the batch is planned
+            raise OffloadError(
+                "memory (a cap on the whole process) is turned into a device budget, batch and KV cache by the cost "
+                "model: pass the config through offload.planner.autoconfig.autoconfigure, or give device_memory"
+            )
         self.config = config
         self.model_dir = Path(model).expanduser() if model is not None else ensure_demo_model()
         self.spec, self.family = load_spec(self.model_dir)
@@ -164,13 +170,15 @@ class LLM:
         self.kv = self._make_kv_cache()
         with BufferedReader() as reader:  # headers only; tensor data goes through the NVMe backend
             layout = model_layout(Checkpoint(self.model_dir, reader), model_tensors(self.family, self.spec))
+        # what reads the checkpoint, and why: "auto" by the rates `offload probe` saved here, if it ran
+        self.io_backend = choose_backend(config.io_backend, saved_read_rates() if config.io_backend == "auto" else None)
         self.spill: SpillStats | None = None  # streamed layers converted once into --offload-dir
         if config.offload_dir is not None:
             layout, self.spill = spill_layers(
-                layout, self._place, self.dtype, config.offload_dir, config.disk_memory, config.io_backend
+                layout, self._place, self.dtype, config.offload_dir, config.disk_memory, self.io_backend.name
             )
         self.policy = self._place(layout)
-        self.backend = make_backend(config.io_backend)
+        self.backend = make_backend(self.io_backend.name)
         self.weights = WeightStore(layout, self.backend, self.policy, self.device_tier, self.host_tier, self.dtype)
         self.tables = BlockTables(BlockPool(self.kv.num_blocks), config.block_size)
         self.max_model_len = min(self.spec.max_position, self.kv.num_blocks * config.block_size)

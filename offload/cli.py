@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from offload.common.config import IO_BACKENDS
 from offload.common.errors import OffloadError
 from offload.planner.report import add_plan_parser
 
@@ -36,14 +37,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-cache-memory",
         metavar="SIZE",
-        help="KV cache size, e.g. 512MiB (default: 1GiB; with --device-memory and no --max-num-seqs, sized by the "
-        "cost model for the batch it picks)",
+        help="KV cache size, e.g. 512MiB (default: 1GiB; with --device-memory and no --max-num-seqs, or --memory, "
+        "sized by the cost model for the batch it picks)",
     )
     p.add_argument(
         "--device-memory",
         metavar="SIZE",
         help="budget for weights + KV cache on the compute device (e.g. 600MB); layers that do not fit "
         "are streamed from the checkpoint",
+    )
+    p.add_argument(
+        "--memory",
+        metavar="SIZE",
+        help="cap on the whole process's resident memory on a CPU device (e.g. 2GiB), instead of --device-memory: "
+        "the cost model sizes the batch, KV cache and device budget to what the process does not hold yet",
     )
     p.add_argument(
         "--host-memory",
@@ -53,9 +60,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--io-backend",
-        default="pread",
-        choices=["pread", "aio", "auto"],
-        help="NVMe reads: O_DIRECT thread pool (pread) or DeepSpeed's AsyncIO op (aio)",
+        default="auto",
+        choices=IO_BACKENDS,
+        help="NVMe reads: O_DIRECT thread pool (pread), DeepSpeed's AsyncIO op (aio), or auto (default): the faster "
+        "of the two as `offload probe` measured them here, else aio only on CUDA",
     )
     p.add_argument(
         "--offload-dir",
@@ -72,8 +80,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "--max-num-seqs",
         type=int,
         metavar="N",
-        help="sequences per step (default: 64; with --device-memory and no --kv-cache-memory, the batch with the "
-        "highest throughput the cost model predicts for these prompts on this machine)",
+        help="sequences per step (default: 64; with --device-memory and no --kv-cache-memory, or --memory, the batch "
+        "with the highest throughput the cost model predicts for these prompts on this machine)",
     )
     p.add_argument(
         "--max-step-tokens",
@@ -99,6 +107,7 @@ def _generate(args: argparse.Namespace) -> None:
         block_size=args.block_size,
         kv_cache_bytes=parse_size(args.kv_cache_memory or "1GiB", "--kv-cache-memory"),
         device_memory=None if args.device_memory is None else parse_size(args.device_memory, "--device-memory"),
+        memory=None if args.memory is None else parse_size(args.memory, "--memory"),
         host_memory=parse_size(args.host_memory, "--host-memory"),
         io_backend=args.io_backend,
         max_num_seqs=args.max_num_seqs or 64,
@@ -118,7 +127,10 @@ def _generate(args: argparse.Namespace) -> None:
     prompts = args.prompt if args.prompt is not None else list(DEMO_PROMPTS if args.model is None else [])
     if not prompts:
         raise OffloadError("--prompt is required with --model")
-    auto = config.device_memory is not None and args.kv_cache_memory is None and args.max_num_seqs is None
+    fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
+    if config.memory is not None and fixed:
+        raise OffloadError("--memory sizes the batch and KV cache itself: drop --max-num-seqs and --kv-cache-memory")
+    auto = (config.device_memory is not None or config.memory is not None) and not fixed
     if auto:  # the user fixed neither the batch nor the KV cache: the cost model sizes both for these prompts
         config = _planned_config(args, config, prompts)
     llm = LLM(args.model, config)
@@ -167,6 +179,14 @@ def _planned_config(args: argparse.Namespace, config, prompts: list[str]):
         f"plan       {describe(prediction)} (the cost model's choice; --max-num-seqs or --kv-cache-memory fix it)",
         file=sys.stderr,
     )
+    if config.memory is not None:
+        from offload.common.sizes import format_size
+
+        print(
+            f"memory     cap {format_size(config.memory)}: {format_size(planned.device_memory)} of it for weights and "
+            "KV cache on the device (the rest: what the process holds already, activations and a reserve)",
+            file=sys.stderr,
+        )
     return planned
 
 
@@ -180,8 +200,7 @@ def _summary(llm, completions) -> str:
         f"model      {llm.model_dir}",
         f"requests   {s.requests}: {s.prompt_tokens} prompt tokens, {s.generated_tokens} generated ({reasons})",
         f"time       {s.wall_seconds:.3f} s wall: prefill {s.prefill_seconds:.3f} s, decode {s.decode_seconds:.3f} s "
-        f"in {s.steps} steps"
-        + (f", {s.preemptions} preemptions" if s.preemptions else ""),
+        f"in {s.steps} steps" + (f", {s.preemptions} preemptions" if s.preemptions else ""),
         f"speed      {s.tokens_per_second:.1f} tokens/s overall, {s.decode_tokens_per_second:.1f} tokens/s decoding",
         f"weights    {pl.dtype}: {format_size(pl.weight_bytes)} resident on {pl.device}, "
         f"{format_size(pl.host_weight_bytes)} in host RAM, {format_size(pl.streamed_bytes_per_pass)} streamed "
@@ -194,12 +213,14 @@ def _summary(llm, completions) -> str:
     ]
     if pl.spill is not None:
         lines.append(f"spill      {_spill_line(pl.spill, llm.policy.layer_tiers)}")
+    io = f"i/o        backend {llm.io_backend.name} ({llm.io_backend.why})"
     if s.bytes_read:
-        lines.append(
-            f"i/o        {format_size(s.bytes_read)} read at {s.read_gbps:.2f} GB/s; "
+        io += (
+            f"; {format_size(s.bytes_read)} read at {s.read_gbps:.2f} GB/s; "
             f"compute {s.compute_seconds:.3f} s, "
             f"stalled on reads {s.stall_seconds:.3f} s, overlap efficiency {s.overlap_efficiency:.2f}"
         )
+    lines.append(io)
     return "\n".join(lines)
 
 

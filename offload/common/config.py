@@ -12,6 +12,8 @@ from offload.common.dtypes import DTYPES
 from offload.common.errors import OffloadError
 
 TIERS = ("device", "host", "nvme")
+READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py)
+IO_BACKENDS = ("auto", *READ_BACKENDS)  # what io_backend may say; "auto" resolves to a read backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +73,9 @@ class EngineConfig:
     micro_batch_tokens: int = 2048  # tokens per micro-batch inside a step
     device_memory: int | None = None  # bytes for weights + KV cache on the compute device; None = no budget
     host_memory: int = 0  # bytes of host RAM that may hold layers read once (not streamed)
-    io_backend: str = "pread"  # NVMe reads: "pread" (O_DIRECT thread pool), "aio" (DeepSpeed AsyncIO) or "auto"
+    # NVMe reads: "pread" (O_DIRECT thread pool), "aio" (DeepSpeed AsyncIO), or "auto": the faster of the two as
+    # `offload probe` measured them on this machine, else aio only on CUDA (offload/api.py resolves it)
+    io_backend: str = "auto"
     # device buffers for streamed layers: one computing, the rest reading ahead. Two suffice when reads are the
     # bottleneck (a read is always in flight) and leave room for one more resident layer, which reads never touch
     ring_slots: int = 2
@@ -79,12 +83,17 @@ class EngineConfig:
     # streamed from there (tiers/spill.py); None = stream and convert from the checkpoint every pass
     offload_dir: str | None = None
     disk_memory: int | None = None  # bytes the spill files in offload_dir may take; None = no budget
+    # bytes the whole process may hold resident (its libraries included); None = no cap. The cost model turns it into
+    # the device budget when it plans the batch (offload/planner/autoconfig.py); exclusive with device_memory
+    memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise OffloadError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise OffloadError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.io_backend not in IO_BACKENDS:
+            raise OffloadError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {self.io_backend!r}")
         if self.ring_slots < 2:
             raise OffloadError(f"ring_slots must be at least 2, got {self.ring_slots!r}")
         if self.offload_dir is not None:
@@ -97,9 +106,15 @@ class EngineConfig:
             ("device_memory", self.device_memory),
             ("host_memory", self.host_memory),
             ("disk_memory", self.disk_memory),
+            ("memory", self.memory),
         ):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise OffloadError(f"{name} must be a non-negative number of bytes, got {value!r}")
+        if self.memory is not None and self.device_memory is not None:
+            raise OffloadError(
+                f"memory ({self.memory!r}, a cap on the whole process) and device_memory ({self.device_memory!r}) "
+                "are exclusive: the device budget is derived from the cap"
+            )
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_step_tokens", "micro_batch_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

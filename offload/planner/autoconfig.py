@@ -5,6 +5,10 @@ the highest predicted throughput within the device budget, among the policies th
 weights, KV cache on the device), and sizes the KV cache, the step and the micro-batches to match: the KV
 cache holds the whole batch at its longest, every prompt is prefilled in one pass over the weights, and
 micro-batches are the size the cost model assumed.
+
+Under a cap on the whole process (`EngineConfig.memory`, on a CPU device, where the device tier is RAM) the device
+budget is the cap minus what the process holds when it plans and MEMORY_RESERVE; the engine's device tier then gets
+that budget less the activations the cost model counted in it, which the engine allocates outside its tier.
 """
 
 from __future__ import annotations
@@ -15,13 +19,21 @@ from pathlib import Path
 
 import torch
 
-from offload.common.config import EngineConfig
+from offload.common.config import EngineConfig, Policy
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
+from offload.common.model_config import ModelSpec
 from offload.common.sizes import format_size
-from scheduler.cost import Budgets, Prediction, Workload
+from scheduler.cost import Budgets, Candidate, Prediction, Workload, make_context, tier_memory
 from scheduler.search import best, search
 from tiers.kv import KVCache
+
+# bytes of a process's peak RSS beyond its RSS when it planned and the device bytes the cost model predicted (weights,
+# KV cache, ring, activations, logits): allocator slack, decode attention's copy of a layer's K/V, the read threads,
+# Python objects, sampling. Measured on the 1.1B streaming checkpoint (bf16, 128-token prompts, 16 new tokens, CPU):
+# 39 MiB at batch 16 (every layer streamed), 80 and 94 MiB at batch 128 (2 and 3 layers resident), 14 MiB at batch
+# 64 (all resident); twice the most, since part of it grows with the batch
+MEMORY_RESERVE = 192 << 20
 
 
 def autoconfigure(
@@ -32,6 +44,7 @@ def autoconfigure(
     hardware: HardwareProfile | None = None,
 ) -> tuple[EngineConfig, Prediction]:
     """`config` with max_num_seqs, kv_cache_bytes, max_step_tokens and micro_batch_tokens chosen by the cost model.
+    With `config.memory` (a cap on the process) the result has the device budget derived from it instead.
 
     hardware: None = this machine's profile (`offload probe`'s, measured quickly now if there is none).
     """
@@ -47,6 +60,9 @@ def autoconfigure(
 
         hardware = local_profile()
     dtype = spec.dtype if config.dtype == "auto" else config.dtype
+    device_budget = config.device_memory
+    if config.memory is not None:
+        device_budget = memory_budget(config)
     requests = len(prompt_lens)
     prompt = max(prompt_lens)  # the KV cache and activations must hold the longest
     workload = Workload(prompt, max_new_tokens, requests)
@@ -56,13 +72,21 @@ def autoconfigure(
         hardware,
         workload,
         dtype=dtype,
-        budgets=Budgets(device=config.device_memory, host=config.host_memory),
+        budgets=Budgets(device=device_budget, host=config.host_memory),
         batches=batches,
         kv_tiers=("device",),
         ring_slots=config.ring_slots,
         block_size=config.block_size,
     )
     chosen = best(predictions, runnable_only=True)
+    if chosen is None and config.memory is not None:
+        short = predictions[0].overflow.get("device", 0)
+        held = config.memory - MEMORY_RESERVE - config.host_memory - device_budget  # the RSS memory_budget read
+        raise OffloadError(
+            f"memory of {format_size(config.memory)} is {format_size(short)} short of one sequence of "
+            f"{prompt + max_new_tokens} tokens (this process held {format_size(held)} when it planned, and "
+            f"{format_size(MEMORY_RESERVE)} is kept for what the cost model does not count)"
+        )
     if chosen is None:
         over = ", ".join(f"{t} by {format_size(b)}" for t, b in predictions[0].overflow.items())
         raise OffloadError(
@@ -82,7 +106,41 @@ def autoconfigure(
         max_step_tokens=max(step_tokens, cand.batch),
         micro_batch_tokens=max(math.ceil(step_tokens / cand.micro_batches), 1),
     )
+    if config.memory is not None:  # the engine's device tier: what the budget leaves beside the activations
+        activations = activation_bytes(shape, hardware, dtype, config.block_size, cand, workload)
+        planned = dataclasses.replace(planned, memory=None, device_memory=device_budget - activations)
     return planned, chosen
+
+
+def process_rss() -> int:
+    """Bytes this process holds resident now."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def memory_budget(config: EngineConfig) -> int:
+    """The device budget `config.memory` leaves: the cap minus this process's RSS now, MEMORY_RESERVE and the host RAM
+    budget, which the same RAM holds (bytes; below zero when the process already holds more, so that the search says
+    by how much one sequence is short)."""
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    if not on_cpu:
+        raise OffloadError(
+            "memory caps the process's RAM, which holds the weights and KV cache only on a CPU device: "
+            "on CUDA give device_memory (--device-memory) and host_memory (--host-memory)"
+        )
+    return config.memory - process_rss() - MEMORY_RESERVE - config.host_memory
+
+
+def activation_bytes(
+    shape: ModelSpec, hardware: HardwareProfile, dtype: str, block_size: int, cand: Candidate, workload: Workload
+) -> int:
+    """What the cost model counts on the device for `cand` beyond what the engine's device tier is charged (the
+    embedding, head, layers, ring and KV cache): a step's activations and logits (bytes)."""
+    ctx = make_context(shape, hardware, dtype, block_size)
+    bare = tier_memory(ctx, dataclasses.replace(cand, policy=Policy(())), workload)["device"]  # no layer placed
+    kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
+    return int(bare - (shape.params.embed + shape.params.head) * ctx.dtype_bytes - kv)
 
 
 def describe(prediction: Prediction) -> str:

@@ -10,7 +10,11 @@ from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
+from offload.common.sizes import format_size, parse_size
+from offload.planner import autoconfig
 from offload.planner.autoconfig import autoconfigure
+from offload.planner.models import load_model_spec
+from scheduler.cost import Workload
 from tiers.kv import KVCache
 
 
@@ -83,3 +87,102 @@ def test_cli_plans_when_neither_batch_nor_kv_is_fixed(model_dir, capsys, monkeyp
         == 0
     )
     assert "the cost model's choice" not in capsys.readouterr().err
+
+
+# ---- a cap on the whole process ---------------------------------------------------------------------------------
+
+HELD = 50_000_000  # bytes: what the process holds when it plans, as the patched RSS reader says
+
+
+# device bytes a cap leaves: one layer resident, five streamed through 2 slots, with room for the engine's 4 KiB
+# alignment of each tensor (10% of these tiny layers), which the cost model does not count
+ROOM = 1_000_000
+
+
+@pytest.fixture
+def held(monkeypatch):
+    monkeypatch.setattr(autoconfig, "process_rss", lambda: HELD)
+
+
+def test_memory_plans_in_the_cap_less_the_rss_and_the_reserve(model_dir, held):
+    hw = slow_disk_cpu()
+    cap = HELD + autoconfig.MEMORY_RESERVE + ROOM
+    base = EngineConfig(memory=cap, dtype="float32", device="cpu")
+    config, prediction = autoconfigure(model_dir, base, [10] * 12, 6, hw)
+    _, same = autoconfigure(model_dir, EngineConfig(device_memory=ROOM, dtype="float32"), [10] * 12, 6, hw)
+    assert prediction == same  # the cost model saw a device budget of ROOM bytes
+    cand = prediction.candidate
+    assert (cand.batch, cand.micro_batches, cand.policy.counts) == (12, 4, (1, 0, 5))
+    shape = load_model_spec(str(model_dir))
+    activations = autoconfig.activation_bytes(shape, hw, "float32", 16, cand, Workload(10, 6, 12))
+    # float32: a prefill micro-batch of 3 prompts of 10 tokens, 672 values live per token in a layer (hidden 64,
+    # q/k/v, MLP 96), the batch's hidden states between layers, and the logits of 12 rows over 300 tokens
+    assert activations == (3 * 10 * 672 + 12 * 10 * 64 + 12 * 300) * 4
+    # the engine's device tier: the budget less the activations the cost model counted in it, allocated outside
+    assert config.memory is None and config.device_memory == ROOM - activations
+    assert config.max_num_seqs == cand.batch
+    llm = LLM(model_dir, config)
+    assert llm.policy == cand.policy
+    out = llm.generate_ids([[5 + i] * 10 for i in range(12)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert all(len(c.token_ids) == 6 for c in out) and llm.device_tier.peak <= config.device_memory
+
+
+def test_what_the_process_holds_comes_out_of_the_cap(model_dir, monkeypatch):
+    hw = slow_disk_cpu()
+    cap = HELD + autoconfig.MEMORY_RESERVE + 700_000
+    monkeypatch.setattr(autoconfig, "process_rss", lambda: HELD + 200_000)
+    _, prediction = autoconfigure(model_dir, EngineConfig(memory=cap, dtype="float32"), [10] * 12, 6, hw)
+    _, same = autoconfigure(model_dir, EngineConfig(device_memory=500_000, dtype="float32"), [10] * 12, 6, hw)
+    assert prediction == same
+
+
+@pytest.mark.parametrize("room", [10_000, -(1 << 20)])  # device bytes the cap leaves: too few, or below nothing
+def test_a_cap_too_small_for_one_sequence_says_by_how_much(model_dir, held, room):
+    cap = HELD + autoconfig.MEMORY_RESERVE + room
+    with pytest.raises(OffloadError, match="over device by ") as budgeted:
+        autoconfigure(model_dir, EngineConfig(device_memory=10_000, dtype="float32"), [8], 4, slow_disk_cpu())
+    need = 10_000 + parse_size(str(budgeted.value).split("over device by ")[1].split(" (")[0].replace(" ", ""))
+    with pytest.raises(OffloadError) as capped:
+        autoconfigure(model_dir, EngineConfig(memory=cap, dtype="float32"), [8], 4, slow_disk_cpu())
+    said = str(capped.value)
+    assert "\n" not in said
+    assert said.startswith(f"memory of {format_size(cap)} is {format_size(need - room)} short of one sequence of 12")
+    assert f"held {format_size(HELD)} when it planned" in said
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"memory": -1}, "memory must be a non-negative number of bytes, got -1"),
+        ({"memory": "2GiB"}, "memory must be a non-negative number of bytes, got '2GiB'"),
+        ({"memory": 1 << 30, "device_memory": 1 << 29}, "are exclusive"),
+    ],
+)
+def test_bad_memory_is_one_clear_error(fields, message):
+    with pytest.raises(OffloadError, match=message):
+        EngineConfig(**fields)
+
+
+def test_memory_is_only_honoured_through_the_cost_model(model_dir):
+    with pytest.raises(OffloadError, match="autoconfigure"):
+        LLM(model_dir, EngineConfig(memory=1 << 30, dtype="float32"))
+    with pytest.raises(OffloadError, match="only on a CPU device"):
+        autoconfigure(model_dir, EngineConfig(memory=1 << 30, device="cuda"), [8], 4, slow_disk_cpu())
+
+
+def test_cli_memory_plans_like_device_memory(model_dir, held, capsys, monkeypatch):
+    import offload.planner.probe
+    from offload.cli import main
+
+    monkeypatch.setattr(offload.planner.probe, "local_profile", slow_disk_cpu)
+    argv = ["generate", "--model", str(model_dir), "--prompt", "abc", "--prompt", "de", "--max-new-tokens", "3"]
+    cap = str(HELD + autoconfig.MEMORY_RESERVE + 700_000)
+    assert main([*argv, "--memory", cap, "--dtype", "float32", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "the cost model's choice" in err and f"memory     cap {format_size(int(cap))}: " in err
+    assert main([*argv, "--memory", cap, "--max-num-seqs", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --memory sizes the batch and KV cache itself: drop --max-num-seqs and --kv-cache-memory"
+    )
+    assert main([*argv, "--memory", cap, "--device-memory", "700000"]) == 2
+    assert "are exclusive" in capsys.readouterr().err

@@ -12,7 +12,7 @@ it and the peers' checkpoint pages are evicted before every forward pass.
 
 The peers get --peer-budget of RAM for weights (Accelerate's max_memory, ZeRO's max_in_cpu) and try the batches in
 ascending order: their best is the largest whose peak RSS stays under the cap, and the first run over the cap (or
-failed) ends their trials, since RSS only grows with batch. Ours gets the cap alone (EngineConfig(memory=cap)): the
+failed) ends their trials, since RSS only grows with batch; a batch already run under a smaller cap is not rerun. Ours gets the cap alone (EngineConfig(memory=cap)): the
 cost model picks its batch for the largest of --batches candidate requests, and it runs one batch of that size; a
 peak over the cap is reported as over, never hidden. Prints a table per cap and the goals, and writes every run
 tried, with the machine, to --out. MB and GB are 1e6 and 1e9 bytes.
@@ -166,6 +166,7 @@ def main_run(args: argparse.Namespace) -> None:
     workload = Workload()  # 128-token prompts, 16 new tokens; the batch is each run's
     candidates = max(args.batches)
 
+    @functools.cache  # a peer's run does not depend on the cap: a larger cap reuses the smaller one's runs
     def worker(name: str, budget: str, prompts: int) -> EngineResult:
         plumbing = argparse.Namespace(work_dir=args.work_dir, budget=budget, prompts=prompts)
         return run_worker(name, model_dir, plumbing, cache_paths)

@@ -12,10 +12,11 @@ it and the peers' checkpoint pages are evicted before every forward pass.
 
 The peers get --peer-budget of RAM for weights (Accelerate's max_memory, ZeRO's max_in_cpu) and try the batches in
 ascending order: their best is the largest whose peak RSS stays under the cap, and the first run over the cap (or
-failed) ends their trials, since RSS only grows with batch; a batch already run under a smaller cap is not rerun. Ours gets the cap alone (EngineConfig(memory=cap)): the
-cost model picks its batch for the largest of --batches candidate requests, and it runs one batch of that size; a
-peak over the cap is reported as over, never hidden. Prints a table per cap and the goals, and writes every run
-tried, with the machine, to --out. MB and GB are 1e6 and 1e9 bytes.
+failed) ends their trials, since RSS only grows with batch (a batch already run for a smaller cap is not rerun).
+Ours gets the cap alone (EngineConfig(memory=cap)): the cost model picks its batch for the largest of --batches
+candidate requests, and it runs one batch of that size; a peak over the cap is reported as over, never hidden.
+Prints a table per cap and the goals, and writes every run tried, with the machine, to --out. MB and GB are 1e6
+and 1e9 bytes.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import resource
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -95,6 +96,9 @@ class AioBackend(PreadBackend):
         self._pending: list[tuple[int, bool]] = []  # (bytes, bounced) of each op submitted and not yet reaped
         self._submitted = 0  # tickets handed out; op k is reaped once _reaped >= k
         self._reaped = 0
+        # the op aborts the process when a handle is destroyed with reads in flight, and a ring always has reads
+        # ahead: whoever drops the backend without close() (or exits), the handle is drained first
+        self._drain = weakref.finalize(self, _drain, self._handle, self._pending, self._aio_lock)
 
     def _start(self, file: OpenFile, start: int, region: torch.Tensor) -> Callable[[], int]:
         if not file.direct:
@@ -144,7 +148,16 @@ class AioBackend(PreadBackend):
 
     def close(self) -> None:
         self._reap(self._submitted)
+        self._drain.detach()
         super().close()
+
+
+def _drain(handle: object, pending: list, lock: threading.Lock) -> None:
+    """Wait for a handle's reads in flight, if any (the op also aborts on a wait with none pending)."""
+    with lock:
+        if pending:
+            handle.wait()
+            pending.clear()
 
 
 CAP_IPC_LOCK = 14  # capability bit: mlock without limit

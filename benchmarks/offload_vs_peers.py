@@ -13,8 +13,9 @@ checkpoint's pages evicted before every forward pass, that eviction's time left 
 
 The physical limit of the workload: per pass, max(streamed bytes / the best read rate measured, that pass's
 compute time with every weight resident, the fastest of the rounds). The read rate is the best of a cold
-sequential read of the checkpoint and of re-reading exactly the bytes our engine streams, as many times as a
-run reads them, with O_DIRECT (a virtual disk serves repeated reads faster than cold ones). An engine faster
+sequential read of the checkpoint, of re-reading exactly the bytes our engine streams, as many times as a run
+reads them, with O_DIRECT (a virtual disk serves repeated reads faster than cold ones), and of the rate our
+engine's own reads reached in any round. An engine faster
 than that is reported as proof the limit is wrong, never as a ratio under 1. Prints a table and the goals and
 writes benchmarks/results/offload_vs_peers.json with the machine it ran on. GB/s is 1e9 bytes per second.
 """
@@ -299,10 +300,13 @@ def main_run(args: argparse.Namespace) -> None:
     results = {n: median_run(runs[n]) for n in engines}
     resident_runs = runs.get("resident", [])
     ours = results.get("ours")
-    limit = same_bytes = read_fraction = None
+    limit = same_bytes = read_fraction = best_gbps = None
     if ours and ours.status == "ok" and any(r.status == "ok" for r in resident_runs):
         same_bytes = streamed_read(model_dir, ours.extra["layer_tiers"], ours.passes)
-        best_gbps = max(same_bytes["best_gbps"], *raw["runs_gbps"])
+        # the best rate any reader reached on these bytes: the raw reads, or our engine's own reads in any round
+        # (an achieved rate is a measured capability of the disk, and no engine can then beat the read half)
+        engine_gbps = [r.extra["read_gbps"] for r in runs["ours"] if r.status == "ok"]
+        best_gbps = max(same_bytes["best_gbps"], *raw["runs_gbps"], *engine_gbps)
         limit = physical_limit(ours.streamed_bytes_per_pass, best_gbps, fastest_passes(resident_runs))
         read_fraction = ours.extra["read_gbps"] / same_bytes["best_gbps"] if same_bytes["best_gbps"] else None
     fastest = {n: spread(runs[n])["min_wall_seconds"] for n in engines if spread(runs[n])["ok"]}
@@ -317,7 +321,10 @@ def main_run(args: argparse.Namespace) -> None:
         runs_said = ", ".join(f"{x:.3f}" for x in same_bytes["runs_gbps"])
         print(f"the bytes ours streams, re-read {same_bytes['passes']} times with O_DIRECT: {runs_said} GB/s")
     if limit:
-        print(f"physical limit: {limit:.2f} s over {ours.passes} passes (the best read rate, the fastest compute)")
+        print(
+            f"physical limit: {limit:.2f} s over {ours.passes} passes (the best read rate measured, "
+            f"{best_gbps:.3f} GB/s, and the fastest compute)"
+        )
         for name, wall in fastest.items():
             verdict = f"{wall / limit:.2f}x the limit" if wall >= limit else "UNDER the limit: the limit is wrong"
             print(f"  {name}: fastest run {wall:.2f} s = {verdict}")
@@ -351,6 +358,7 @@ def main_run(args: argparse.Namespace) -> None:
         "raw_read": raw,
         "streamed_read": same_bytes,
         "physical_limit_seconds": limit,
+        "limit_read_gbps": best_gbps,
         "results": {
             k: asdict(r)
             | {

@@ -49,12 +49,10 @@ def autoconfigure(
     hardware: None = this machine's profile (`offload probe`'s, measured quickly now if there is none).
     """
     from offload.model.loader import load_spec
-    from offload.planner.models import load_model_spec
 
     if not prompt_lens:
         raise OffloadError("no prompts to plan for")
-    spec, _ = load_spec(model_dir)
-    shape = load_model_spec(str(model_dir))
+    spec, _ = load_spec(model_dir)  # one read of config.json: the spec the engine runs is what the cost model prices
     if hardware is None:
         from offload.planner.probe import local_profile
 
@@ -68,7 +66,7 @@ def autoconfigure(
     workload = Workload(prompt, max_new_tokens, requests)
     batches = sorted({1 << i for i in range(13) if 1 << i < requests} | {requests})
     predictions = search(
-        shape,
+        spec,
         hardware,
         workload,
         dtype=dtype,
@@ -107,7 +105,7 @@ def autoconfigure(
         micro_batch_tokens=max(math.ceil(step_tokens / cand.micro_batches), 1),
     )
     if config.memory is not None:  # the engine's device tier: what the budget leaves beside the activations
-        activations = activation_bytes(shape, hardware, dtype, config.block_size, cand, workload)
+        activations = activation_bytes(spec, hardware, dtype, config.block_size, cand, workload)
         planned = dataclasses.replace(planned, memory=None, device_memory=device_budget - activations)
     return planned, chosen
 

@@ -16,12 +16,9 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet -e ".[test,aio]" torch==2.13.0
 	touch $(STAMP)
 
-# DeepSpeed's async_io op JIT-builds once (several minutes on 2 cores; cached in ~/.cache/torch_extensions,
-# a few seconds to load after that). The tests need it; the demo does not.
-# A build killed midway leaves torch's `lock` file behind and every later load waits on it forever:
-# a lock older than an hour (a build takes minutes) is stale and goes.
+# DeepSpeed's async_io op JIT-builds once per environment (several minutes on 2 cores; cached in
+# .venv/torch_extensions, a few seconds to load after that). The tests need it; the demo does not.
 aio-op: $(STAMP)
-	@find $(HOME)/.cache/torch_extensions -name lock -mmin +60 -delete 2>/dev/null || true
 	$(VENV)/bin/python -c "from tiers.io.aio import aio_unavailable; print('aio backend:', aio_unavailable() or 'ready')"
 
 # libaio-dev (headers + .so) for the aio I/O backend; without it that backend is unavailable and pread serves

@@ -400,6 +400,11 @@ def run_zero(model_dir: Path, budget: int, workload: Workload, scratch: Path) ->
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    from tiers.io.aio import aio_unavailable
+
+    if why := aio_unavailable():  # builds the op where ours finds it ($TORCH_EXTENSIONS_DIR), so DeepSpeed loads it
+        raise RuntimeError(f"ZeRO-Inference offloads to NVMe through DeepSpeed's aio op: {why}")
+
     nvme_dir = scratch / "zero_nvme"
     nvme_dir.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(model_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -203,8 +204,8 @@ def test_auto_io_backend_follows_the_probe(model_dir, probed, monkeypatch):
     completions = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
     assert "\ni/o        backend pread (probe: 1.02 vs aio 0.88 GB/s)" in _summary(llm, completions)
     probed(pread=1.02, aio=1.5)
-    monkeypatch.setattr(aio, "_load_op", lambda: "libaio is missing")
-    assert LLM(model_dir, config).io_backend == ("pread", "probe measured aio, but it is unavailable now")
+    monkeypatch.setattr(aio, "_load_op", functools.cache(lambda: "libaio is missing"))
+    assert LLM(model_dir, config).io_backend == ("pread", "probe measured aio, but its op is not built or loadable now")
     pread = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4, io_backend="pread"))
     assert pread.io_backend == ("pread", "asked") and pread.backend.name == "pread"
 
@@ -225,9 +226,9 @@ def test_auto_io_backend_without_a_probe_keeps_the_default(model_dir, probed):
     import torch
 
     from offload.planner.profiles import local_profile_path
-    from tiers.io.aio import aio_unavailable
+    from tiers.io.aio import aio_ready
 
-    default = "aio" if torch.cuda.is_available() and aio_unavailable() is None else "pread"
+    default = "aio" if torch.cuda.is_available() and aio_ready() else "pread"
     config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4)
     assert LLM(model_dir, config).io_backend == (default, "no probe: default")  # no profile in the cache
     assert not local_profile_path().exists()  # read if there, never measured now

@@ -281,11 +281,13 @@ def test_make_backend_by_name(monkeypatch):
 
 @pytest.fixture
 def aio_runs(monkeypatch):
-    """Whether the aio op loads, set by the test: the rule only asks aio_unavailable(), never builds a handle."""
+    """Whether the aio op is built and loads, set by the test: the rule only asks aio_ready(), never builds a
+    handle."""
     from tiers.io import aio
 
     def set_runs(runs: bool, cuda: bool = False) -> None:
         monkeypatch.setattr(aio, "_load_op", (lambda: object()) if runs else (lambda: "libaio is missing"))
+        monkeypatch.setattr(aio, "aio_built", lambda: runs)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
 
     return set_runs
@@ -302,7 +304,7 @@ def test_auto_takes_the_faster_backend_the_probe_measured(aio_runs):
     assert choose_backend("auto", {"pread": 1e9, "aio": 1e9}).name == "pread"  # a tie keeps the simpler path
     aio_runs(False)  # measured faster once, unavailable now
     assert choose_backend("auto", {"pread": 1.02e9, "aio": 1.5e9}) == BackendChoice(
-        "pread", "probe measured aio, but it is unavailable now"
+        "pread", "probe measured aio, but its op is not built or loadable now"
     )
 
 
@@ -392,6 +394,50 @@ def test_aio_built_looks_for_the_cached_build_without_building(tmp_path, monkeyp
     (tmp_path / "async_io").mkdir()
     (tmp_path / "async_io" / "async_io.so").write_bytes(b"")
     assert aio.aio_built()
+
+
+def test_auto_never_builds_the_aio_op(monkeypatch):
+    """A machine whose probe rated aio faster, in an environment where the op is not built yet: "auto" takes pread
+    at once rather than waiting minutes for DeepSpeed's JIT build (the demo from a fresh clone)."""
+    from tiers.io import aio
+
+    monkeypatch.setattr(aio, "_load_op", functools.cache(lambda: pytest.fail("auto must not build the op")))
+    monkeypatch.setattr(aio, "aio_built", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert choose_backend("auto", {"pread": 0.9e9, "aio": 1.5e9}).name == "pread"
+    assert choose_backend("auto").name == "pread"
+
+
+def test_the_op_builds_in_the_environments_own_folder(tmp_path, monkeypatch):
+    from tiers.io import aio
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    assert aio.use_environment_build_dir() == tmp_path / "venv" / "torch_extensions" / "async_io"
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "venv" / "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "chosen"))  # the user's choice stands
+    assert aio.use_environment_build_dir() == tmp_path / "chosen" / "async_io"
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path):
+    """torch's build lock is a plain file: a build killed midway leaves it, and torch waits on it forever. Under
+    the flock (released by the kernel when its holder dies), a torch lock is stale and goes."""
+    from tiers.io import aio
+
+    build = tmp_path / "async_io"
+    build.mkdir()
+    (build / "lock").write_bytes(b"")
+    done = threading.Event()
+
+    def take() -> None:
+        with aio._build_lock(build):
+            done.set()
+
+    worker = threading.Thread(target=take, daemon=True)
+    worker.start()
+    assert done.wait(10), "a stale torch lock blocked the build"
+    assert not (build / "lock").exists()
 
 
 def test_an_aio_backend_dropped_with_reads_in_flight_does_not_abort_the_process(data):

@@ -16,11 +16,15 @@ Files on filesystems without O_DIRECT are read by the preadv pool, buffered; `is
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import os
 import resource
+import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -32,10 +36,34 @@ from tiers.io.base import ALIGN, OpenFile
 from tiers.io.direct import PreadBackend
 
 
+def use_environment_build_dir() -> Path:
+    """Where torch's JIT keeps the op's build, made this Python environment's own: inside a virtualenv (unless
+    $TORCH_EXTENSIONS_DIR says otherwise), `<venv>/torch_extensions`. torch's default folder is shared by every
+    environment of the user, and two environments at different paths rebuild the op over each other there (their
+    include paths differ), each waiting on the other's lock. Sets $TORCH_EXTENSIONS_DIR for this process, so
+    DeepSpeed's own loads (ZeRO-Inference) find the same build."""
+    if "TORCH_EXTENSIONS_DIR" not in os.environ and sys.prefix != sys.base_prefix:
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions")
+    from torch.utils.cpp_extension import _get_build_directory  # honours $TORCH_EXTENSIONS_DIR; creates the folder
+
+    return Path(_get_build_directory("async_io", verbose=False))
+
+
+@contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """Hold the op's build for this process. torch's own lock is a file that a killed build leaves behind, after
+    which every later load waits on it forever; this flock dies with its holder. Every load here takes the flock
+    first, so a torch lock found while holding it belongs to no live build and goes."""
+    with open(build.parent / "async_io.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def _load_op() -> ModuleType | str:
     """DeepSpeed's async_io op, or one line saying why not. The first call in a fresh environment JIT-builds it
-    (minutes; cached under ~/.cache/torch_extensions), later calls and processes load the cached build."""
+    (minutes; cached in use_environment_build_dir()), later calls and processes load the cached build."""
     try:
         with quiet_deepspeed_import():
             from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -45,7 +73,8 @@ def _load_op() -> ModuleType | str:
     if not builder.is_compatible():
         return "libaio is missing (apt-get install libaio-dev)"
     try:
-        return builder.load(verbose=False)
+        with _build_lock(use_environment_build_dir()):
+            return builder.load(verbose=False)
     except Exception as exc:
         return f"building DeepSpeed's async_io op failed ({str(exc).splitlines()[0] if str(exc) else exc!r})"
 
@@ -55,16 +84,20 @@ def aio_built() -> bool:
     if _load_op.cache_info().currsize:
         return not isinstance(_load_op(), str)
     try:
-        from torch.utils.cpp_extension import _get_build_directory  # where torch's JIT keeps the build
+        return (use_environment_build_dir() / "async_io.so").exists()
     except ImportError:
         return False
-    return (Path(_get_build_directory("async_io", verbose=False)) / "async_io.so").exists()
 
 
 def aio_unavailable() -> str | None:
     """None when the aio backend can run here, else why not (loading, and if needed building, the op)."""
     op = _load_op()
     return op if isinstance(op, str) else None
+
+
+def aio_ready() -> bool:
+    """Whether the aio backend runs here without first building the op (minutes): what an automatic choice asks."""
+    return aio_built() and aio_unavailable() is None
 
 
 class AioBackend(PreadBackend):

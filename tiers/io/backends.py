@@ -12,7 +12,7 @@ import torch
 
 from offload.common.config import IO_BACKENDS, READ_BACKENDS
 from offload.common.errors import OffloadError
-from tiers.io.aio import AioBackend, aio_unavailable
+from tiers.io.aio import AioBackend, aio_ready
 from tiers.io.base import ReadBackend
 from tiers.io.direct import PreadBackend
 
@@ -27,7 +27,8 @@ class BackendChoice(NamedTuple):
 def choose_backend(name: str, measured: Mapping[str, float] | None = None) -> BackendChoice:
     """Resolve `name`. "pread" and "aio" are taken as asked (make_backend says why aio cannot run). "auto", when
     `measured` (backend -> bytes/s of cold reads, what `offload probe` saved for this machine) holds both, takes
-    the faster (pread on a tie, or where aio is unavailable now); without both rates, the default rule: aio only
+    the faster (pread on a tie, or where aio's op is not built: an automatic choice never waits minutes for
+    DeepSpeed's JIT build, `make aio-op` does it); without both rates, the default rule: aio only
     on CUDA machines, where buffers are page-locked: on a CPU-only machine the op locks and copies through a
     bounce buffer per read, and measured slower than pread (benchmarks/results/io_bandwidth.json)."""
     if name in READ_BACKENDS:
@@ -36,12 +37,12 @@ def choose_backend(name: str, measured: Mapping[str, float] | None = None) -> Ba
         raise OffloadError(f"I/O backend {name!r}: unknown; choose one of {', '.join(IO_BACKENDS)}")
     measured = measured or {}
     if "pread" in measured and "aio" in measured:
-        if aio_unavailable() is not None:
-            return BackendChoice("pread", "probe measured aio, but it is unavailable now")
+        if not aio_ready():
+            return BackendChoice("pread", "probe measured aio, but its op is not built or loadable now")
         best, other = sorted(("pread", "aio"), key=lambda b: measured[b], reverse=True)
         return BackendChoice(best, f"probe: {measured[best] / 1e9:.2f} vs {other} {measured[other] / 1e9:.2f} GB/s")
     why = "no probe: default" if not measured else "probe measured pread alone: default"
-    use_aio = torch.cuda.is_available() and aio_unavailable() is None
+    use_aio = torch.cuda.is_available() and aio_ready()
     return BackendChoice("aio" if use_aio else "pread", why)
 
 

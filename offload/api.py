@@ -13,14 +13,13 @@ import torch
 from offload.common.config import EngineConfig, Policy, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
+from offload.core import Delta, EngineCore
 from offload.model.engine import Engine
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
-from offload.model.sampling import sample
 from offload.planner.profiles import saved_read_rates
-from scheduler.batcher import Batcher, BatchLimits
+from scheduler.batcher import BatchLimits
 from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
-from scheduler.sequence import Sequence
 from tiers.checkpoint import Checkpoint
 from tiers.device import DeviceTier
 from tiers.host import HostTier
@@ -112,6 +111,12 @@ class Placement:
     spill: SpillStats | None = None  # what --offload-dir holds for this model (None: not set)
 
 
+def _completion(prompt: str | None, prompt_ids: list[int], deltas: list[Delta]) -> Completion:
+    tokens = tuple(t for d in deltas for t in d.token_ids)
+    text = "".join(d.text for d in deltas)
+    return Completion(prompt, text, tokens, len(prompt_ids), deltas[-1].finish_reason or "length")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -183,6 +188,9 @@ class LLM:
         self.tables = BlockTables(BlockPool(self.kv.num_blocks), config.block_size)
         self.max_model_len = min(self.spec.max_position, self.kv.num_blocks * config.block_size)
         self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype)
+        limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, self.max_model_len)
+        tokenizer = (lambda: self.tokenizer) if has_tokenizer(self.model_dir) else None
+        self.core = EngineCore(self.engine, self.tables, limits, self.eos_ids, self.weights, tokenizer)
         self.stats: RunStats | None = None
 
     def _make_kv_cache(self) -> KVCache:
@@ -257,18 +265,7 @@ class LLM:
         return self._check_ids(list(ids), index)
 
     def _check_ids(self, ids: list[int], index: int) -> list[int]:
-        if not ids:
-            raise OffloadError(f"prompt {index} encodes to no tokens")
-        if len(ids) >= self.max_model_len:
-            raise OffloadError(
-                f"prompt {index} has {len(ids)} tokens; the context window is {self.max_model_len} tokens "
-                f"(max_position_embeddings {self.spec.max_position}, KV cache "
-                f"{self.kv.num_blocks * self.kv.block_size} tokens) and must leave room for one new token"
-            )
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise OffloadError(f"prompt {index}: token id {bad[0]} is outside the vocabulary of {self.spec.vocab_size}")
-        return ids
+        return self.core.check_prompt(ids, index)
 
     def generate(
         self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None
@@ -290,83 +287,49 @@ class LLM:
         prompts: list[str] | None = None,
     ) -> list[Completion]:
         """Generate for already-tokenized prompts; one Completion per prompt, in order. `params` is one for all
-        prompts or one per prompt (each its own length, temperature, seed, stop strings)."""
+        prompts or one per prompt (each its own length, temperature, seed, stop strings). Drives the engine core
+        until every prompt is done; RunStats covers this call."""
         called = time.perf_counter()
         per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_ids)
         if len(per_prompt) != len(prompt_ids):
             raise OffloadError(f"{len(per_prompt)} sampling params for {len(prompt_ids)} prompts")
-        seqs = [
-            Sequence(i, list(self._check_ids(ids, i)), p)
-            for i, (ids, p) in enumerate(zip(prompt_ids, per_prompt, strict=True))
+        checked = [self._check_ids(list(ids), i) for i, ids in enumerate(prompt_ids)]  # all, before any runs
+        before = self.core.counters()
+        self.core.peak_kv_blocks = self.tables.num_used
+        rids = [
+            self.core.add_request(ids, p, stream_text=False, index=i)
+            for i, (ids, p) in enumerate(zip(checked, per_prompt, strict=True))
         ]
-        gens = {s.seq_id: self._generator(s.params.seed) for s in seqs}
-        batcher = Batcher(self.tables, self._limits(), self.eos_ids)
-        for s in seqs:
-            batcher.add(s)
-        prefill_seconds = decode_seconds = 0.0
-        io_before = self.weights.stats
-        steps = peak = decode_tokens = 0
-        while batcher.has_work:
-            plan = batcher.schedule()
-            start = time.perf_counter()
-            out = self.engine.step(plan)
-            tokens = sample(out.logits, [seqs[i].params for i in out.seq_ids], [gens[i] for i in out.seq_ids])
-            if plan.num_prefill_tokens:
-                prefill_seconds += time.perf_counter() - start
-            else:
-                decode_seconds += time.perf_counter() - start
-                decode_tokens += plan.num_decode_tokens
-            steps += 1
-            peak = max(peak, self.tables.num_used)
-            batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)))
-            self._check_stop_strings([seqs[i] for i in out.seq_ids], batcher)
-        prompts = prompts or [None] * len(seqs)
-        completions = [self._completion(s, p) for s, p in zip(seqs, prompts, strict=True)]
+        outputs: dict[int, list[Delta]] = {rid: [] for rid in rids}
+        try:
+            while any(not d or d[-1].finish_reason is None for d in outputs.values()):
+                for delta in self.core.step():
+                    if delta.request_id in outputs:
+                        outputs[delta.request_id].append(delta)
+        except BaseException:
+            for rid in rids:  # an error or Ctrl-C mid-call leaves no request behind in the core
+                self.core.abort(rid)
+            self.core.step()
+            raise
+        after = self.core.counters()
+        prompts = prompts or [None] * len(rids)
+        completions = [_completion(p, ids, outputs[rid]) for p, ids, rid in zip(prompts, checked, rids, strict=True)]
         self.stats = RunStats(
-            requests=len(seqs),
-            prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
-            generated_tokens=sum(len(s.output_ids) for s in seqs),
-            prefill_seconds=prefill_seconds,
-            decode_seconds=decode_seconds,
-            decode_tokens=decode_tokens,
-            steps=steps,
-            preemptions=batcher.num_preemptions,
-            peak_kv_blocks=peak,
-            bytes_read=self.weights.stats.bytes_read - io_before.bytes_read,
-            read_seconds=self.weights.stats.read_seconds - io_before.read_seconds,
-            stall_seconds=self.weights.stats.stall_seconds - io_before.stall_seconds,
+            requests=len(rids),
+            prompt_tokens=sum(c.prompt_tokens for c in completions),
+            generated_tokens=sum(len(c.token_ids) for c in completions),
+            prefill_seconds=after.prefill_seconds - before.prefill_seconds,
+            decode_seconds=after.decode_seconds - before.decode_seconds,
+            decode_tokens=after.decode_tokens - before.decode_tokens,
+            steps=after.steps - before.steps,
+            preemptions=after.preemptions - before.preemptions,
+            peak_kv_blocks=self.core.peak_kv_blocks,
+            bytes_read=after.bytes_read - before.bytes_read,
+            read_seconds=after.read_seconds - before.read_seconds,
+            stall_seconds=after.stall_seconds - before.stall_seconds,
             wall_seconds=time.perf_counter() - called,
         )
         return completions
-
-    def _generator(self, seed: int | None) -> torch.Generator | None:
-        return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-
-    def _limits(self) -> BatchLimits:
-        c = self.config
-        return BatchLimits(c.max_num_seqs, c.max_step_tokens, c.micro_batch_tokens, self.max_model_len)
-
-    def _check_stop_strings(self, seqs: list[Sequence], batcher: Batcher) -> None:
-        for seq in seqs:
-            stops = seq.params.stop
-            if not stops or seq.finish_reason == "stop":
-                continue
-            # a stop string completed this step lies within the last len(stop) tokens (slack for byte pieces)
-            tail = self.tokenizer.decode(seq.output_ids[-(max(map(len, stops)) + 8) :], skip_special_tokens=True)
-            if any(s in tail for s in stops):
-                if seq.is_finished:
-                    seq.finish_reason = "stop"
-                else:
-                    batcher.finish(seq, "stop")
-
-    def _completion(self, seq: Sequence, prompt: str | None) -> Completion:
-        if not has_tokenizer(self.model_dir):  # token ids in, token ids out: text needs a tokenizer
-            return Completion(prompt, "", tuple(seq.output_ids), len(seq.prompt_ids), seq.finish_reason or "length")
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text = text[:cut]
-        return Completion(prompt, text, tuple(seq.output_ids), len(seq.prompt_ids), seq.finish_reason or "length")
 
     def score(self, prompt_ids: list[list[int]]) -> list[torch.Tensor]:
         """Logits [len(ids), vocab] (float32) at every position of each token list: the prompt's scores."""

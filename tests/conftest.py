@@ -30,6 +30,24 @@ TINY = dict(
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tests' own cache folder: they never read the developer's (a saved hardware profile changes which I/O
+    backend "auto" takes) nor write to it."""
+    with pytest.MonkeyPatch.context() as patch:
+        root = tmp_path_factory.mktemp("offload-cache")
+        patch.setenv("OFFLOAD_CACHE_DIR", str(root))
+        yield root
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded demo model (trained, with a tokenizer and chat template), built once per test session."""
+    from offload import demo
+
+    return demo.ensure_demo_model(tmp_path_factory.mktemp("demo"))
+
+
 @contextlib.contextmanager
 def benchmark_module(name: str) -> Iterator[ModuleType]:
     """benchmarks/`name`.py imported by name with benchmarks/ on sys.path, as when it runs (it imports its

@@ -131,6 +131,9 @@ class EngineConfig:
         return cls(**fields, **{names[t]: b for t, b in tiers.items()})
 
 
+MAX_LOGPROBS = 20  # top alternatives a request may ask for with each token
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request picks its tokens. temperature 0 means greedy."""
@@ -142,6 +145,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # report each sampled token's logprob and this many top alternatives
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -156,6 +160,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
             raise OffloadError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise OffloadError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

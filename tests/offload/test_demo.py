@@ -15,8 +15,8 @@ from offload import demo
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return demo.ensure_demo_model(tmp_path_factory.mktemp("cache"))
+def model_dir(demo_model: Path) -> Path:
+    return demo_model
 
 
 @pytest.fixture(scope="module")

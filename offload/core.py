@@ -1,0 +1,268 @@
+"""The engine core: the one step loop that `LLM.generate`, the server and batch jobs all drive.
+
+    core = EngineCore(engine, tables, limits, eos_ids, tokenizer)
+    rid = core.add_request(prompt_ids, SamplingParams(...))    # joins the batch at the next step
+    for delta in core.step(): ...                              # new tokens and text of every request it advanced
+    core.abort(rid)                                            # its KV blocks go back to the pool now
+
+Request ids are unique for the life of the core and double as the scheduler's sequence ids. The core is
+single-threaded: whoever drives it from several threads (the server's front) serializes the calls. It keeps run
+statistics over its lifetime (`counters()`) and per request (`RequestMetrics`, on each request's last delta).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from offload.common.config import SamplingParams
+from offload.common.errors import OffloadError
+from offload.model.detokenize import TextStream
+from offload.model.engine import Engine
+from offload.model.sampling import sample
+from scheduler.batcher import Batcher, BatchLimits
+from scheduler.sequence import Sequence
+from tiers.kv import BlockTables
+from tiers.weights import WeightStore
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (before temperature and top-k/top-p), and the top
+    alternatives', most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """One request's timeline, in time.perf_counter() seconds."""
+
+    arrival: float
+    first_token: float | None  # None: finished (aborted) before its first token
+    finished: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first; None with fewer than two."""
+        if self.first_token is None or self.output_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one step added to one request. The last delta of a request has its finish_reason and metrics."""
+
+    request_id: int
+    token_ids: tuple[int, ...]  # new tokens (at most one per step)
+    text: str  # new text; "" where the model has no tokenizer
+    time: float  # time.perf_counter() when the step ended
+    finish_reason: str | None = None  # "stop" (eos or a stop string), "length" or "abort"
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked for them
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CoreCounters:
+    """Totals over the core's life; two snapshots subtract into the statistics of what ran between them."""
+
+    requests_added: int = 0
+    requests_finished: int = 0  # aborted ones included
+    requests_aborted: int = 0
+    prompt_tokens: int = 0  # of requests added
+    generated_tokens: int = 0
+    # a step that computed any prefill tokens counts as prefill, a mixed one too (it costs about what a decode
+    # step costs plus its prompt tokens), so that decode_* measure decode-only steps cleanly
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0  # decode-only steps
+    decode_tokens: int = 0  # tokens sampled by decode-only steps
+    steps: int = 0
+    preemptions: int = 0
+    bytes_read: int = 0  # weight bytes read from storage
+    read_seconds: float = 0.0  # wall time with at least one weight read in flight
+    stall_seconds: float = 0.0  # time the engine waited for weight reads
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    seq: Sequence
+    generator: torch.Generator | None
+    text: TextStream | None
+    arrival: float
+    first_token: float | None = None
+
+
+class EngineCore:
+    def __init__(
+        self,
+        engine: Engine,
+        tables: BlockTables,
+        limits: BatchLimits,
+        eos_ids: tuple[int, ...],
+        weights: WeightStore,
+        tokenizer: Callable[[], object] | None,
+    ) -> None:
+        """`tokenizer` returns the model's tokenizer (loaded on first use); None: token ids in, token ids out."""
+        self.engine, self.tables, self.limits, self.weights = engine, tables, limits, weights
+        self.batcher = Batcher(tables, limits, eos_ids)
+        self._tokenizer = tokenizer
+        self._requests: dict[int, _Request] = {}
+        self._next_id = 0
+        self._aborted: list[Delta] = []  # final deltas of aborted requests, handed out by the next step
+        self._totals = dict.fromkeys(
+            (f for f in CoreCounters.__dataclass_fields__ if f not in ("bytes_read", "read_seconds", "stall_seconds")),
+            0,
+        )
+        self.peak_kv_blocks = 0
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def check_prompt(self, ids: list[int], index: int | str = 0) -> list[int]:
+        """`ids` if a request may start from them, else OffloadError naming prompt `index`."""
+        if not ids:
+            raise OffloadError(f"prompt {index} encodes to no tokens")
+        if len(ids) >= self.limits.max_model_len:
+            spec, kv = self.engine.spec, self.engine.kv
+            raise OffloadError(
+                f"prompt {index} has {len(ids)} tokens; the context window is {self.limits.max_model_len} tokens "
+                f"(max_position_embeddings {spec.max_position}, KV cache {kv.num_blocks * kv.block_size} tokens) "
+                "and must leave room for one new token"
+            )
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.engine.spec.vocab_size)]
+        if bad:
+            raise OffloadError(
+                f"prompt {index}: token id {bad[0]!r} is outside the vocabulary of {self.engine.spec.vocab_size}"
+            )
+        return ids
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams | None = None, stream_text: bool = True, index=None
+    ) -> int:
+        """Queue a request; it joins the batch at the next step. `stream_text`: hand out its text token by token
+        (else all of it on the last delta, decoded once). Returns its id."""
+        params = params or SamplingParams()
+        rid = self._next_id
+        ids = self.check_prompt(list(prompt_ids), rid if index is None else index)
+        if params.stop and self._tokenizer is None:
+            raise OffloadError("stop strings need a tokenizer, and this model has none")
+        text = None if self._tokenizer is None else TextStream(self._tokenizer(), params.stop, stream_text)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.engine.device).manual_seed(params.seed)
+        self._next_id += 1
+        self._requests[rid] = _Request(Sequence(rid, ids, params), generator, text, time.perf_counter())
+        self.batcher.add(self._requests[rid].seq)
+        self._totals["requests_added"] += 1
+        self._totals["prompt_tokens"] += len(ids)
+        return rid
+
+    def abort(self, request_id: int) -> bool:
+        """End a request now: its blocks return to the pool and the next step hands out its final delta
+        (finish_reason "abort"). False if it is not running or waiting (finished, aborted or unknown)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.batcher.finish(req.seq, "abort")
+        self._totals["requests_aborted"] += 1
+        self._aborted.append(self._final(req, (), "", time.perf_counter(), ()))
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return self.batcher.has_work or bool(self._aborted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.batcher.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.batcher.waiting)
+
+    def counters(self) -> CoreCounters:
+        io = self.weights.stats
+        return CoreCounters(
+            **{**self._totals, "preemptions": self.batcher.num_preemptions},
+            bytes_read=io.bytes_read,
+            read_seconds=io.read_seconds,
+            stall_seconds=io.stall_seconds,
+        )
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[Delta]:
+        """Advance every scheduled request by one step; a delta for each request that got a token (or finished).
+        Nothing to do: returns the final deltas of requests aborted since the last step, if any."""
+        deltas, self._aborted = self._aborted, []
+        if not self.batcher.has_work:
+            return deltas
+        plan = self.batcher.schedule()
+        start = time.perf_counter()
+        out = self.engine.step(plan)
+        reqs = [self._requests[i] for i in out.seq_ids]
+        tokens = sample(out.logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+        logprobs = _logprobs(out.logits, tokens, [r.seq.params.logprobs for r in reqs])
+        now = time.perf_counter()
+        kind = "prefill_seconds" if plan.num_prefill_tokens else "decode_seconds"
+        self._totals[kind] += now - start
+        if not plan.num_prefill_tokens:
+            self._totals["decode_tokens"] += plan.num_decode_tokens
+        self._totals["steps"] += 1
+        self._totals["generated_tokens"] += len(tokens)
+        self.peak_kv_blocks = max(self.peak_kv_blocks, self.tables.num_used)
+        self.batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)))
+        for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
+            deltas.append(self._advance(req, token, lp, now))
+        return deltas
+
+    def _advance(self, req: _Request, token: int, logprob: TokenLogprob | None, now: float) -> Delta:
+        seq = req.seq
+        req.first_token = req.first_token or now
+        text = ""
+        if req.text is not None:
+            req.text.push(token)
+            if req.text.stopped and not seq.is_finished:
+                self.batcher.finish(seq, "stop")
+            if req.text.stopped:
+                seq.finish_reason = "stop"
+            text = req.text.take(final=seq.is_finished)
+        lps = () if logprob is None else (logprob,)
+        if not seq.is_finished:
+            return Delta(seq.seq_id, (token,), text, now, logprobs=lps)
+        del self._requests[seq.seq_id]
+        return self._final(req, (token,), text, now, lps)
+
+    def _final(self, req: _Request, tokens: tuple[int, ...], text: str, now: float, lps: tuple) -> Delta:
+        seq = req.seq
+        if seq.finish_reason == "abort" and req.text is not None:
+            text = req.text.take(final=False)  # what was safe to show; no stop string can complete now
+        self._totals["requests_finished"] += 1
+        metrics = RequestMetrics(req.arrival, req.first_token, now, len(seq.prompt_ids), len(seq.output_ids))
+        return Delta(seq.seq_id, tokens, text, now, seq.finish_reason, lps, metrics)
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[TokenLogprob | None]:
+    """The sampled tokens' logprobs, with `wanted` top alternatives, for the rows that asked (else None)."""
+    result: list[TokenLogprob | None] = [None] * len(tokens)
+    rows = [i for i, n in enumerate(wanted) if n is not None]
+    if not rows:
+        return result
+    lp = logits[rows].log_softmax(-1)  # [rows, vocab] float32
+    top = lp.topk(max(max(wanted[i] for i in rows), 1), dim=-1)
+    for k, i in enumerate(rows):
+        n = wanted[i]
+        alternatives = tuple(zip(top.indices[k, :n].tolist(), top.values[k, :n].tolist(), strict=True))
+        result[i] = TokenLogprob(tokens[i], float(lp[k, tokens[i]]), alternatives)
+    return result

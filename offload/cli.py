@@ -1,4 +1,4 @@
-"""`offload` command line: `offload generate`, `offload probe`, `offload plan`."""
+"""`offload` command line: `offload generate`, `offload serve`, `offload probe`, `offload plan`."""
 
 from __future__ import annotations
 
@@ -13,25 +13,8 @@ from offload.common.errors import OffloadError
 from offload.planner.report import add_plan_parser
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="complete prompts with a model (default: the embedded demo model)",
-        description="Complete prompts. Without --model, runs the embedded demo model "
-        "(built once, locally, in your cache directory) on a few prompts.",
-    )
-    p.add_argument(
-        "--model", metavar="DIR", help="Hugging Face model directory (config.json, *.safetensors, tokenizer)"
-    )
-    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for a batch")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = no limit")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string; repeatable")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The memory, placement and batching flags that `generate` and `serve` share (mapped by engine_config)."""
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument(
@@ -91,15 +74,36 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="tokens computed per step: one per decoding sequence, the rest prefill chunks; longer prompts "
         "are prefilled in chunks interleaved with decoding (default 4096)",
     )
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="complete prompts with a model (default: the embedded demo model)",
+        description="Complete prompts. Without --model, runs the embedded demo model "
+        "(built once, locally, in your cache directory) on a few prompts.",
+    )
+    p.add_argument(
+        "--model", metavar="DIR", help="Hugging Face model directory (config.json, *.safetensors, tokenizer)"
+    )
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for a batch")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = no limit")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string; repeatable")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per completion, then the stats")
     p.set_defaults(run=_generate)
 
 
-def _generate(args: argparse.Namespace) -> None:
-    from offload.api import LLM
-    from offload.common.config import EngineConfig, SamplingParams
+def engine_config(args: argparse.Namespace):
+    """The EngineConfig that add_engine_flags' flags say (before the cost model sizes what they leave open)."""
+    from offload.common.config import EngineConfig
     from offload.common.sizes import parse_size
-    from offload.demo import DEMO_PROMPTS
 
     config = EngineConfig(
         dtype=args.dtype,
@@ -115,6 +119,24 @@ def _generate(args: argparse.Namespace) -> None:
         offload_dir=args.offload_dir,
         disk_memory=None if args.disk_memory is None else parse_size(args.disk_memory, "--disk-memory"),
     )
+    fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
+    if config.memory is not None and fixed:
+        raise OffloadError("--memory sizes the batch and KV cache itself: drop --max-num-seqs and --kv-cache-memory")
+    return config
+
+
+def needs_plan(args: argparse.Namespace, config) -> bool:
+    """A budget was given and neither the batch nor the KV cache: the cost model sizes both for the workload."""
+    fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
+    return (config.device_memory is not None or config.memory is not None) and not fixed
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from offload.api import LLM, load_tokenizer
+    from offload.common.config import SamplingParams
+    from offload.demo import DEMO_PROMPTS, ensure_demo_model
+
+    config = engine_config(args)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -127,12 +149,14 @@ def _generate(args: argparse.Namespace) -> None:
     prompts = args.prompt if args.prompt is not None else list(DEMO_PROMPTS if args.model is None else [])
     if not prompts:
         raise OffloadError("--prompt is required with --model")
-    fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
-    if config.memory is not None and fixed:
-        raise OffloadError("--memory sizes the batch and KV cache itself: drop --max-num-seqs and --kv-cache-memory")
-    auto = (config.device_memory is not None or config.memory is not None) and not fixed
-    if auto:  # the user fixed neither the batch nor the KV cache: the cost model sizes both for these prompts
-        config = _planned_config(args, config, prompts)
+    if needs_plan(args, config):  # the user fixed neither the batch nor the KV cache: sized for these prompts
+        tokenizer = load_tokenizer(_model_dir(args, ensure_demo_model))
+        if args.chat:
+            chats = [[{"role": "user", "content": p}] for p in prompts]
+            lengths = [len(tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in chats]
+        else:
+            lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
+        config = planned_config(args, config, lengths, args.max_new_tokens)
     llm = LLM(args.model, config)
     if args.show_placement:
         print(_placement_table(llm), file=sys.stderr if args.json else sys.stdout)
@@ -160,21 +184,18 @@ def _generate(args: argparse.Namespace) -> None:
     print(_summary(llm, completions), file=sys.stderr if args.json else sys.stdout)
 
 
-def _planned_config(args: argparse.Namespace, config, prompts: list[str]):
-    from offload.api import load_tokenizer
+def _model_dir(args: argparse.Namespace, ensure_demo_model) -> Path:
+    return Path(args.model).expanduser() if args.model is not None else ensure_demo_model()
+
+
+def planned_config(args: argparse.Namespace, config, lengths: list[int], max_new_tokens: int):
+    """`config` with the batch, KV cache (and, under --memory, the device budget) the cost model picks for
+    prompts of `lengths` tokens generating `max_new_tokens` each."""
     from offload.demo import ensure_demo_model
     from offload.planner.autoconfig import autoconfigure, describe
 
-    model_dir = Path(args.model).expanduser() if args.model is not None else ensure_demo_model()
-    tokenizer = load_tokenizer(model_dir)
-    if args.chat:
-        lengths = [
-            len(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
-            for p in prompts
-        ]
-    else:
-        lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
-    planned, prediction = autoconfigure(model_dir, config, lengths, args.max_new_tokens)
+    model_dir = _model_dir(args, ensure_demo_model)
+    planned, prediction = autoconfigure(model_dir, config, lengths, max_new_tokens)
     print(
         f"plan       {describe(prediction)} (the cost model's choice; --max-num-seqs or --kv-cache-memory fix it)",
         file=sys.stderr,
@@ -252,6 +273,69 @@ def _placement_table(llm) -> str:
     return "\n".join(rows)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (default: the embedded demo model)",
+        description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models, "
+        "/health and /metrics (Prometheus). Requests join the batch that is already running. SIGTERM or Ctrl-C "
+        "drains: running requests finish, new ones get 503.",
+    )
+    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory (default: the embedded demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", metavar="NAME", help="the `model` clients pass (default: the folder name)")
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1 routes (default: $OFFLOAD_API_KEY; unset: no key)",
+    )
+    p.add_argument("--max-waiting", type=int, default=256, metavar="N", help="queued requests before 429 (default 256)")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, metavar="SECONDS", help="on shutdown, time running requests get"
+    )
+    p.add_argument(
+        "--plan-prompt-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="with --device-memory or --memory and no --max-num-seqs / --kv-cache-memory: the prompt length the "
+        "cost model sizes the batch for (default 512)",
+    )
+    p.add_argument("--plan-new-tokens", type=int, default=128, metavar="N", help="and the new tokens (default 128)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_flags(p)
+    p.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import os
+
+    from offload.api import LLM
+    from offload.demo import ensure_demo_model
+    from offload.server.app import ServeSettings
+    from offload.server.run import serve
+
+    config = engine_config(args)
+    if args.max_waiting < 0:
+        raise OffloadError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.drain_timeout < 0:
+        raise OffloadError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    model_dir = _model_dir(args, ensure_demo_model)
+    if not model_dir.is_dir():
+        raise OffloadError(f"{model_dir}: model directory not found")
+    if needs_plan(args, config):
+        planned = max(1, min(args.max_num_seqs or 64, 64))
+        config = planned_config(args, config, [args.plan_prompt_tokens] * planned, args.plan_new_tokens)
+    settings = ServeSettings(
+        model_name=args.served_model_name or model_dir.name,
+        api_key=args.api_key or os.environ.get("OFFLOAD_API_KEY") or None,
+        max_waiting=args.max_waiting,
+        drain_timeout=args.drain_timeout,
+    )
+    serve(lambda: LLM(model_dir, config), settings, args.host, args.port, args.log_level)
+
+
 def _add_probe(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "probe",
@@ -282,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_serve(sub)
     _add_probe(sub)
     add_plan_parser(sub)
     return parser

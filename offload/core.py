@@ -91,6 +91,7 @@ class CoreCounters:
     steps: int = 0
     preemptions: int = 0
     bytes_read: int = 0  # weight bytes read from storage
+    h2d_bytes: int = 0  # weight bytes copied host -> device
     read_seconds: float = 0.0  # wall time with at least one weight read in flight
     stall_seconds: float = 0.0  # time the engine waited for weight reads
 
@@ -122,7 +123,11 @@ class EngineCore:
         self._next_id = 0
         self._aborted: list[Delta] = []  # final deltas of aborted requests, handed out by the next step
         self._totals = dict.fromkeys(
-            (f for f in CoreCounters.__dataclass_fields__ if f not in ("bytes_read", "read_seconds", "stall_seconds")),
+            (
+                f
+                for f in CoreCounters.__dataclass_fields__
+                if f not in ("bytes_read", "h2d_bytes", "read_seconds", "stall_seconds")
+            ),
             0,
         )
         self.peak_kv_blocks = 0
@@ -196,6 +201,7 @@ class EngineCore:
         return CoreCounters(
             **{**self._totals, "preemptions": self.batcher.num_preemptions},
             bytes_read=io.bytes_read,
+            h2d_bytes=io.h2d_bytes,
             read_seconds=io.read_seconds,
             stall_seconds=io.stall_seconds,
         )

@@ -1,0 +1,365 @@
+"""The OpenAI-compatible HTTP app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+The model loads in a background thread once the app starts, so /health answers 503 ("loading") until the
+weights are placed, then 200; while the server drains it answers 503 ("draining") and so do new requests.
+Every refusal is OpenAI's error JSON with the field it concerns; nothing a request sends can crash the server or
+touch another request's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from offload.api import has_tokenizer, load_tokenizer
+from offload.common.errors import OffloadError
+from offload.core import Delta
+from offload.server import protocol
+from offload.server.front import AsyncFront, Draining, QueueFull, RequestStream
+from offload.server.metrics import Metrics
+from offload.server.protocol import ChatRequest, CompletionRequest, RequestError
+
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    model_name: str  # what clients pass as `model`
+    api_key: str | None = None  # None: no authentication
+    max_waiting: int | None = 256  # requests queued beyond the running batch; more get 429
+    drain_timeout: float = 30.0  # seconds running requests get to finish on shutdown
+
+
+class Server:
+    """What the routes share: the loaded model, its front, the metrics. `load` builds the LLM (any thread)."""
+
+    def __init__(self, load: Callable[[], object], settings: ServeSettings, on_ready=None, on_load_error=None) -> None:
+        """on_ready(server) and on_load_error(exception) run on the event loop once loading ends."""
+        self.load, self.settings = load, settings
+        self.on_ready, self.on_load_error = on_ready, on_load_error
+        self.llm = None
+        self.front: AsyncFront | None = None
+        self.tokenizer = None  # the event loop's own copy: the core thread decodes with the LLM's
+        self.metrics = Metrics()
+        self.load_error: BaseException | None = None
+
+    @property
+    def status(self) -> str:
+        if self.load_error is not None:
+            return "failed"
+        if self.front is None:
+            return "loading"
+        return "draining" if self.front.draining else "ok"
+
+    def start_loading(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def work() -> None:
+            try:
+                llm = self.load()
+                tokenizer = load_tokenizer(llm.model_dir) if has_tokenizer(llm.model_dir) else None
+            except BaseException as exc:  # reported on the loop; the server then exits with it
+                loop.call_soon_threadsafe(self._failed, exc)
+                return
+            loop.call_soon_threadsafe(self._loaded, llm, tokenizer)
+
+        threading.Thread(target=work, name="offload-load", daemon=True).start()
+
+    def _loaded(self, llm, tokenizer) -> None:
+        self.llm, self.tokenizer = llm, tokenizer
+        front = AsyncFront(llm.core, self.settings.max_waiting)
+        front.observer = self.metrics.observe
+        front.start()
+        self.front = self.metrics.front = front
+        if self.on_ready is not None:
+            self.on_ready(self)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.load_error = exc
+        if self.on_load_error is not None:
+            self.on_load_error(exc)
+
+    async def drain(self) -> int:
+        """Stop taking requests, let running ones finish (bounded by drain_timeout); how many were cut short."""
+        if self.front is None:
+            return 0
+        return await self.front.drain(self.settings.drain_timeout)
+
+    # ---- request checks -----------------------------------------------------------------------------
+
+    def ready(self) -> AsyncFront:
+        if self.front is None:
+            raise RequestError(503, "the model is still loading", kind="service_unavailable")
+        if self.front.draining:
+            raise RequestError(503, "the server is shutting down", kind="service_unavailable")
+        return self.front
+
+    def authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise RequestError(
+                401,
+                "missing or wrong API key (Authorization: Bearer ...)",
+                kind="authentication_error",
+                code="invalid_api_key",
+            )
+
+    def check_model(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise RequestError(
+                400,
+                f"model {name!r} is not served here; this server serves {self.settings.model_name!r}",
+                "model",
+                code="model_not_found",
+            )
+
+    def encode(self, prompt: str | list[int], index: int, field: str) -> list[int]:
+        try:
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise OffloadError(f"prompt {index} is empty")
+                if self.tokenizer is None:
+                    raise OffloadError("this model has no tokenizer: send token ids")
+                ids = self.tokenizer(prompt)["input_ids"]
+            else:
+                ids = list(prompt)
+            return self.llm.core.check_prompt(ids, index)
+        except OffloadError as exc:
+            raise RequestError(400, str(exc), field) from None
+
+    def encode_chat(self, conversation: list[dict]) -> list[int]:
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            raise RequestError(400, "this model has no chat template: use /v1/completions", "messages")
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        try:
+            return self.llm.core.check_prompt(list(ids), 0)
+        except OffloadError as exc:
+            raise RequestError(400, str(exc).replace("prompt 0", "the conversation"), "messages") from None
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    def submit(self, front: AsyncFront, jobs: list[tuple[list[int], object]]) -> list[RequestStream]:
+        """Submit every choice, or none: a refusal part way closes (aborts) those already submitted."""
+        streams: list[RequestStream] = []
+        try:
+            for ids, params in jobs:
+                streams.append(front.submit(ids, params))
+        except QueueFull as exc:
+            for s in streams:
+                s.close()
+            raise RequestError(429, str(exc), kind="rate_limit_error", code="queue_full") from None
+        except Draining as exc:
+            for s in streams:
+                s.close()
+            raise RequestError(503, str(exc), kind="service_unavailable") from None
+        return streams
+
+
+def create_app(server: Server) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.start_loading()
+        yield
+        if server.front is not None and not server.front.draining:
+            server.front.close()
+
+    app = FastAPI(title="offload", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = server.status
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        server.authorize(request)
+        entry = {"id": server.settings.model_name, "object": "model", "created": protocol.now(), "owned_by": "offload"}
+        if server.llm is not None:
+            entry["max_model_len"] = server.llm.max_model_len
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        server.authorize(request)
+        req = protocol.parse(await request.body(), CompletionRequest)
+        server.check_model(req.model)
+        front = server.ready()
+        prompts = [server.encode(p, i, "prompt") for i, p in enumerate(req.prompts())]
+        budget = req.max_tokens or COMPLETION_DEFAULT_TOKENS
+        jobs = [(ids, protocol.sampling_params(req, budget, k)) for ids in prompts for k in range(req.n)]
+        streams = server.submit(front, jobs)
+        rid, created = protocol.new_id("cmpl"), protocol.now()
+        head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+        if req.stream:
+            return _sse(_completion_chunks(server, req, head, streams, sum(len(p) for p in prompts)))
+        outputs = await _collect(streams)
+        choices = []
+        for index, deltas in enumerate(outputs):
+            text = "".join(d.text for d in deltas)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = protocol.completion_logprobs(deltas, server.token_text, 0)
+            choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": _reason(deltas)})
+        used = sum(_tokens(d) for d in outputs)
+        return {**head, "choices": choices, "usage": protocol.usage(sum(len(p) for p in prompts), used)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        server.authorize(request)
+        req = protocol.parse(await request.body(), ChatRequest)
+        server.check_model(req.model)
+        front = server.ready()
+        ids = server.encode_chat(req.conversation())
+        budget = req.max_completion_tokens or req.max_tokens or server.llm.max_model_len - len(ids)
+        streams = server.submit(front, [(ids, protocol.sampling_params(req, budget, k)) for k in range(req.n)])
+        rid, created = protocol.new_id("chatcmpl"), protocol.now()
+        if req.stream:
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
+            return _sse(_chat_chunks(server, req, head, streams, len(ids)))
+        outputs = await _collect(streams)
+        choices = []
+        for index, deltas in enumerate(outputs):
+            message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
+            logprobs = protocol.chat_logprobs(deltas, server.token_text) if req.logprobs else None
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": _reason(deltas)})
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model}
+        return {**head, "choices": choices, "usage": protocol.usage(len(ids), sum(_tokens(d) for d in outputs))}
+
+    return app
+
+
+def _reason(deltas: list[Delta]) -> str:
+    return deltas[-1].finish_reason if deltas else "abort"
+
+
+def _tokens(deltas: list[Delta]) -> int:
+    return sum(len(d.token_ids) for d in deltas)
+
+
+async def _drain_one(stream: RequestStream) -> list[Delta]:
+    try:
+        return [d async for d in stream]
+    finally:
+        stream.close()
+
+
+async def _collect(streams: list[RequestStream]) -> list[list[Delta]]:
+    """Every choice's deltas; an error in one aborts the others. Cancelled (the client gone): all abort."""
+    tasks = [asyncio.ensure_future(_drain_one(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except OffloadError as exc:
+        raise RequestError(500, str(exc), kind="server_error") from None
+    finally:
+        for task in tasks:
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every stream as they come; closing the iterator aborts what is unfinished."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        except Exception as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish_reason is not None:
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+        except OffloadError as exc:  # headers are sent: the error goes in the stream, as OpenAI does
+            yield f"data: {json.dumps(RequestError(500, str(exc), kind='server_error').body())}\n\n".encode()
+        finally:
+            await chunks.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _completion_chunks(server, req, head, streams, prompt_tokens: int) -> AsyncIterator[dict]:
+    include_usage = req.include_usage()
+    offsets = [0] * len(streams)
+    generated = [0] * len(streams)
+    async for index, delta in _merged(streams):
+        if not delta.text and delta.finish_reason is None and req.logprobs is None:
+            continue  # a token whose text is held back (a partial character or a possible stop string)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = protocol.completion_logprobs([delta], server.token_text, offsets[index])
+        offsets[index] += len(delta.text)
+        generated[index] += len(delta.token_ids)
+        choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        yield {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+    if include_usage:
+        yield {**head, "choices": [], "usage": protocol.usage(prompt_tokens, sum(generated))}
+
+
+async def _chat_chunks(server, req, head, streams, prompt_len) -> AsyncIterator[dict]:
+    include_usage = req.include_usage()
+    extra = {"usage": None} if include_usage else {}
+    for index in range(len(streams)):
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        yield {**head, "choices": [choice], **extra}
+    generated = 0
+    async for index, delta in _merged(streams):
+        generated += len(delta.token_ids)
+        if not delta.text and delta.finish_reason is None and not req.logprobs:
+            continue
+        content = {"content": delta.text} if delta.text else {}
+        logprobs = protocol.chat_logprobs([delta], server.token_text) if req.logprobs else None
+        choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        yield {**head, "choices": [choice], **extra}
+    if include_usage:
+        yield {**head, "choices": [], "usage": protocol.usage(prompt_len, generated)}

@@ -1,0 +1,203 @@
+"""OpenAI's wire format: the request bodies the server accepts, checked strictly, and the objects it returns.
+
+Requests are validated in strict mode (a string is not a number, a number is not a string) and every failure
+becomes a `RequestError` naming the field, which the app answers with OpenAI's error JSON. Fields that OpenAI
+clients send and this engine has no use for are ignored; fields that would change the answer and that the
+engine cannot honour (penalties, echo, best_of, tools) are refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from offload.common.config import MAX_LOGPROBS, SamplingParams
+from offload.core import Delta, TokenLogprob
+
+MAX_N = 8  # choices per request: each is a sequence of its own in the batch
+MAX_STOPS = 4  # as OpenAI
+COMPLETION_LOGPROBS = 5  # the most top logprobs the completions API allows
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status, message, the offending field, OpenAI's error type and code."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", code=None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise RequestError(400, f"stop takes up to {MAX_STOPS} non-empty strings", "stop")
+        return stops
+
+    def refuse_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise RequestError(400, f"{name} is not supported by this engine; leave it at 0", name)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=COMPLETION_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            return [p]
+        if not p:
+            raise RequestError(400, "prompt is empty", "prompt")
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self, index: int) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for k, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(400, "only text content parts are supported", f"messages.{index}.content.{k}")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list | None = None
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+def parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
+    """The request body as `model`, or RequestError(400) naming the first bad field."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(400, f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(part) for part in err["loc"] if not _type_tag(part))
+        raise RequestError(400, f"{field or 'body'}: {err['msg']}", field or None) from None
+    request.refuse_unsupported()
+    for name in ("echo", "best_of", "tools"):
+        value = getattr(request, name, None)
+        if value not in (None, False) and not (name == "best_of" and value == request.n):
+            raise RequestError(400, f"{name} is not supported by this engine", name)
+    return request
+
+
+def _type_tag(part: str | int) -> bool:
+    """Whether a part of a pydantic error location names a member of a union type rather than a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in part)
+
+
+def sampling_params(request: _Sampling, max_new_tokens: int, seed_offset: int) -> SamplingParams:
+    """The engine's parameters for choice `seed_offset` of a request (a seeded request's choices differ)."""
+    if isinstance(request, ChatRequest):
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        logprobs = request.logprobs
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=None if request.seed is None else request.seed + seed_offset,
+        stop=request.stops(),
+        logprobs=logprobs,
+    )
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(deltas: list[Delta], token_text, offset: int) -> dict:
+    """The completions API's logprobs object for these deltas; `offset`: characters of text before them."""
+    entries: list[TokenLogprob] = [lp for d in deltas for lp in d.logprobs]
+    tokens = [token_text(lp.token_id) for lp in entries]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in entries],
+        "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(deltas: list[Delta], token_text) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for lp in (lp for d in deltas for lp in d.logprobs):
+        content.append({**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]})
+    return {"content": content}

@@ -154,20 +154,20 @@ def timed_calls(obj: object, name: str, times: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: Path) -> EngineResult:
-    """Our engine. budget None: every weight resident (the compute reference of the physical limit)."""
+def ours_config(model_dir: Path, budget: int | None, workload: Workload) -> EngineConfig:
+    """Our engine's settings for `workload` under a weight budget of `budget` bytes (None: every weight resident):
+    a bf16 KV cache that holds every sequence at its longest, on top of the budget; the whole batch at once."""
     import torch
 
     from offload.common.config import EngineConfig
     from offload.model.loader import load_spec
     from tiers.kv import KVCache
 
-    baseline = rss_bytes()
     spec, _ = load_spec(model_dir)
     block = 16
     blocks = workload.prompts * -(-workload.max_tokens // block)
     kv_bytes = blocks * KVCache.block_bytes(spec.num_layers, block, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
-    config = EngineConfig(
+    return EngineConfig(
         device_memory=None if budget is None else budget + kv_bytes,
         kv_cache_bytes=kv_bytes,
         io_backend="pread",
@@ -177,6 +177,12 @@ def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: P
         # every prompt in one prefill step: one pass over the weights, as each peer's generate() makes
         max_step_tokens=max(4096, workload.prompts * workload.prompt_tokens),
     )
+
+
+def run_ours(model_dir: Path, budget: int | None, workload: Workload, scratch: Path) -> EngineResult:
+    """Our engine. budget None: every weight resident (the compute reference of the physical limit)."""
+    config = ours_config(model_dir, budget, workload)  # imports the engine's libraries, reads config.json only
+    baseline = rss_bytes()
     result = generate_ours(model_dir, config, workload)
     result.engine = "ours" if budget is not None else "ours (all resident)"
     result.baseline_rss_bytes = baseline

@@ -290,7 +290,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         metavar="KEY",
         help="require `Authorization: Bearer KEY` on /v1 routes (default: $OFFLOAD_API_KEY; unset: no key)",
     )
-    p.add_argument("--max-waiting", type=int, default=256, metavar="N", help="queued requests before 429 (default 256)")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests queued beyond the free places in the batch before new ones get 429 (default 256)",
+    )
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, metavar="SECONDS", help="on shutdown, time running requests get"
     )

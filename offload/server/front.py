@@ -126,8 +126,13 @@ class AsyncFront:
         early aborts the request). Raises Draining or QueueFull at once, before anything is queued."""
         if self.draining or self._stop:
             raise Draining("the server is shutting down")
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise QueueFull(f"{self.num_waiting} requests are waiting, the limit (--max-waiting) is {self.max_waiting}")
+        # the batch's free places take requests at the next step: only what lies beyond them waits
+        free = max(0, self.core.limits.max_running - self.snapshot.running)
+        if self.max_waiting is not None and self.num_waiting - free >= self.max_waiting:
+            raise QueueFull(
+                f"{self.num_waiting} requests are waiting for {free} free places in the batch; the limit "
+                f"(--max-waiting) is {self.max_waiting} beyond those"
+            )
         stream = _Stream(asyncio.Queue())
         self._open += 1
         self._pending_adds += 1
@@ -187,7 +192,8 @@ class AsyncFront:
             if self._stop:
                 for rid in list(self._streams):
                     self.core.abort(rid)
-            if self.core.has_work:
+            stepped = self.core.has_work
+            if stepped:
                 try:
                     deltas = self.core.step()
                 except Exception as exc:  # the step failed: every request in the core ends with the error
@@ -205,7 +211,7 @@ class AsyncFront:
                     batch.append((stream, delta))
                     if delta.finish_reason is not None:
                         del self._streams[delta.request_id]
-            if batch or adds:
+            if batch or adds or stepped:  # an abort's step hands out nothing here, but it freed KV blocks
                 self._loop.call_soon_threadsafe(self._deliver, batch, adds, self._snapshot())
             if self._stop and not self.core.has_work:
                 return

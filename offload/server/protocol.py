@@ -56,6 +56,8 @@ class _Sampling(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    ignore_eos: bool = False  # an extension (as vLLM's): generate past end-of-sequence tokens
+    top_k: int = Field(0, ge=0)  # an extension: 0 = no limit
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -153,6 +155,8 @@ def sampling_params(request: _Sampling, max_new_tokens: int, seed_offset: int) -
         top_p=request.top_p,
         seed=None if request.seed is None else request.seed + seed_offset,
         stop=request.stops(),
+        ignore_eos=request.ignore_eos,
+        top_k=request.top_k,
         logprobs=logprobs,
     )
 

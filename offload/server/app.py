@@ -28,6 +28,7 @@ from offload.server.metrics import Metrics
 from offload.server.protocol import ChatRequest, CompletionRequest, RequestError
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming request's client is still there
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +217,7 @@ def create_app(server: Server) -> FastAPI:
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
             return _sse(_completion_chunks(server, req, head, streams, sum(len(p) for p in prompts)))
-        outputs = await _collect(streams)
+        outputs = await _unless_gone(request, _collect(streams))
         choices = []
         for index, deltas in enumerate(outputs):
             text = "".join(d.text for d in deltas)
@@ -240,7 +241,7 @@ def create_app(server: Server) -> FastAPI:
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
             return _sse(_chat_chunks(server, req, head, streams, len(ids)))
-        outputs = await _collect(streams)
+        outputs = await _unless_gone(request, _collect(streams))
         choices = []
         for index, deltas in enumerate(outputs):
             message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
@@ -279,6 +280,20 @@ async def _collect(streams: list[RequestStream]) -> list[list[Delta]]:
             task.cancel()
         for s in streams:
             s.close()
+
+
+async def _unless_gone(request: Request, work):
+    """Await `work`; if the client disconnects first, cancel it (which aborts its requests) and answer 499."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise RequestError(499, "the client closed the connection", kind="client_closed")
+    finally:
+        task.cancel()
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:

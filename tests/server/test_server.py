@@ -246,3 +246,17 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(demo_model, tmp_pa
         assert served.process.wait(30) == 0  # and the server exits by itself, cleanly
     finally:
         served.stop()
+
+
+def test_a_client_gone_before_a_whole_answer_frees_its_kv_blocks(server):
+    before = server.metrics()
+    body = {"model": MODEL, "prompt": "The engine", "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=1.0
+        )
+    deadline = time.monotonic() + 30
+    while (now := server.metrics())["offload_requests_running"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert now["offload_kv_blocks_used"] == 0
+    assert now["offload_requests_aborted_total"] == before["offload_requests_aborted_total"] + 1

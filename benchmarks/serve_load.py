@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -196,7 +197,7 @@ class Answer:
     @property
     def gaps(self) -> list[float]:
         """Seconds between consecutive non-empty chunks."""
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        return [b - a for a, b in itertools.pairwise(self.chunk_times)]
 
 
 async def send(client, model: str, prompt: str | list[int], job: Job, max_tokens: int, bound: float) -> Answer:
@@ -251,7 +252,7 @@ async def _read_stream(stream, job: Job, start: float) -> Answer:
     return Answer(job, start, time.perf_counter(), "".join(parts), tokens, finishes, rid, tuple(times))
 
 
-def client(server: Server, bound: float):
+def openai_client(server: Server, bound: float):
     """An AsyncOpenAI client of `server` that never retries (a retry would send a request twice)."""
     from openai import AsyncOpenAI
 
@@ -261,10 +262,10 @@ def client(server: Server, bound: float):
 async def at_once(server: Server, prompts: list, jobs: list[Job], max_tokens: int, bound: float):
     """Every job from its own client at the same moment: (answers, wall seconds from the first send to the last
     answer)."""
-    async with client(server, bound) as openai_client:
+    async with openai_client(server, bound) as client:
         start = time.perf_counter()
         answers = await asyncio.gather(
-            *(send(openai_client, server.model, prompts[j.prompt], j, max_tokens, bound) for j in jobs)
+            *(send(client, server.model, prompts[j.prompt], j, max_tokens, bound) for j in jobs)
         )
         return list(answers), time.perf_counter() - start
 
@@ -303,7 +304,10 @@ def bad_requests(model: str, context: int) -> dict[str, tuple[str, bytes]]:
         "malformed JSON": ("/v1/completions", b'{"model": "' + model.encode() + b'", "prompt": '),
         "unknown model": ("/v1/completions", json.dumps({"model": f"{model}-unknown", "prompt": "Hello"}).encode()),
         "max_tokens as a string": ("/v1/chat/completions", json.dumps(chat | {"max_tokens": "8"}).encode()),
-        "prompt longer than the context": ("/v1/completions", json.dumps({"model": model, "prompt": [3] * context}).encode()),
+        "prompt longer than the context": (
+            "/v1/completions",
+            json.dumps({"model": model, "prompt": [3] * context}).encode(),
+        ),
     }
 
 
@@ -314,7 +318,9 @@ async def refusals(server: Server) -> dict[str, int]:
     headers = {"Content-Type": "application/json"}
     async with httpx.AsyncClient(base_url=server.url, timeout=REQUEST_BOUND["demo"]) as http:
         bad = bad_requests(server.model, server.max_model_len)
-        answers = await asyncio.gather(*(http.post(route, content=body, headers=headers) for route, body in bad.values()))
+        answers = await asyncio.gather(
+            *(http.post(route, content=body, headers=headers) for route, body in bad.values())
+        )
     return {name: r.status_code for name, r in zip(bad, answers, strict=True)}
 
 
@@ -328,9 +334,7 @@ async def settle(server: Server) -> dict[str, float]:
     async with httpx.AsyncClient(timeout=10) as http:
         while True:
             text = (await http.get(f"{server.url}/metrics")).text
-            values = {
-                s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels
-            }
+            values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
             idle = values["offload_kv_blocks_used"] == 0 and values["offload_requests_running"] == 0
             if idle or time.monotonic() > deadline:
                 return values
@@ -342,9 +346,9 @@ async def load(server: Server, pool: list[str], args: argparse.Namespace):
     bound = REQUEST_BOUND["demo"]
 
     async def one_client(jobs: list[Job]) -> list[Answer]:
-        return [await send(openai_client, server.model, pool[j.prompt], j, args.max_tokens, bound) for j in jobs]
+        return [await send(client, server.model, pool[j.prompt], j, args.max_tokens, bound) for j in jobs]
 
-    async with client(server, bound) as openai_client:
+    async with openai_client(server, bound) as client:
         start = time.perf_counter()
         per_client, statuses = await asyncio.gather(
             asyncio.gather(*(one_client(js) for js in client_jobs(args.clients, args.rounds, len(pool)))),
@@ -524,7 +528,9 @@ class Row:
 
     @property
     def verdict(self) -> str:
-        return {True: "PASS", False: "FAIL", None: ""}[self.passed]
+        if self.passed is None:
+            return "n/a" if self.goal else ""
+        return "PASS" if self.passed else "FAIL"
 
 
 def load_rows(t: Tally, lat: Latency, statuses: dict[str, int], after: dict[str, float], exit_status) -> list[Row]:
@@ -532,12 +538,26 @@ def load_rows(t: Tally, lat: Latency, statuses: dict[str, int], after: dict[str,
     kv, running = after["offload_kv_blocks_used"], after["offload_requests_running"]
     return [
         Row("load", "requests (answered, cancelled)", f"{t.requests} ({t.answered}, {t.cancelled})"),
-        Row("load", "lost / duplicated / failed", f"{t.lost} / {t.duplicated} / {t.failed}", "0", t.lost + t.duplicated + t.failed == 0),
+        Row(
+            "load",
+            "lost / duplicated / failed",
+            f"{t.lost} / {t.duplicated} / {t.failed}",
+            "0",
+            t.lost + t.duplicated + t.failed == 0,
+        ),
         Row("load", "text unlike in-process", str(t.mismatched), "0", t.mismatched == 0),
         Row("load", "bad requests refused 4xx", f"{refused} of {len(statuses)}", "all", refused == len(statuses)),
         Row("load", "KV blocks / requests running after", f"{kv:.0f} / {running:.0f}", "0 / 0", kv == running == 0),
-        Row("load", "time to first token p50 / p99", f"{lat.first_token_p50 * 1e3:.1f} / {lat.first_token_p99 * 1e3:.1f} ms"),
-        Row("load", "inter-chunk latency p50 / p99", f"{lat.inter_chunk_p50 * 1e3:.1f} / {lat.inter_chunk_p99 * 1e3:.1f} ms"),
+        Row(
+            "load",
+            "time to first token p50 / p99",
+            f"{lat.first_token_p50 * 1e3:.1f} / {lat.first_token_p99 * 1e3:.1f} ms",
+        ),
+        Row(
+            "load",
+            "inter-chunk latency p50 / p99",
+            f"{lat.inter_chunk_p50 * 1e3:.1f} / {lat.inter_chunk_p99 * 1e3:.1f} ms",
+        ),
         Row("load", "aggregate tokens/s", f"{lat.tokens_per_second:.1f}"),
         Row("load", "server exit after SIGTERM", str(exit_status), "0", exit_status == 0),
     ]
@@ -556,7 +576,13 @@ def streamed_rows(s: Streamed) -> list[Row]:
     return [
         Row("streamed", "one client s (median)", f"{statistics.median(s.single_seconds):.2f}"),
         Row("streamed", f"{s.clients} clients s (median)", f"{statistics.median(s.concurrent_seconds):.2f}"),
-        Row("streamed", f"{s.clients} clients / one", f"{s.slowdown:.2f}", goal, s.slowdown <= GOAL_SLOWDOWN if s.complete else None),
+        Row(
+            "streamed",
+            f"{s.clients} clients / one",
+            f"{s.slowdown:.2f}",
+            goal,
+            s.slowdown <= GOAL_SLOWDOWN if s.complete else None,
+        ),
     ]
 
 
@@ -571,21 +597,22 @@ def table(rows: list[Row]) -> str:
 
 
 def demo_phases(args: argparse.Namespace, scratch: Path) -> dict:
-    """The load and ratio phases on one server; the in-process LLM loads while the server does."""
+    """The load and ratio phases on one server with the engine's default settings, and the same settings in this
+    process: what each request must be answered, and the in-process side of the ratio."""
     from offload.api import LLM
     from offload.common.config import SamplingParams
 
     pool = prompt_pool()
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=0.0)
+    llm = LLM(args.model, served_config([]))
+    completions = llm.generate(pool, params)
+    chats = llm.chat([[{"role": "user", "content": p}] for p in pool], params)
+    expected = {("completions", i): c for i, c in enumerate(completions)}
+    expected |= {("chat", i): c for i, c in enumerate(chats)}
     with serving(args.model, [], scratch / "demo.log", START_BOUND["demo"]) as server:
-        llm = LLM(args.model, served_config([]))
-        completions = llm.generate(pool, params)
-        chats = llm.chat([[{"role": "user", "content": p}] for p in pool], params)
-        expected = {("completions", i): c for i, c in enumerate(completions)}
-        expected |= {("chat", i): c for i, c in enumerate(chats)}
         answers, statuses, wall, after = asyncio.run(load(server, pool, args))
         rates = ratio_phase(server, llm, pool[: args.ratio_clients], args)
-        llm.close()
+    llm.close()
     t, lat = tally(answers, expected), latency(answers, wall)
     return {
         "tally": t,

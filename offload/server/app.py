@@ -296,8 +296,31 @@ async def _unless_gone(request: Request, work):
         task.cancel()
 
 
+def join_deltas(deltas: list[Delta]) -> Delta:
+    """Consecutive deltas of one request as one (what a reader that fell behind sends in one chunk)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return Delta(
+        last.request_id,
+        tuple(t for d in deltas for t in d.token_ids),
+        "".join(d.text for d in deltas),
+        last.time,
+        last.finish_reason,
+        tuple(lp for d in deltas for lp in d.logprobs),
+        last.metrics,
+    )
+
+
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) from every stream as they come; closing the iterator aborts what is unfinished."""
+    if len(streams) == 1:  # the common case, without a task and a queue between the stream and its reader
+        try:
+            async for delta in streams[0]:
+                yield 0, join_deltas([delta, *streams[0].ready()])
+        finally:
+            streams[0].close()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:

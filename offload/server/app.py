@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from offload.api import has_tokenizer, load_tokenizer
 from offload.common.errors import OffloadError
@@ -26,6 +25,7 @@ from offload.server import protocol
 from offload.server.front import AsyncFront, Draining, QueueFull, RequestStream
 from offload.server.metrics import Metrics
 from offload.server.protocol import ChatRequest, CompletionRequest, RequestError
+from offload.server.sse import chat_chunks, completion_chunks, sse
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming request's client is still there
@@ -216,7 +216,7 @@ def create_app(server: Server) -> FastAPI:
         rid, created = protocol.new_id("cmpl"), protocol.now()
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
-            return _sse(_completion_chunks(server, req, head, streams, sum(len(p) for p in prompts)))
+            return sse(completion_chunks(server, req, head, streams, sum(len(p) for p in prompts)))
         outputs = await _unless_gone(request, _collect(streams))
         choices = []
         for index, deltas in enumerate(outputs):
@@ -240,7 +240,7 @@ def create_app(server: Server) -> FastAPI:
         rid, created = protocol.new_id("chatcmpl"), protocol.now()
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
-            return _sse(_chat_chunks(server, req, head, streams, len(ids)))
+            return sse(chat_chunks(server, req, head, streams, len(ids)))
         outputs = await _unless_gone(request, _collect(streams))
         choices = []
         for index, deltas in enumerate(outputs):
@@ -294,110 +294,3 @@ async def _unless_gone(request: Request, work):
                 raise RequestError(499, "the client closed the connection", kind="client_closed")
     finally:
         task.cancel()
-
-
-def join_deltas(deltas: list[Delta]) -> Delta:
-    """Consecutive deltas of one request as one (what a reader that fell behind sends in one chunk)."""
-    if len(deltas) == 1:
-        return deltas[0]
-    last = deltas[-1]
-    return Delta(
-        last.request_id,
-        tuple(t for d in deltas for t in d.token_ids),
-        "".join(d.text for d in deltas),
-        last.time,
-        last.finish_reason,
-        tuple(lp for d in deltas for lp in d.logprobs),
-        last.metrics,
-    )
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) from every stream as they come; closing the iterator aborts what is unfinished."""
-    if len(streams) == 1:  # the common case, without a task and a queue between the stream and its reader
-        try:
-            async for delta in streams[0]:
-                yield 0, join_deltas([delta, *streams[0].ready()])
-        finally:
-            streams[0].close()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for delta in stream:
-                await queue.put((index, delta))
-        except Exception as exc:
-            await queue.put((index, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(streams)
-    try:
-        while remaining:
-            index, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finish_reason is not None:
-                remaining -= 1
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for s in streams:
-            s.close()
-
-
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-        except OffloadError as exc:  # headers are sent: the error goes in the stream, as OpenAI does
-            yield f"data: {json.dumps(RequestError(500, str(exc), kind='server_error').body())}\n\n".encode()
-        finally:
-            await chunks.aclose()
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def _completion_chunks(server, req, head, streams, prompt_tokens: int) -> AsyncIterator[dict]:
-    include_usage = req.include_usage()
-    offsets = [0] * len(streams)
-    generated = [0] * len(streams)
-    async for index, delta in _merged(streams):
-        if not delta.text and delta.finish_reason is None and req.logprobs is None:
-            continue  # a token whose text is held back (a partial character or a possible stop string)
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = protocol.completion_logprobs([delta], server.token_text, offsets[index])
-        offsets[index] += len(delta.text)
-        generated[index] += len(delta.token_ids)
-        choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-        yield {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
-    if include_usage:
-        yield {**head, "choices": [], "usage": protocol.usage(prompt_tokens, sum(generated))}
-
-
-async def _chat_chunks(server, req, head, streams, prompt_len) -> AsyncIterator[dict]:
-    include_usage = req.include_usage()
-    extra = {"usage": None} if include_usage else {}
-    for index in range(len(streams)):
-        choice = {
-            "index": index,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        yield {**head, "choices": [choice], **extra}
-    generated = 0
-    async for index, delta in _merged(streams):
-        generated += len(delta.token_ids)
-        if not delta.text and delta.finish_reason is None and not req.logprobs:
-            continue
-        content = {"content": delta.text} if delta.text else {}
-        logprobs = protocol.chat_logprobs([delta], server.token_text) if req.logprobs else None
-        choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-        yield {**head, "choices": [choice], **extra}
-    if include_usage:
-        yield {**head, "choices": [], "usage": protocol.usage(prompt_len, generated)}

@@ -1,0 +1,127 @@
+"""Server-sent events: a request's choices as OpenAI's stream chunks, ending with `data: [DONE]`.
+
+Each choice's deltas come from its RequestStream; several choices (n > 1) are merged as they arrive, and a reader
+that fell behind the engine sends what has arrived in one chunk. Closing the stream (the client gone) aborts
+whatever has not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from offload.common.errors import OffloadError
+from offload.core import Delta
+from offload.server import protocol
+from offload.server.front import RequestStream
+from offload.server.protocol import RequestError
+
+
+def join_deltas(deltas: list[Delta]) -> Delta:
+    """Consecutive deltas of one request as one (what a reader that fell behind sends in one chunk)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return Delta(
+        last.request_id,
+        tuple(t for d in deltas for t in d.token_ids),
+        "".join(d.text for d in deltas),
+        last.time,
+        last.finish_reason,
+        tuple(lp for d in deltas for lp in d.logprobs),
+        last.metrics,
+    )
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every stream as they come; closing the iterator aborts what is unfinished."""
+    if len(streams) == 1:  # the common case, without a task and a queue between the stream and its reader
+        try:
+            async for delta in streams[0]:
+                yield 0, join_deltas([delta, *streams[0].ready()])
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        except Exception as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish_reason is not None:
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+        except OffloadError as exc:  # headers are sent: the error goes in the stream, as OpenAI does
+            yield f"data: {json.dumps(RequestError(500, str(exc), kind='server_error').body())}\n\n".encode()
+        finally:
+            await chunks.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def completion_chunks(server, req, head, streams, prompt_tokens: int) -> AsyncIterator[dict]:
+    include_usage = req.include_usage()
+    offsets = [0] * len(streams)
+    generated = [0] * len(streams)
+    async for index, delta in merged(streams):
+        if not delta.text and delta.finish_reason is None and req.logprobs is None:
+            continue  # a token whose text is held back (a partial character or a possible stop string)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = protocol.completion_logprobs([delta], server.token_text, offsets[index])
+        offsets[index] += len(delta.text)
+        generated[index] += len(delta.token_ids)
+        choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        yield {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+    if include_usage:
+        yield {**head, "choices": [], "usage": protocol.usage(prompt_tokens, sum(generated))}
+
+
+async def chat_chunks(server, req, head, streams, prompt_len) -> AsyncIterator[dict]:
+    include_usage = req.include_usage()
+    extra = {"usage": None} if include_usage else {}
+    for index in range(len(streams)):
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        yield {**head, "choices": [choice], **extra}
+    generated = 0
+    async for index, delta in merged(streams):
+        generated += len(delta.token_ids)
+        if not delta.text and delta.finish_reason is None and not req.logprobs:
+            continue
+        content = {"content": delta.text} if delta.text else {}
+        logprobs = protocol.chat_logprobs([delta], server.token_text) if req.logprobs else None
+        choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        yield {**head, "choices": [choice], **extra}
+    if include_usage:
+        yield {**head, "choices": [], "usage": protocol.usage(prompt_len, generated)}

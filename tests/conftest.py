@@ -161,3 +161,11 @@ def family_checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = make_checkpoint(path, request.param)
     return request.param, path, model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama checkpoint of TINY's shape with the byte-level tokenizer, shared by tests that only read it."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_checkpoint(path, "llama")
+    return path

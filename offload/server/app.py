@@ -151,6 +151,13 @@ class Server:
         except OffloadError as exc:
             raise RequestError(400, str(exc).replace("prompt 0", "the conversation"), "messages") from None
 
+    async def accept(self, request: Request, kind: type[protocol.Sampling]) -> tuple[protocol.Sampling, AsyncFront]:
+        """The checks every generation request passes, in order: the key, the body, the model, readiness."""
+        self.authorize(request)
+        req = protocol.parse(await request.body(), kind)
+        self.check_model(req.model)
+        return req, self.ready()
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
@@ -205,10 +212,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        server.authorize(request)
-        req = protocol.parse(await request.body(), CompletionRequest)
-        server.check_model(req.model)
-        front = server.ready()
+        req, front = await server.accept(request, CompletionRequest)
         prompts = [server.encode(p, i, "prompt") for i, p in enumerate(req.prompts())]
         budget = req.max_tokens or COMPLETION_DEFAULT_TOKENS
         jobs = [(ids, protocol.sampling_params(req, budget, k)) for ids in prompts for k in range(req.n)]
@@ -230,10 +234,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        server.authorize(request)
-        req = protocol.parse(await request.body(), ChatRequest)
-        server.check_model(req.model)
-        front = server.ready()
+        req, front = await server.accept(request, ChatRequest)
         ids = server.encode_chat(req.conversation())
         budget = req.max_completion_tokens or req.max_tokens or server.llm.max_model_len - len(ids)
         streams = server.submit(front, [(ids, protocol.sampling_params(req, budget, k)) for k in range(req.n)])

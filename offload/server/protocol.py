@@ -41,7 +41,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
@@ -74,7 +74,7 @@ class _Sampling(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=COMPLETION_LOGPROBS)
     echo: bool = False
@@ -105,7 +105,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -116,7 +116,7 @@ class ChatRequest(_Sampling):
         return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
 
-def parse(raw: bytes, model: type[_Sampling]) -> _Sampling:
+def parse(raw: bytes, model: type[Sampling]) -> Sampling:
     """The request body as `model`, or RequestError(400) naming the first bad field."""
     try:
         body = json.loads(raw)
@@ -143,7 +143,7 @@ def _type_tag(part: str | int) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in part)
 
 
-def sampling_params(request: _Sampling, max_new_tokens: int, seed_offset: int) -> SamplingParams:
+def sampling_params(request: Sampling, max_new_tokens: int, seed_offset: int) -> SamplingParams:
     """The engine's parameters for choice `seed_offset` of a request (a seeded request's choices differ)."""
     if isinstance(request, ChatRequest):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from conftest import make_checkpoint
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
@@ -18,15 +17,8 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_checkpoint(path, "llama")
-    return path
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
+def llm(tiny_llama):
+    return LLM(tiny_llama, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
 
 
 def run_to_end(core, rids) -> dict[int, list]:
@@ -134,7 +126,7 @@ def test_text_stream_holds_back_what_may_become_a_stop_string():
     assert stream.stopped and stream.take(final=True) == "y"
 
 
-def test_logprobs_are_the_models_distribution(llm, model_dir):
+def test_logprobs_are_the_models_distribution(llm):
     ids = llm.encode(PROMPTS[1])
     rid = llm.core.add_request(ids, SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=3))
     deltas = run_to_end(llm.core, [rid])[rid]

@@ -7,7 +7,6 @@ import threading
 
 import pytest
 
-from conftest import make_checkpoint
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
@@ -18,10 +17,8 @@ LONG = SamplingParams(max_new_tokens=200, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_checkpoint(path, "llama")
-    return LLM(path, EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=2))
+def llm(tiny_llama):
+    return LLM(tiny_llama, EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=2))
 
 
 async def consume(stream) -> list:

@@ -27,7 +27,6 @@ from offload.server.metrics import Metrics
 from offload.server.protocol import ChatRequest, CompletionRequest, RequestError
 from offload.server.sse import chat_chunks, completion_chunks, sse
 
-COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming request's client is still there
 
 
@@ -214,52 +213,35 @@ def create_app(server: Server) -> FastAPI:
     async def completions(request: Request):
         req, front = await server.accept(request, CompletionRequest)
         prompts = [server.encode(p, i, "prompt") for i, p in enumerate(req.prompts())]
-        budget = req.max_tokens or COMPLETION_DEFAULT_TOKENS
-        jobs = [(ids, protocol.sampling_params(req, budget, k)) for ids in prompts for k in range(req.n)]
+        jobs = [
+            (ids, protocol.sampling_params(req, protocol.token_budget(req, server.llm.max_model_len - len(ids)), k))
+            for ids in prompts
+            for k in range(req.n)
+        ]
         streams = server.submit(front, jobs)
         rid, created = protocol.new_id("cmpl"), protocol.now()
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
             return sse(completion_chunks(server, req, head, streams, sum(len(p) for p in prompts)))
         outputs = await _unless_gone(request, _collect(streams))
-        choices = []
-        for index, deltas in enumerate(outputs):
-            text = "".join(d.text for d in deltas)
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = protocol.completion_logprobs(deltas, server.token_text, 0)
-            choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": _reason(deltas)})
-        used = sum(_tokens(d) for d in outputs)
-        return {**head, "choices": choices, "usage": protocol.usage(sum(len(p) for p in prompts), used)}
+        prompt_tokens = sum(len(p) for p in prompts)
+        return protocol.completion_body(head, outputs, prompt_tokens, req.logprobs is not None, server.token_text)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req, front = await server.accept(request, ChatRequest)
         ids = server.encode_chat(req.conversation())
-        budget = req.max_completion_tokens or req.max_tokens or server.llm.max_model_len - len(ids)
+        budget = protocol.token_budget(req, server.llm.max_model_len - len(ids))
         streams = server.submit(front, [(ids, protocol.sampling_params(req, budget, k)) for k in range(req.n)])
         rid, created = protocol.new_id("chatcmpl"), protocol.now()
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
             return sse(chat_chunks(server, req, head, streams, len(ids)))
         outputs = await _unless_gone(request, _collect(streams))
-        choices = []
-        for index, deltas in enumerate(outputs):
-            message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
-            logprobs = protocol.chat_logprobs(deltas, server.token_text) if req.logprobs else None
-            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": _reason(deltas)})
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": req.model}
-        return {**head, "choices": choices, "usage": protocol.usage(len(ids), sum(_tokens(d) for d in outputs))}
+        head = {"id": rid, "created": created, "model": req.model}
+        return protocol.chat_body(head, outputs, len(ids), req.logprobs, server.token_text)
 
     return app
-
-
-def _reason(deltas: list[Delta]) -> str:
-    return deltas[-1].finish_reason if deltas else "abort"
-
-
-def _tokens(deltas: list[Delta]) -> int:
-    return sum(len(d.token_ids) for d in deltas)
 
 
 async def _drain_one(stream: RequestStream) -> list[Delta]:

@@ -21,6 +21,7 @@ from offload.core import Delta, TokenLogprob
 MAX_N = 8  # choices per request: each is a sequence of its own in the batch
 MAX_STOPS = 4  # as OpenAI
 COMPLETION_LOGPROBS = 5  # the most top logprobs the completions API allows
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 
 class RequestError(Exception):
@@ -122,6 +123,11 @@ def parse(raw: bytes, model: type[Sampling]) -> Sampling:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(400, f"the request body is not valid JSON ({exc})") from None
+    return validate(body, model)
+
+
+def validate(body: object, model: type[Sampling]) -> Sampling:
+    """A decoded request body as `model`, or RequestError(400) naming the first bad field."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     try:
@@ -141,6 +147,14 @@ def parse(raw: bytes, model: type[Sampling]) -> Sampling:
 def _type_tag(part: str | int) -> bool:
     """Whether a part of a pydantic error location names a member of a union type rather than a field."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in part)
+
+
+def token_budget(request: Sampling, context_left: int) -> int:
+    """New tokens a request may generate: max_tokens (max_completion_tokens for chat); unset, OpenAI's default of
+    16 for completions and what the context leaves for chat."""
+    if isinstance(request, ChatRequest):
+        return request.max_completion_tokens or request.max_tokens or context_left
+    return request.max_tokens or COMPLETION_DEFAULT_TOKENS
 
 
 def sampling_params(request: Sampling, max_new_tokens: int, seed_offset: int) -> SamplingParams:
@@ -205,3 +219,29 @@ def chat_logprobs(deltas: list[Delta], token_text) -> dict:
     for lp in (lp for d in deltas for lp in d.logprobs):
         content.append({**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]})
     return {"content": content}
+
+
+def _reason(deltas: list[Delta]) -> str:
+    return deltas[-1].finish_reason if deltas else "abort"
+
+
+def completion_body(head: dict, outputs: list[list[Delta]], prompt_tokens: int, logprobs: bool, token_text) -> dict:
+    """A whole /v1/completions response: one choice per output (a request's deltas)."""
+    choices = []
+    for index, deltas in enumerate(outputs):
+        lp = completion_logprobs(deltas, token_text, 0) if logprobs else None
+        text = "".join(d.text for d in deltas)
+        choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(deltas)})
+    used = sum(len(d.token_ids) for deltas in outputs for d in deltas)
+    return {**head, "object": "text_completion", "choices": choices, "usage": usage(prompt_tokens, used)}
+
+
+def chat_body(head: dict, outputs: list[list[Delta]], prompt_tokens: int, logprobs: bool, token_text) -> dict:
+    """A whole /v1/chat/completions response: one choice per output."""
+    choices = []
+    for index, deltas in enumerate(outputs):
+        message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
+        lp = chat_logprobs(deltas, token_text) if logprobs else None
+        choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": _reason(deltas)})
+    used = sum(len(d.token_ids) for deltas in outputs for d in deltas)
+    return {**head, "object": "chat.completion", "choices": choices, "usage": usage(prompt_tokens, used)}

@@ -370,7 +370,7 @@ def _batch(args: argparse.Namespace) -> None:
 
     from offload.api import LLM, load_tokenizer
     from offload.batch import run_job
-    from offload.batch_io import read_input
+    from offload.batch_io import errors_path, read_input
     from offload.common.sizes import format_size
     from offload.demo import ensure_demo_model
 
@@ -403,8 +403,8 @@ def _batch(args: argparse.Namespace) -> None:
         raise
     s = summary
     print(
-        f"requests   {s.requests} ({s.done_before} done before, {s.completed} now), {s.bad_lines} bad lines "
-        + (f"(see {out.with_name(out.name.removesuffix('.jsonl') + '.errors.jsonl')})" if s.bad_lines else ""),
+        f"requests   {s.requests} ({s.done_before} done before, {s.completed} now), {s.bad_lines} bad lines"
+        + (f" (see {errors_path(out)})" if s.bad_lines else ""),
         file=sys.stderr,
     )
     print(

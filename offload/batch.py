@@ -10,7 +10,6 @@ command skips what its output already holds; `ordered` rewrites the finished out
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -21,11 +20,11 @@ from offload.batch_io import (
     Appender,
     BadLine,
     JobRequest,
-    atomic_write,
-    errors_path,
     fingerprint,
     open_output,
     read_input,
+    rewrite_in_order,
+    write_errors,
 )
 from offload.common.errors import OffloadError
 from offload.core import Delta
@@ -72,7 +71,7 @@ def run_job(
     done = open_output(out, fingerprint(input_path, llm.model_dir))
     pending, unrunnable = _encode(llm, [r for r in requests if r.id not in done])
     bad = sorted(bad + unrunnable, key=lambda b: b.line)
-    _write_errors(out, bad)
+    write_errors(out, bad)
     runnable = len(requests) - len(unrunnable)
     before = llm.core.counters()
     bar = _progress(runnable, len(done), progress)
@@ -86,7 +85,7 @@ def run_job(
             bar.close()
     if ordered:
         refused = {b.id for b in unrunnable}
-        _rewrite_in_order(out, [r.id for r in requests if r.id not in refused])
+        rewrite_in_order(out, [r.id for r in requests if r.id not in refused])
     after = llm.core.counters()
     return JobSummary(
         input=str(input_path),
@@ -122,15 +121,6 @@ def _encode_prompt(llm: LLM, r: JobRequest) -> list[int]:
     if isinstance(r.prompt, str):
         return llm.encode(r.prompt, r.line)
     return llm.core.check_prompt(list(r.prompt), r.line)
-
-
-def _write_errors(out: Path, bad: list[BadLine]) -> None:
-    path = errors_path(out)
-    if bad:
-        lines = "".join(json.dumps({"line": b.line, "id": b.id, "error": b.error}) + "\n" for b in bad)
-        atomic_write(path, lines.encode())
-    elif path.exists():
-        path.unlink()
 
 
 def _progress(total: int, initial: int, enabled: bool):
@@ -195,13 +185,3 @@ def _record(llm: LLM, p: _Pending) -> dict:
     body = build(head, p.outputs, len(p.prompt_ids), r.logprobs, lambda t: llm.tokenizer.decode([t]))
     response = {"status_code": 200, "request_id": protocol.new_id("req"), "body": body}
     return {"id": protocol.new_id("batch_req"), "custom_id": r.id, "response": response, "error": None}
-
-
-def _rewrite_in_order(out: Path, ids: list[str]) -> None:
-    """Rewrite the output in the input's order (atomically), once it holds every id; else leave it be."""
-    records = {}
-    for raw in out.read_bytes().splitlines():
-        obj = json.loads(raw)
-        records[obj.get("custom_id", obj.get("id"))] = raw
-    if all(i in records for i in ids):
-        atomic_write(out, b"".join(records[i] + b"\n" for i in ids))

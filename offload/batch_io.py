@@ -264,3 +264,22 @@ class Appender:
     def close(self) -> None:
         self.sync()
         os.close(self._fd)
+
+
+def write_errors(out: Path, bad: list[BadLine]) -> None:
+    path = errors_path(out)
+    if bad:
+        lines = "".join(json.dumps({"line": b.line, "id": b.id, "error": b.error}) + "\n" for b in bad)
+        atomic_write(path, lines.encode())
+    elif path.exists():
+        path.unlink()
+
+
+def rewrite_in_order(out: Path, ids: list[str]) -> None:
+    """Rewrite the output in the input's order (atomically), once it holds every id; else leave it be."""
+    records = {}
+    for raw in out.read_bytes().splitlines():
+        obj = json.loads(raw)
+        records[obj.get("custom_id", obj.get("id"))] = raw
+    if all(i in records for i in ids):
+        atomic_write(out, b"".join(records[i] + b"\n" for i in ids))

@@ -361,6 +361,13 @@ def _add_batch(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--fsync-interval", type=float, default=1.0, metavar="SECONDS", help="most time between fsyncs (default 1)"
     )
+    p.add_argument("--ray", action="store_true", help="shard the job over Ray workers, one engine each")
+    p.add_argument("--ray-workers", type=int, default=2, metavar="N", help="with --ray: workers (default 2)")
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="with --ray: an existing cluster (auto, or ray://HOST:10001); default: start a local one",
+    )
     add_engine_flags(p)
     p.set_defaults(run=_batch)
 
@@ -395,9 +402,19 @@ def _batch(args: argparse.Namespace) -> None:
         new_tokens = min(max(p.max_new_tokens for r in requests for p in r.params), 4096)
         config = planned_config(args, config, lengths, new_tokens)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the job as Ctrl-C does: synced
-    llm = LLM(model_dir, config)
     try:
-        summary = run_job(llm, input_path, out, args.ordered, args.fsync_interval, not args.no_progress)
+        if args.ray:
+            from offload.batch_io import rewrite_in_order
+            from offload.batch_ray import run_sharded
+
+            summary = run_sharded(
+                model_dir, config, input_path, out, args.ray_workers, args.ray_address, not args.no_progress
+            )
+            if args.ordered:
+                rewrite_in_order(out, [r.id for r in read_input(input_path, model_dir.name)[0]])
+        else:
+            llm = LLM(model_dir, config)
+            summary = run_job(llm, input_path, out, args.ordered, args.fsync_interval, not args.no_progress)
     except KeyboardInterrupt:
         print(f"interrupted: {out} holds what finished; rerun the same command to resume", file=sys.stderr)
         raise

@@ -225,6 +225,10 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text (what logprobs name it)."""
+        return self.tokenizer.decode([token_id])
+
     @functools.cached_property
     def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase; loaded when text is first used
         return load_tokenizer(self.model_dir)

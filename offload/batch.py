@@ -23,12 +23,12 @@ from offload.batch_io import (
     fingerprint,
     open_output,
     read_input,
+    result_record,
     rewrite_in_order,
     write_errors,
 )
 from offload.common.errors import OffloadError
 from offload.core import Delta
-from offload.server import protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +156,7 @@ def _drive(llm: LLM, pending: list[_Pending], appender: Appender, bar) -> int:
                 del by_rid[delta.request_id]
                 p.open_choices -= 1
                 if p.open_choices == 0:
-                    appender.write(_record(llm, p))
+                    appender.write(result_record(p.request, len(p.prompt_ids), p.outputs, llm.token_text))
                     completed += 1
                     if bar is not None:
                         bar.update(1)
@@ -167,21 +167,3 @@ def _drive(llm: LLM, pending: list[_Pending], appender: Appender, bar) -> int:
         if by_rid:
             core.step()  # hands out the aborts' final deltas
     return completed
-
-
-def _record(llm: LLM, p: _Pending) -> dict:
-    r = p.request
-    if not r.openai:
-        deltas = p.outputs[0]
-        tokens = sum(len(d.token_ids) for d in deltas)
-        return {
-            "id": r.id,
-            "text": "".join(d.text for d in deltas),
-            "finish_reason": deltas[-1].finish_reason,
-            "usage": protocol.usage(len(p.prompt_ids), tokens),
-        }
-    head = {"id": protocol.new_id("chatcmpl" if r.chat else "cmpl"), "created": protocol.now(), "model": r.model}
-    build = protocol.chat_body if r.chat else protocol.completion_body
-    body = build(head, p.outputs, len(p.prompt_ids), r.logprobs, lambda t: llm.tokenizer.decode([t]))
-    response = {"status_code": 200, "request_id": protocol.new_id("req"), "body": body}
-    return {"id": protocol.new_id("batch_req"), "custom_id": r.id, "response": response, "error": None}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from offload.common.config import SamplingParams
 from offload.common.errors import OffloadError
+from offload.core import Delta
 from offload.server import protocol
 from offload.server.protocol import ChatRequest, CompletionRequest, RequestError
 
@@ -162,6 +163,24 @@ def _plain_line(obj: dict, number: int) -> JobRequest:
     except (OffloadError, TypeError, ValueError) as exc:
         raise _Bad(str(exc), rid) from None
     return JobRequest(rid, number, False, chat, prompt, messages, (params,), None, False)
+
+
+def result_record(r: JobRequest, prompt_tokens: int, outputs: list[list[Delta]], token_text) -> dict:
+    """The output line of request `r`: its choices' deltas in the format of its input line."""
+    if not r.openai:
+        deltas = outputs[0]
+        tokens = sum(len(d.token_ids) for d in deltas)
+        return {
+            "id": r.id,
+            "text": "".join(d.text for d in deltas),
+            "finish_reason": deltas[-1].finish_reason,
+            "usage": protocol.usage(prompt_tokens, tokens),
+        }
+    head = {"id": protocol.new_id("chatcmpl" if r.chat else "cmpl"), "created": protocol.now(), "model": r.model}
+    build = protocol.chat_body if r.chat else protocol.completion_body
+    body = build(head, outputs, prompt_tokens, r.logprobs, token_text)
+    response = {"status_code": 200, "request_id": protocol.new_id("req"), "body": body}
+    return {"id": protocol.new_id("batch_req"), "custom_id": r.id, "response": response, "error": None}
 
 
 # ---- the output and its fingerprint ---------------------------------------------------------------------

@@ -303,6 +303,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--drain-timeout", type=float, default=30.0, metavar="SECONDS", help="on shutdown, time running requests get"
     )
     p.add_argument(
+        "--batch-dir",
+        metavar="DIR",
+        help="where the Batch API keeps uploaded files, batches and their results (default: "
+        "~/.cache/offload/batches/MODEL-NAME); unfinished batches resume when the server starts again",
+    )
+    p.add_argument(
         "--plan-prompt-tokens",
         type=int,
         default=512,
@@ -320,6 +326,7 @@ def _serve(args: argparse.Namespace) -> None:
     import os
 
     from offload.api import LLM
+    from offload.common.paths import cache_dir
     from offload.demo import ensure_demo_model
     from offload.server.app import ServeSettings
     from offload.server.run import serve
@@ -335,11 +342,13 @@ def _serve(args: argparse.Namespace) -> None:
     if needs_plan(args, config):
         planned = max(1, min(args.max_num_seqs or 64, 64))
         config = planned_config(args, config, [args.plan_prompt_tokens] * planned, args.plan_new_tokens)
+    name = args.served_model_name or model_dir.name
     settings = ServeSettings(
-        model_name=args.served_model_name or model_dir.name,
+        model_name=name,
         api_key=args.api_key or os.environ.get("OFFLOAD_API_KEY") or None,
         max_waiting=args.max_waiting,
         drain_timeout=args.drain_timeout,
+        batch_dir=Path(args.batch_dir).expanduser() if args.batch_dir else cache_dir() / "batches" / name,
     )
     serve(lambda: LLM(model_dir, config), settings, args.host, args.port, args.log_level)
 

@@ -153,10 +153,16 @@ class EngineCore:
         return ids
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams | None = None, stream_text: bool = True, index=None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        stream_text: bool = True,
+        index=None,
+        priority: int = 0,
     ) -> int:
         """Queue a request; it joins the batch at the next step. `stream_text`: hand out its text token by token
-        (else all of it on the last delta, decoded once). Returns its id."""
+        (else all of it on the last delta, decoded once). `priority`: its admission class, a lower one first.
+        Returns its id."""
         params = params or SamplingParams()
         rid = self._next_id
         ids = self.check_prompt(list(prompt_ids), rid if index is None else index)
@@ -167,7 +173,8 @@ class EngineCore:
         if params.seed is not None:
             generator = torch.Generator(device=self.engine.device).manual_seed(params.seed)
         self._next_id += 1
-        self._requests[rid] = _Request(Sequence(rid, ids, params), generator, text, time.perf_counter())
+        seq = Sequence(rid, ids, params, priority=priority)
+        self._requests[rid] = _Request(seq, generator, text, time.perf_counter())
         self.batcher.add(self._requests[rid].seq)
         self._totals["requests_added"] += 1
         self._totals["prompt_tokens"] += len(ids)

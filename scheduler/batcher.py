@@ -7,7 +7,8 @@ so long prompts interleave with decoding instead of stalling it, and a step's ac
 A chunk's blocks are allocated when it is planned, for its tokens only.
 
 Finished sequences leave after their step and free their blocks; waiting ones join at the next step if
-their first chunk fits in the free blocks (FIFO: one that does not fit blocks those behind it). When an
+their first chunk fits in the free blocks (FIFO within a priority class, a lower class first: one that does not
+fit blocks those behind it). When an
 admitted sequence's next chunk does not fit, the most recently admitted sequence not yet planned this
 step is preempted, possibly the one asking: its blocks are freed and it waits at the front of the queue,
 to be recomputed from scratch (prompt and outputs so far). No sequence is admitted in a step that
@@ -53,7 +54,9 @@ class Batcher:
             raise ValueError(
                 f"sequence {seq.seq_id} has {seq.num_tokens} tokens, max_model_len is {self.limits.max_model_len}"
             )
-        self.waiting.append(seq)
+        # ahead of every waiting sequence of a later priority class (FIFO within a class)
+        later = next((i for i, w in enumerate(self.waiting) if w.priority > seq.priority), len(self.waiting))
+        self.waiting.insert(later, seq)
 
     @property
     def has_work(self) -> bool:

@@ -14,14 +14,17 @@ import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from offload.api import has_tokenizer, load_tokenizer
 from offload.common.errors import OffloadError
 from offload.core import Delta
 from offload.server import protocol
+from offload.server.batches import BatchRunner, BatchStore, add_batch_routes
 from offload.server.front import AsyncFront, Draining, QueueFull, RequestStream
 from offload.server.metrics import Metrics
 from offload.server.protocol import ChatRequest, CompletionRequest, RequestError
@@ -36,6 +39,7 @@ class ServeSettings:
     api_key: str | None = None  # None: no authentication
     max_waiting: int | None = 256  # requests queued beyond the running batch; more get 429
     drain_timeout: float = 30.0  # seconds running requests get to finish on shutdown
+    batch_dir: Path | None = None  # the Batch API's files and batches; None: no Batch API
 
 
 class Server:
@@ -50,6 +54,7 @@ class Server:
         self.tokenizer = None  # the event loop's own copy: the core thread decodes with the LLM's
         self.metrics = Metrics()
         self.load_error: BaseException | None = None
+        self.batches: BatchRunner | None = None  # the Batch API's runner, once loaded (with a batch_dir)
 
     @property
     def status(self) -> str:
@@ -79,6 +84,10 @@ class Server:
         front.observer = self.metrics.observe
         front.start()
         self.front = self.metrics.front = front
+        if self.settings.batch_dir is not None:
+            store = BatchStore(self.settings.batch_dir)
+            self.batches = BatchRunner(store, front, self, window=2 * llm.config.max_num_seqs)
+            self.batches.resume_all()
         if self.on_ready is not None:
             self.on_ready(self)
 
@@ -91,9 +100,14 @@ class Server:
         """Stop taking requests, let running ones finish (bounded by drain_timeout); how many were cut short."""
         if self.front is None:
             return 0
+        if self.batches is not None:
+            self.batches.stop()  # background work resumes after a restart; interactive requests get the drain
         return await self.front.drain(self.settings.drain_timeout)
 
     # ---- request checks -----------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
     def ready(self) -> AsyncFront:
         if self.front is None:
@@ -157,9 +171,6 @@ class Server:
         self.check_model(req.model)
         return req, self.ready()
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
-
     def submit(self, front: AsyncFront, jobs: list[tuple[list[int], object]]) -> list[RequestStream]:
         """Submit every choice, or none: a refusal part way closes (aborts) those already submitted."""
         streams: list[RequestStream] = []
@@ -187,10 +198,19 @@ def create_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="offload", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        field = ".".join(str(part) for part in err["loc"][1:]) or None  # loc starts with body, query, ...
+        return await refused(request, RequestError(400, f"{field or 'request'}: {err['msg']}", field))
+
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    if server.settings.batch_dir is not None:
+        add_batch_routes(app, server)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -108,7 +108,9 @@ class AsyncFront:
         self.core = core
         self.max_waiting = max_waiting
         self.draining = False
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", stream, ids, params) | ("abort", stream)
+        self._inbox: queue.SimpleQueue = (
+            queue.SimpleQueue()
+        )  # ("add", stream, ids, params, priority) | ("abort", stream)
         self._wake = threading.Event()
         self._stop = False
         self._streams: dict[int, _Stream] = {}  # core thread only: request id -> its stream
@@ -133,14 +135,16 @@ class AsyncFront:
 
     # ---- event loop side ------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestStream:
         """Hand a request to the core; iterate the result for its deltas and close() it when done with it (closing
-        early aborts the request). Raises Draining or QueueFull at once, before anything is queued."""
+        early aborts the request). Raises Draining or QueueFull at once, before anything is queued. A request of a
+        later priority class (background jobs, which bound what they queue themselves) is not held to the queue
+        limit, and waits behind every request of an earlier class."""
         if self.draining or self._stop:
             raise Draining("the server is shutting down")
         # the batch's free places take requests at the next step: only what lies beyond them waits
         free = max(0, self.core.limits.max_running - self.snapshot.running)
-        if self.max_waiting is not None and self.num_waiting - free >= self.max_waiting:
+        if priority == 0 and self.max_waiting is not None and self.num_waiting - free >= self.max_waiting:
             raise QueueFull(
                 f"{self.num_waiting} requests are waiting for {free} free places in the batch; the limit "
                 f"(--max-waiting) is {self.max_waiting} beyond those"
@@ -149,7 +153,7 @@ class AsyncFront:
         self._open += 1
         self._pending_adds += 1
         self._idle.clear()
-        self._send(("add", stream, prompt_ids, params))
+        self._send(("add", stream, prompt_ids, params, priority))
         return RequestStream(self, stream)
 
     def _closed(self, stream: _Stream) -> None:
@@ -240,12 +244,12 @@ class AsyncFront:
             except queue.Empty:
                 return batch, adds
             if command[0] == "add":
-                _, stream, ids, params = command
+                _, stream, ids, params, priority = command
                 adds += 1
                 if stream.done:  # the caller left before the core saw the request
                     continue
                 try:
-                    stream.request_id = self.core.add_request(ids, params)
+                    stream.request_id = self.core.add_request(ids, params, priority=priority)
                 except OffloadError as exc:
                     batch.append((stream, exc))
                     continue

@@ -88,6 +88,20 @@ def test_prefill_admits_fifo_up_to_max_num_seqs() -> None:
     assert (a.num_cached, bb.num_cached, c.num_cached) == (5, 3, 0)
 
 
+def test_a_lower_priority_class_waits_behind_every_higher_one() -> None:
+    b = make_batcher(16, 4, max_num_seqs=1)
+    background = [make_seq(i, 2) for i in range(3)]
+    for s in background:
+        s.priority = 1
+        b.add(s)
+    first, second = make_seq(7, 2), make_seq(8, 2)
+    b.add(first)
+    b.add(second)
+    assert ids(b.waiting) == [7, 8, 0, 1, 2]  # FIFO within a class
+    plan = b.schedule()
+    assert [c.seq_id for c in plan.chunks] == [7]
+
+
 def test_max_step_tokens_caps_the_running_set() -> None:
     # every running sequence may decode in the same step, so no more run than a step has tokens
     b = make_batcher(16, 4, max_num_seqs=8, max_step_tokens=3)

@@ -140,6 +140,12 @@ def load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase
         raise OffloadError(f"{model_dir}: cannot load the tokenizer ({str(exc).splitlines()[0]})") from None
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of `messages` under the tokenizer's chat template, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5 returns a BatchEncoding
+
+
 def _eos_ids(model_dir: Path, spec: ModelSpec) -> tuple[int, ...]:
     """End-of-sequence ids: generation_config.json's, else config.json's."""
     path = model_dir / "generation_config.json"
@@ -263,10 +269,7 @@ class LLM:
             raise OffloadError(f"conversation {index} is empty or has a message without content")
         if self.tokenizer.chat_template is None:
             raise OffloadError(f"{self.model_dir}: the tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return self._check_ids(list(ids), index)
+        return self._check_ids(chat_ids(self.tokenizer, messages), index)
 
     def _check_ids(self, ids: list[int], index: int) -> list[int]:
         return self.core.check_prompt(ids, index)

@@ -134,7 +134,7 @@ def needs_plan(args: argparse.Namespace, config) -> bool:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from offload.api import LLM, load_tokenizer
+    from offload.api import LLM, chat_ids, load_tokenizer
     from offload.common.config import SamplingParams
     from offload.demo import DEMO_PROMPTS, ensure_demo_model
 
@@ -155,7 +155,7 @@ def _generate(args: argparse.Namespace) -> None:
         tokenizer = load_tokenizer(_model_dir(args, ensure_demo_model))
         if args.chat:
             chats = [[{"role": "user", "content": p}] for p in prompts]
-            lengths = [len(tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in chats]
+            lengths = [len(chat_ids(tokenizer, c)) for c in chats]
         else:
             lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
         config = planned_config(args, config, lengths, args.max_new_tokens)
@@ -384,7 +384,7 @@ def _add_batch(sub: argparse._SubParsersAction) -> None:
 def _batch(args: argparse.Namespace) -> None:
     import signal
 
-    from offload.api import LLM, load_tokenizer
+    from offload.api import LLM, chat_ids, load_tokenizer
     from offload.batch import run_job
     from offload.batch_io import errors_path, read_input
     from offload.common.sizes import format_size
@@ -401,7 +401,7 @@ def _batch(args: argparse.Namespace) -> None:
             raise OffloadError(f"{input_path}: no valid request to plan for")
         tokenizer = load_tokenizer(model_dir)
         lengths = [
-            len(tokenizer.apply_chat_template(r.messages, add_generation_prompt=True))
+            len(chat_ids(tokenizer, r.messages))
             if r.chat
             else len(r.prompt)
             if isinstance(r.prompt, list)

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from offload.api import has_tokenizer, load_tokenizer
+from offload.api import chat_ids, has_tokenizer, load_tokenizer
 from offload.common.errors import OffloadError
 from offload.core import Delta
 from offload.server import protocol
@@ -156,11 +156,8 @@ class Server:
     def encode_chat(self, conversation: list[dict]) -> list[int]:
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise RequestError(400, "this model has no chat template: use /v1/completions", "messages")
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
         try:
-            return self.llm.core.check_prompt(list(ids), 0)
+            return self.llm.core.check_prompt(chat_ids(self.tokenizer, conversation), 0)
         except OffloadError as exc:
             raise RequestError(400, str(exc).replace("prompt 0", "the conversation"), "messages") from None
 

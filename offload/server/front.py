@@ -61,6 +61,7 @@ class RequestStream:
     def __init__(self, front: AsyncFront, stream: _Stream) -> None:
         self._front, self._stream = front, stream
         self._closed = False
+        self._held: BaseException | None = None  # an error ready() took off the queue, for the next iteration
         self.last_token: float | None = None  # time.perf_counter() of its latest token
 
     def __aiter__(self) -> RequestStream:
@@ -69,6 +70,9 @@ class RequestStream:
     async def __anext__(self) -> Delta:
         if self._closed:
             raise StopAsyncIteration
+        if self._held is not None:
+            item, self._held = self._held, None
+            return self._accept(item)
         try:
             item = await self._stream.deltas.get()
         except BaseException:  # cancelled: the caller is gone
@@ -81,8 +85,12 @@ class RequestStream:
         that fell behind the engine catches up in one write instead of one per step."""
         taken: list[Delta] = []
         queue = self._stream.deltas
-        while not self._closed and not queue.empty() and not isinstance(queue._queue[0], BaseException):
-            taken.append(self._accept(queue.get_nowait()))
+        while not self._closed and self._held is None and not queue.empty():
+            item = queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._held = item  # the next iteration raises it, after these deltas are written
+                break
+            taken.append(self._accept(item))
         return taken
 
     def _accept(self, item: Delta | BaseException) -> Delta:

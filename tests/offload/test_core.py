@@ -163,3 +163,13 @@ def test_a_bad_prompt_is_refused_before_any_request_is_added(llm):
     with pytest.raises(OffloadError, match="prompt 1: token id 99999 is outside the vocabulary"):
         llm.generate_ids([[5, 6], [99999]], GREEDY)
     assert llm.core.counters().requests_added == added and not llm.core.has_work
+
+
+def test_chat_ids_are_the_templates_tokens_not_a_batch_encoding(llm):
+    """transformers 5 returns a BatchEncoding from apply_chat_template, whose len() is its number of keys: what the
+    planner once took for a chat prompt's length."""
+    from offload.api import chat_ids
+
+    ids = chat_ids(llm.tokenizer, [{"role": "user", "content": "hello"}])
+    assert all(isinstance(t, int) for t in ids) and len(ids) > len("hello")
+    assert ids == llm.encode_chat([{"role": "user", "content": "hello"}])

@@ -20,12 +20,13 @@ from offload.model.registry import model_tensors
 from offload.planner.profiles import saved_read_rates
 from scheduler.batcher import BatchLimits
 from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
+from tiers.blocks import BlockPool, BlockTables
 from tiers.checkpoint import Checkpoint
 from tiers.device import DeviceTier
 from tiers.host import HostTier
 from tiers.io.backends import choose_backend, make_backend
 from tiers.io.buffered import BufferedReader
-from tiers.kv import BlockPool, BlockTables, KVCache
+from tiers.kv import KVCache
 from tiers.layout import ModelLayout, model_layout
 from tiers.placement import place_weights
 from tiers.spill import SpillStats, spill_layers
@@ -202,14 +203,16 @@ class LLM:
     def _make_kv_cache(self) -> KVCache:
         s, c = self.spec, self.config
         geometry = (s.num_layers, c.block_size, s.num_kv_heads, s.head_dim)
-        per_block = KVCache.block_bytes(*geometry, self.dtype)
+        per_block = KVCache.block_bytes(*geometry, self.dtype, c.kv_dtype)
         if c.kv_cache_bytes < per_block:
             raise OffloadError(
                 f"kv cache memory of {c.kv_cache_bytes} bytes holds no block "
                 f"(one block of {c.block_size} tokens needs {per_block} bytes)"
             )
         blocks = c.kv_cache_bytes // per_block
-        kv = KVCache(s.num_layers, blocks, c.block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device)
+        kv = KVCache(
+            s.num_layers, blocks, c.block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device, c.kv_dtype
+        )
         if not self.device_tier.adopt(kv.storage):
             raise OffloadError(
                 f"--kv-cache-memory ({c.kv_cache_bytes} bytes) does not fit --device-memory ({c.device_memory} bytes)"

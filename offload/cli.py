@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from offload.common.config import IO_BACKENDS
+from offload.common.dtypes import KV_DTYPES
 from offload.common.errors import OffloadError
 from offload.planner.report import add_plan_parser
 
@@ -58,6 +59,31 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--disk-memory", metavar="SIZE", help="budget for the converted layers in --offload-dir (default: no budget)"
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=KV_DTYPES,
+        help="KV cache format: auto (the compute dtype, default), a float dtype, or int8 / int4 / fp8, quantized per "
+        "group along head_dim (fewer bytes in every tier)",
+    )
+    p.add_argument(
+        "--kv-host-memory",
+        default="0",
+        metavar="SIZE",
+        help="host RAM for KV blocks demoted from the KV cache, kept for prefix reuse (default 0)",
+    )
+    p.add_argument(
+        "--kv-disk-memory",
+        default="0",
+        metavar="SIZE",
+        help="disk in --offload-dir for KV blocks demoted from host RAM; they persist, so later runs start warm "
+        "(default 0)",
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="compute every prompt in full instead of reusing the KV blocks of prefixes seen before",
     )
     p.add_argument("--show-placement", action="store_true", help="print each layer's tier and size before running")
     p.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV block")
@@ -120,6 +146,10 @@ def engine_config(args: argparse.Namespace):
         max_step_tokens=args.max_step_tokens,
         offload_dir=args.offload_dir,
         disk_memory=None if args.disk_memory is None else parse_size(args.disk_memory, "--disk-memory"),
+        kv_dtype=args.kv_dtype,
+        prefix_cache=not args.no_prefix_cache,
+        kv_host_memory=parse_size(args.kv_host_memory, "--kv-host-memory"),
+        kv_disk_memory=parse_size(args.kv_disk_memory, "--kv-disk-memory"),
     )
     fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
     if config.memory is not None and fixed:

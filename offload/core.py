@@ -25,7 +25,7 @@ from offload.model.engine import Engine
 from offload.model.sampling import sample
 from scheduler.batcher import Batcher, BatchLimits
 from scheduler.sequence import Sequence
-from tiers.kv import BlockTables
+from tiers.blocks import BlockTables
 from tiers.weights import WeightStore
 
 

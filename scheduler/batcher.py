@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from scheduler.sequence import SeqState, Sequence
-from tiers.kv import BlockTables
+from tiers.blocks import BlockTables
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,96 +1,36 @@
-"""The paged KV cache: a pool of fixed-size blocks, a block table per sequence, and the cache tensors.
+"""The paged KV cache's tensors: every layer's keys and values, in blocks of `block_size` tokens.
 
-Block ids index the cache tensors' first dimension. `BlockPool` and `BlockTables` are plain Python
-(the scheduler reasons with them); `KVCache` holds the tensors the model writes and reads.
+Which block holds what is the bookkeeping of tiers/blocks.py; `KVCache` holds the tensors the model writes and reads.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 
-class BlockPool:
-    """Block ids 0..num_blocks-1, handed out lowest-first and reused in the order they are freed."""
+@dataclass(frozen=True, slots=True)
+class KVLayer:
+    """One layer's keys and values: what the attention reads (`k`, `v`: [num_blocks, block_size, kv_heads, head_dim]
+    in the compute dtype) and where a step's new tokens go (`write`)."""
 
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+    k: torch.Tensor
+    v: torch.Tensor
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def allocate(self, n: int) -> list[int] | None:
-        """`n` fresh block ids, or None (and nothing taken) when fewer are free."""
-        if n > len(self._free):
-            return None
-        blocks = [self._free.popleft() for _ in range(n)]
-        self._used.update(blocks)
-        return blocks
-
-    def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if b not in self._used:
-                raise ValueError(f"block {b} is not allocated")
-            self._used.remove(b)
-            self._free.append(b)
-
-    def check_integrity(self) -> None:
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is free twice"
-        assert not free & self._used, "a block is both free and used"
-        assert free | self._used == set(range(self.num_blocks)), "a block is lost"
-
-
-class BlockTables:
-    """Each sequence's ordered list of blocks; token t of a sequence lives in block t // block_size."""
-
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
-        self.pool = pool
-        self.block_size = block_size
-        self._tables: dict[int, list[int]] = {}
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def table(self, seq_id: int) -> list[int]:
-        return self._tables.get(seq_id, [])
-
-    def can_grow(self, seq_id: int, num_tokens: int) -> bool:
-        """Whether `seq_id` can hold `num_tokens` tokens in total."""
-        return self.pool.can_allocate(self.blocks_for(num_tokens) - len(self.table(seq_id)))
-
-    def grow(self, seq_id: int, num_tokens: int) -> list[int] | None:
-        """Extend the table of `seq_id` to hold `num_tokens` tokens; None (nothing taken) if it does not fit."""
-        table = self._tables.setdefault(seq_id, [])
-        extra = self.pool.allocate(max(0, self.blocks_for(num_tokens) - len(table)))
-        table.extend(extra or [])
-        if not table:
-            del self._tables[seq_id]
-        return None if extra is None else table
-
-    def free(self, seq_id: int) -> None:
-        self.pool.free(self._tables.pop(seq_id, []))
-
-    @property
-    def num_used(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free
-
-    def check_integrity(self) -> None:
-        self.pool.check_integrity()
-        owned = [b for t in self._tables.values() for b in t]
-        assert len(owned) == len(set(owned)), "a block belongs to two sequences"
-        assert len(owned) == self.num_used, "an allocated block belongs to no sequence"
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the keys and values [tokens, kv_heads, head_dim] of new tokens at cache `slots` [tokens]
+        (block * block_size + offset)."""
+        heads, dim = self.k.shape[2:]
+        self.k.view(-1, heads, dim)[slots] = k
+        self.v.view(-1, heads, dim)[slots] = v
 
 
 class KVCache:
-    """K and V tensors per layer, [num_blocks, block_size, kv_heads, head_dim] each, on one device."""
+    """K and V of every layer, [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], on one device.
+
+    A block's bytes (every layer's K and V of its tokens) leave and enter the cache as one flat uint8 row
+    (`read_blocks`, `write_blocks`): the form the host and NVMe tiers store, whatever the cache's format."""
 
     def __init__(
         self,
@@ -101,15 +41,22 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_dtype: str = "auto",
     ) -> None:
+        """`dtype`: the compute dtype (what attention reads); `kv_dtype`: what the cache stores ("auto": `dtype`)."""
+        if kv_dtype not in ("auto", str(dtype).removeprefix("torch.")):
+            raise ValueError(f"kv_dtype {kv_dtype!r} is not supported yet")
         shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
         # torch.empty: pages are committed only as blocks are first written
         self._data = torch.empty(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.format = str(dtype).removeprefix("torch.")  # what a stored block's bytes mean (keys persisted blocks)
 
     @staticmethod
-    def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def block_bytes(
+        num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: str = "auto"
+    ) -> int:
         """Bytes of one block: K and V of `block_size` tokens in every layer."""
         return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
@@ -118,8 +65,8 @@ class KVCache:
         """The one tensor holding every block of every layer."""
         return self._data
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._data[layer, 0], self._data[layer, 1]
+    def layer(self, layer: int) -> KVLayer:
+        return KVLayer(self._data[layer, 0], self._data[layer, 1])
 
     @property
     def nbytes(self) -> int:
@@ -128,3 +75,21 @@ class KVCache:
     @property
     def bytes_per_block(self) -> int:
         return self.nbytes // self.num_blocks
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """[len(blocks), bytes_per_block] uint8 on the CPU: each block's bytes, all layers, K then V."""
+        index = torch.tensor(blocks, dtype=torch.int64, device=self._data.device)
+        rows = self._data.index_select(2, index).movedim(2, 0).contiguous()  # [n, layers, 2, block, heads, dim]
+        return rows.view(len(blocks), -1).view(torch.uint8).cpu()
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Put rows of `read_blocks` form back, block i's bytes into block blocks[i]."""
+        if data.shape != (len(blocks), self.bytes_per_block) or data.dtype != torch.uint8:
+            raise ValueError(
+                f"{len(blocks)} blocks need [{len(blocks)}, {self.bytes_per_block}] uint8, got "
+                f"{tuple(data.shape)} {data.dtype}"
+            )
+        shape = (len(blocks), *self._data.shape[:2], *self._data.shape[3:])
+        rows = data.to(self._data.device).view(self._data.dtype).view(shape).movedim(0, 2)
+        index = torch.tensor(blocks, dtype=torch.int64, device=self._data.device)
+        self._data.index_copy_(2, index, rows)

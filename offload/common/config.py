@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from offload.common.dtypes import DTYPES
+from offload.common.dtypes import DTYPES, KV_DTYPES
 from offload.common.errors import OffloadError
 
 TIERS = ("device", "host", "nvme")
@@ -86,6 +86,15 @@ class EngineConfig:
     # bytes the whole process may hold resident (its libraries included); None = no cap. The cost model turns it into
     # the device budget when it plans the batch (offload/planner/autoconfig.py); exclusive with device_memory
     memory: int | None = None
+    # the KV cache's format: "auto" (the compute dtype), a float dtype, or int8 / int4 / fp8, quantized on write per
+    # group along head_dim and dequantized on read; every tier stores the quantized bytes
+    kv_dtype: str = "auto"
+    # full KV blocks keyed by the tokens before and in them, shared by every sequence with that prefix; a request
+    # computes only what no cached block holds
+    prefix_cache: bool = True
+    kv_host_memory: int = 0  # host RAM for KV blocks demoted from the device part (kept for reuse); 0 = none
+    # local disk, in offload_dir, for KV blocks demoted from host RAM; they persist, so later runs start warm; 0 = none
+    kv_disk_memory: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -100,6 +109,10 @@ class EngineConfig:
             if not isinstance(self.offload_dir, (str, os.PathLike)) or not str(self.offload_dir).strip():
                 raise OffloadError(f"offload_dir must be a folder path, got {self.offload_dir!r}")
             object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
+        if self.kv_dtype not in KV_DTYPES:
+            raise OffloadError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_disk_memory and self.offload_dir is None:
+            raise OffloadError(f"kv_disk_memory ({self.kv_disk_memory!r}) keeps KV blocks on disk: needs offload_dir")
         if self.disk_memory is not None and self.offload_dir is None:
             raise OffloadError(f"disk_memory ({self.disk_memory!r}) budgets the spill files: it needs offload_dir")
         for name, value in (
@@ -107,6 +120,8 @@ class EngineConfig:
             ("host_memory", self.host_memory),
             ("disk_memory", self.disk_memory),
             ("memory", self.memory),
+            ("kv_host_memory", self.kv_host_memory),
+            ("kv_disk_memory", self.kv_disk_memory),
         ):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise OffloadError(f"{name} must be a non-negative number of bytes, got {value!r}")

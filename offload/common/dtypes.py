@@ -7,6 +7,8 @@ from __future__ import annotations
 
 DTYPES = ("float32", "float16", "bfloat16")  # compute dtypes, and the checkpoint dtypes config.json may declare
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_QUANT_DTYPES = ("int8", "int4", "fp8")  # KV formats stored quantized per group along head_dim
+KV_DTYPES = ("auto", *DTYPES, *KV_QUANT_DTYPES)  # what --kv-dtype may say; "auto" = the compute dtype
 MATMUL_DTYPES = (*DTYPES, "int8")  # what a hardware profile may give GEMM rates for
 
 # config.json's spellings (torch_dtype or, from transformers 5, dtype) -> one of DTYPES

@@ -51,9 +51,9 @@ class Engine:
         hidden = [self.family.embed(self.weights.embed, p.token_ids) for p in prepared]
         for layer in range(self.spec.num_layers):
             w = self.weights.acquire(layer)
-            k_cache, v_cache = self.kv.layer(layer)
+            kv = self.kv.layer(layer)
             for i, p in enumerate(prepared):
-                inp = LayerInput(p.cos, p.sin, p.batch, k_cache, v_cache)
+                inp = LayerInput(p.cos, p.sin, p.batch, kv)
                 hidden[i] = self.family.layer(self.spec, layer, w, hidden[i], inp)
             self.weights.release(layer)
         rows = torch.cat([h[p.logit_rows] for h, p in zip(hidden, prepared, strict=True)])

@@ -88,9 +88,8 @@ class LlamaFamily:
         q = apply_rope(q, inp.cos, inp.sin)
         k = apply_rope(k, inp.cos, inp.sin)
         # write this step's keys and values into their cache slots, then attend over the whole context
-        inp.k_cache.view(-1, spec.num_kv_heads, d)[inp.batch.slot_mapping] = k
-        inp.v_cache.view(-1, spec.num_kv_heads, d)[inp.batch.slot_mapping] = v
-        out = paged_attention(q, inp.k_cache, inp.v_cache, inp.batch, d**-0.5, spec.window(layer))
+        inp.kv.write(inp.batch.slot_mapping, k, v)
+        out = paged_attention(q, inp.kv.k, inp.kv.v, inp.batch, d**-0.5, spec.window(layer))
         return linear(out.reshape(tokens, spec.q_size), w["o_proj"], w.get("o_bias"))
 
     def head(self, spec: ModelSpec, w: Weights, hidden: torch.Tensor) -> torch.Tensor:

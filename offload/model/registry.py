@@ -15,6 +15,7 @@ from kernels.paged_attention import PagedBatch
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
 from tiers.checkpoint import ModelTensors, TensorSpec
+from tiers.kv import KVLayer
 from tiers.layout import Weights
 
 ARCHITECTURES: dict[str, str] = {
@@ -32,8 +33,7 @@ class LayerInput:
     cos: torch.Tensor  # [tokens, head_dim]
     sin: torch.Tensor  # [tokens, head_dim]
     batch: PagedBatch
-    k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] of this layer
-    v_cache: torch.Tensor
+    kv: KVLayer  # this layer's cache: read by the attention, written with the micro-batch's new keys and values
 
 
 class Family(Protocol):

@@ -94,7 +94,7 @@ def autoconfigure(
     cand = chosen.candidate
     blocks = -(-(prompt + max_new_tokens) // config.block_size)
     per_block = KVCache.block_bytes(
-        spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype)
+        spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype), config.kv_dtype
     )
     step_tokens = cand.batch * prompt  # every prompt of the batch in one pass over the weights
     planned = dataclasses.replace(

@@ -10,7 +10,7 @@ from offload.common.config import SamplingParams
 from scheduler.batcher import Batcher, BatchLimits
 from scheduler.plan import MicroBatch, SeqChunk, StepPlan, split_micro_batches
 from scheduler.sequence import SeqState, Sequence
-from tiers.kv import BlockPool, BlockTables
+from tiers.blocks import BlockPool, BlockTables
 
 EOS = 2
 

@@ -20,13 +20,13 @@ from offload.model.registry import model_tensors
 from offload.planner.profiles import saved_read_rates
 from scheduler.batcher import BatchLimits
 from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
-from tiers.blocks import BlockPool, BlockTables
 from tiers.checkpoint import Checkpoint
 from tiers.device import DeviceTier
 from tiers.host import HostTier
 from tiers.io.backends import choose_backend, make_backend
 from tiers.io.buffered import BufferedReader
 from tiers.kv import KVCache
+from tiers.kv_pool import kv_key, make_kv_pool
 from tiers.layout import ModelLayout, model_layout
 from tiers.placement import place_weights
 from tiers.spill import SpillStats, spill_layers
@@ -62,6 +62,15 @@ class RunStats:
     stall_seconds: float  # time the engine waited for weight reads
     # the whole generate call, start to return: scheduling, steps, sampling, stop checks (what a caller waits)
     wall_seconds: float
+    prefill_tokens: int = 0  # known tokens computed (prompt tokens not found in the prefix cache, recomputation)
+    prefix_hit_tokens: int = 0  # prompt tokens whose keys and values came from cached blocks
+    prefix_lookup_tokens: int = 0  # prompt tokens looked up (admissions; a re-admission after preemption too)
+    kv_bytes_down: int = 0  # KV bytes moved to host RAM or disk
+    kv_bytes_up: int = 0  # KV bytes brought back to the device
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
 
     @property
     def step_seconds(self) -> float:
@@ -192,18 +201,22 @@ class LLM:
         self.policy = self._place(layout)
         self.backend = make_backend(self.io_backend.name)
         self.weights = WeightStore(layout, self.backend, self.policy, self.device_tier, self.host_tier, self.dtype)
-        self.tables = BlockTables(BlockPool(self.kv.num_blocks), config.block_size)
+        self.kv_key = kv_key(self.model_dir, self.spec, self.dtype, self.kv)
+        self.tables, self.kv_tiers = make_kv_pool(config, self.kv, self.kv_key)
         self.max_model_len = min(self.spec.max_position, self.kv.num_blocks * config.block_size)
         self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype)
         limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, self.max_model_len)
         tokenizer = (lambda: self.tokenizer) if has_tokenizer(self.model_dir) else None
-        self.core = EngineCore(self.engine, self.tables, limits, self.eos_ids, self.weights, tokenizer)
+        self.core = EngineCore(self.engine, self.tables, limits, self.eos_ids, self.weights, tokenizer, self.kv_tiers)
         self.stats: RunStats | None = None
 
     def _make_kv_cache(self) -> KVCache:
         s, c = self.spec, self.config
         geometry = (s.num_layers, c.block_size, s.num_kv_heads, s.head_dim)
-        per_block = KVCache.block_bytes(*geometry, self.dtype, c.kv_dtype)
+        try:  # a format this model's shape or this torch cannot hold
+            per_block = KVCache.block_bytes(*geometry, self.dtype, c.kv_dtype)
+        except ValueError as exc:
+            raise OffloadError(str(exc)) from None
         if c.kv_cache_bytes < per_block:
             raise OffloadError(
                 f"kv cache memory of {c.kv_cache_bytes} bytes holds no block "
@@ -224,9 +237,11 @@ class LLM:
         return place_weights(layout, self.dtype, self.device_tier, self.host_tier, self.config.ring_slots)
 
     def close(self) -> None:
-        """Let reads in flight land and close the checkpoint files. The object is not usable afterwards."""
+        """Let reads in flight land, write the KV blocks queued for disk, close the files. Not usable afterwards."""
         self.weights.close()
         self.backend.close()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -338,6 +353,10 @@ class LLM:
             read_seconds=after.read_seconds - before.read_seconds,
             stall_seconds=after.stall_seconds - before.stall_seconds,
             wall_seconds=time.perf_counter() - called,
+            **{
+                f: getattr(after, f) - getattr(before, f)
+                for f in ("prefill_tokens", "prefix_hit_tokens", "prefix_lookup_tokens", "kv_bytes_down", "kv_bytes_up")
+            },
         )
         return completions
 
@@ -354,6 +373,8 @@ class LLM:
             if not chunks:
                 raise OffloadError("a prompt does not fit the KV cache")  # _check_ids makes this unreachable
             plan = StepPlan(split_micro_batches(chunks, self.config.micro_batch_tokens), all_logits=True)
+            if self.kv_tiers is not None:  # blocks evicted to make room go down before the step overwrites them
+                self.kv_tiers.settle(self.tables.pool)
             logits = self.engine.step(plan).logits
             result.extend(logits.split([len(c.token_ids) for c in chunks]))
             for c in chunks:

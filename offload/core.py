@@ -26,6 +26,7 @@ from offload.model.sampling import sample
 from scheduler.batcher import Batcher, BatchLimits
 from scheduler.sequence import Sequence
 from tiers.blocks import BlockTables
+from tiers.kv_tiers import KVTiers
 from tiers.weights import WeightStore
 
 
@@ -94,6 +95,28 @@ class CoreCounters:
     h2d_bytes: int = 0  # weight bytes copied host -> device
     read_seconds: float = 0.0  # wall time with at least one weight read in flight
     stall_seconds: float = 0.0  # time the engine waited for weight reads
+    prefill_tokens: int = 0  # known tokens computed (prompts, and recomputation after preemptions)
+    prefix_lookup_tokens: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens whose keys and values came from cached blocks, not computed
+    kv_bytes_down: int = 0  # KV bytes moved from the device part of the pool to host RAM or disk
+    kv_bytes_up: int = 0  # KV bytes brought back to the device
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
+
+
+# counters kept by the weight store and the KV pool, not by the core
+_FROM_PARTS = (
+    "bytes_read",
+    "h2d_bytes",
+    "read_seconds",
+    "stall_seconds",
+    "prefix_lookup_tokens",
+    "prefix_hit_tokens",
+    "kv_bytes_down",
+    "kv_bytes_up",
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -114,20 +137,19 @@ class EngineCore:
         eos_ids: tuple[int, ...],
         weights: WeightStore,
         tokenizer: Callable[[], object] | None,
+        kv_tiers: KVTiers | None = None,
     ) -> None:
-        """`tokenizer` returns the model's tokenizer (loaded on first use); None: token ids in, token ids out."""
+        """`tokenizer` returns the model's tokenizer (loaded on first use); None: token ids in, token ids out.
+        `kv_tiers`: the host and disk parts of the KV pool, settled before every step (None: the device part only)."""
         self.engine, self.tables, self.limits, self.weights = engine, tables, limits, weights
+        self.kv_tiers = kv_tiers
         self.batcher = Batcher(tables, limits, eos_ids)
         self._tokenizer = tokenizer
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
         self._aborted: list[Delta] = []  # final deltas of aborted requests, handed out by the next step
         self._totals = dict.fromkeys(
-            (
-                f
-                for f in CoreCounters.__dataclass_fields__
-                if f not in ("bytes_read", "h2d_bytes", "read_seconds", "stall_seconds")
-            ),
+            (f for f in CoreCounters.__dataclass_fields__ if f not in _FROM_PARTS),
             0,
         )
         self.peak_kv_blocks = 0
@@ -204,13 +226,18 @@ class EngineCore:
         return len(self.batcher.waiting)
 
     def counters(self) -> CoreCounters:
-        io = self.weights.stats
+        io, prefix = self.weights.stats, self.tables.counters
+        moved = self.kv_tiers.counters if self.kv_tiers is not None else None
         return CoreCounters(
             **{**self._totals, "preemptions": self.batcher.num_preemptions},
             bytes_read=io.bytes_read,
             h2d_bytes=io.h2d_bytes,
             read_seconds=io.read_seconds,
             stall_seconds=io.stall_seconds,
+            prefix_lookup_tokens=prefix.lookup_tokens,
+            prefix_hit_tokens=prefix.hit_tokens,
+            kv_bytes_down=moved.bytes_down if moved else 0,
+            kv_bytes_up=moved.bytes_up if moved else 0,
         )
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -223,6 +250,8 @@ class EngineCore:
             return deltas
         plan = self.batcher.schedule()
         start = time.perf_counter()
+        if self.kv_tiers is not None:
+            self.kv_tiers.settle(self.tables.pool)
         out = self.engine.step(plan)
         reqs = [self._requests[i] for i in out.seq_ids]
         tokens = sample(out.logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
@@ -232,6 +261,7 @@ class EngineCore:
         self._totals[kind] += now - start
         if not plan.num_prefill_tokens:
             self._totals["decode_tokens"] += plan.num_decode_tokens
+        self._totals["prefill_tokens"] += plan.num_prefill_tokens
         self._totals["steps"] += 1
         self._totals["generated_tokens"] += len(tokens)
         self.peak_kv_blocks = max(self.peak_kv_blocks, self.tables.num_used)

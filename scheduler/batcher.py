@@ -13,16 +13,26 @@ admitted sequence's next chunk does not fit, the most recently admitted sequence
 step is preempted, possibly the one asking: its blocks are freed and it waits at the front of the queue,
 to be recomputed from scratch (prompt and outputs so far). No sequence is admitted in a step that
 preempted one.
+
+With prefix reuse (tables with a chain root, tiers/blocks.py), a sequence is admitted at the end of its longest
+cached prefix and computes only the rest; among the waiting sequences of the head's class the one with the longest
+cached prefix goes first, unless one ahead of it has been passed over MAX_SKIPS times; a sequence whose next block
+a chunk of this step is computing waits one step and then shares it. A preempted sequence's full blocks stay cached
+(and go down to host RAM or disk when evicted, with lower tiers), so it comes back to them instead of recomputing.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
 from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from scheduler.sequence import SeqState, Sequence
 from tiers.blocks import BlockTables
+
+LOOKAHEAD = 64  # waiting sequences compared by cached prefix at each admission
+MAX_SKIPS = 16  # admissions a waiting sequence may be passed over for a longer cached prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,23 +90,78 @@ class Batcher:
                     chunks.append(self._chunk(seq, end, table))
                     planned.add(seq.seq_id)
                     budget -= end - seq.num_cached
+        in_flight = self._in_flight(chunks)
+        deferred: list[Sequence] = []
         while (
             self.waiting
             and budget > 0
             and len(self.running) < self.limits.max_running
             and self.num_preemptions == preemptions
         ):
-            seq = self.waiting[0]
-            end = min(budget, seq.num_tokens)
-            table = self.tables.grow(seq.seq_id, end)
-            if table is None:
+            seq = self._next_waiting()
+            keys = self.tables.keys(seq.seq_id, seq.token_ids)
+            hit = self.tables.cached_prefix(seq.seq_id, seq.token_ids) // self.tables.block_size
+            if hit < len(keys) and keys[hit] in in_flight:  # a block it needs is being computed: share it next step
+                self.waiting.remove(seq)
+                deferred.append(seq)
+                continue
+            admitted = self.tables.admit(seq.seq_id, seq.token_ids, budget)
+            if admitted is None:
                 break
-            self.waiting.popleft()
+            table, seq.num_cached, end = admitted
+            self.waiting.remove(seq)
             seq.state = SeqState.PREFILLING
             self.running.append(seq)
             chunks.append(self._chunk(seq, end, table))
-            budget -= end
+            in_flight |= self._in_flight(chunks[-1:])
+            budget -= end - seq.num_cached
+        for seq in reversed(deferred):  # back where they were, ahead of later arrivals
+            self._requeue(seq)
         return StepPlan(split_micro_batches(chunks, self.limits.micro_batch_tokens))
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next: the head of the queue, or, with prefix reuse, the one of the head's
+        priority class (among the first LOOKAHEAD) with the longest cached prefix (SGLang's longest-prefix-match:
+        it computes least, and uses cached blocks before they are evicted). A sequence passed over MAX_SKIPS
+        times is admitted next, so none starves."""
+        head = self.waiting[0]
+        if not self.tables.prefix_caching or head.skipped >= MAX_SKIPS:
+            return head
+        best, best_hit = head, self.tables.cached_prefix(head.seq_id, head.token_ids)
+        for seq in itertools.islice(self.waiting, 1, LOOKAHEAD):
+            if seq.priority != head.priority:
+                break
+            if seq.skipped >= MAX_SKIPS:  # overdue: nothing behind it may pass it
+                break
+            hit = self.tables.cached_prefix(seq.seq_id, seq.token_ids)
+            if hit > best_hit:
+                best, best_hit = seq, hit
+        if best is not head:
+            for seq in self.waiting:
+                if seq is best:
+                    break
+                seq.skipped += 1
+        return best
+
+    def _in_flight(self, chunks: list[SeqChunk]) -> set[bytes]:
+        """Keys of the blocks `chunks` fill this step (prefix reuse only): a sequence that needs one waits a step."""
+        keys: set[bytes] = set()
+        size = self.tables.block_size
+        for c in chunks:
+            first, last = -(-c.start_pos // size), c.context_len // size  # blocks completed by this chunk
+            if first < last:
+                seq_keys = self.tables.keys(c.seq_id, self._by_id(c.seq_id).token_ids)
+                keys.update(seq_keys[first:last])
+        return keys
+
+    def _by_id(self, seq_id: int) -> Sequence:
+        return next(s for s in self.running if s.seq_id == seq_id)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Put a waiting sequence back ahead of every later priority class and behind its own class's overdue ones
+        (FIFO order within a class is kept by requeueing in reverse)."""
+        later = next((i for i, w in enumerate(self.waiting) if w.priority >= seq.priority), len(self.waiting))
+        self.waiting.insert(later, seq)
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, planned: set[int]) -> list[int] | None:
         """Grow `seq` to `num_tokens`, preempting the latest unplanned sequences; None if `seq` itself went."""
@@ -134,6 +199,7 @@ class Batcher:
         for chunk in plan.chunks:
             seq = by_id[chunk.seq_id]
             seq.num_cached = chunk.context_len
+            self.tables.commit(seq.seq_id, seq.token_ids, seq.num_cached)
             if not chunk.wants_logits:  # a prefill chunk short of the last known token
                 continue
             seq.output_ids.append(next_tokens[chunk.seq_id])

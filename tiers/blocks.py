@@ -1,57 +1,152 @@
-"""The paged KV cache's bookkeeping: a pool of fixed-size blocks and a block table per sequence.
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, a block table per sequence, and the prefix cache.
 
 Block ids index the KV cache tensors' block dimension (tiers/kv.py). Plain Python: the scheduler reasons with it.
+
+Prefix reuse (on when the tables get a chain root): a full block, once computed, is registered under its key (the
+hash chain of tiers/prefix.py). A block has a reference count, one per sequence whose table holds it; a sequence
+admitted with a prefix whose keys are registered takes those blocks into its table (copy-free) and computes only
+the rest. A keyed block whose last holder lets go stays cached: findable by its key, and evicted, least recently
+released first, only when an allocation finds no unkeyed free block. With lower tiers (tiers/kv_tiers.py), the pool
+logs what they must do before the next step (`BlockPool.events`): copy an evicted block's bytes down before the
+step overwrites it, copy a prefix found below into the fresh blocks it was given, write computed blocks through.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from tiers.prefix import LowerTiers, PrefixCounters, extend_chain
 
 
 class BlockPool:
-    """Block ids 0..num_blocks-1, handed out lowest-first and reused in the order they are freed."""
+    """Block ids 0..num_blocks-1 with reference counts. Unkeyed blocks are handed out lowest-first and reused in the
+    order they are freed; cached (keyed, unreferenced) blocks only when no unkeyed one is left, least recent first."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record: bool = False) -> None:
+        """`record`: log what the lower tiers must do (`events`): there are some to take it."""
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self.record = record
+        self._free: deque[int] = deque(range(num_blocks))  # unkeyed, unreferenced
+        self._refs: dict[int, int] = {}  # block -> holders (> 0)
+        self._cached: OrderedDict[int, bytes] = OrderedDict()  # keyed, unreferenced: block -> key, least recent first
+        self._key_of: dict[int, bytes] = {}  # every keyed block, held or cached
+        self._by_key: dict[bytes, int] = {}
+        # what the lower tiers must do before the next step, in order (recorded only with `record`):
+        #   ("done", key, block)              a computed block was registered (its bytes may be written through)
+        #   ("evict", key, block)             a cached block was evicted; its bytes are its key's until the step
+        #   ("promote", key, block, payload)  a block fetched from below must be copied into `block`
+        self.events: list[tuple] = []
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take now: unkeyed free ones and cached ones (evicted to serve it)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int] | None:
-        """`n` fresh block ids, or None (and nothing taken) when fewer are free."""
-        if n > len(self._free):
+        """`n` fresh block ids (one reference each), or None (and nothing taken) when fewer are free."""
+        if n > self.num_free:
             return None
-        blocks = [self._free.popleft() for _ in range(n)]
-        self._used.update(blocks)
+        blocks = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        while len(blocks) < n:
+            block, key = self._cached.popitem(last=False)
+            del self._key_of[block], self._by_key[key]
+            if self.record:
+                self.events.append(("evict", key, block))
+            blocks.append(block)
+        for b in blocks:
+            self._refs[b] = 1
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
+    def share(self, blocks: Sequence[int]) -> None:
+        """Take one more reference to each of `blocks` (keyed ones found by `lookup`, held or cached)."""
         for b in blocks:
-            if b not in self._used:
+            if b in self._refs:
+                self._refs[b] += 1
+            elif self._cached.pop(b, None) is not None:
+                self._refs[b] = 1
+            else:
+                raise ValueError(f"block {b} is neither held nor cached")
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; a block no one holds is free again, or cached when it has a key."""
+        for b in blocks:
+            refs = self._refs.get(b)
+            if refs is None:
                 raise ValueError(f"block {b} is not allocated")
-            self._used.remove(b)
-            self._free.append(b)
+            if refs > 1:
+                self._refs[b] = refs - 1
+                continue
+            del self._refs[b]
+            if b in self._key_of:
+                self._cached[b] = self._key_of[b]
+            else:
+                self._free.append(b)
+
+    def register(self, block: int, key: bytes) -> bool:
+        """Make a held, computed block findable by `key`. False (nothing changes) when the key already names
+        another block (two sequences computed the same prefix at once) or the block already has a key."""
+        if block not in self._refs:
+            raise ValueError(f"block {block} is not allocated")
+        if key in self._by_key or block in self._key_of:
+            return False
+        self._key_of[block] = key
+        self._by_key[key] = block
+        return True
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The blocks of the longest run of `keys`, from the first, registered here."""
+        blocks = []
+        for key in keys:
+            block = self._by_key.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
 
     def check_integrity(self) -> None:
-        free = set(self._free)
+        free, used, cached = set(self._free), set(self._refs), set(self._cached)
         assert len(free) == len(self._free), "a block is free twice"
-        assert not free & self._used, "a block is both free and used"
-        assert free | self._used == set(range(self.num_blocks)), "a block is lost"
+        assert not free & used, "a block is both free and used"
+        assert not cached & (free | used), "a cached block is also free or used"
+        assert free | used | cached == set(range(self.num_blocks)), "a block is lost"
+        assert all(n > 0 for n in self._refs.values()), "a held block has no reference"
+        assert {b: k for b, k in self._key_of.items()} == {b: k for k, b in self._by_key.items()}, "key maps disagree"
+        assert all(self._key_of.get(b) == k for b, k in self._cached.items()), "a cached block lost its key"
 
 
 class BlockTables:
-    """Each sequence's ordered list of blocks; token t of a sequence lives in block t // block_size."""
+    """Each sequence's ordered list of blocks; token t of a sequence lives in block t // block_size.
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    With a chain `root` (tiers/prefix.py), full blocks are shared by prefix: `admit` starts a sequence from the
+    longest cached prefix of its tokens (on the device, else fetched from `lower`), `commit` registers the blocks
+    a step completed. Without one, every block is the sequence's own."""
+
+    def __init__(
+        self, pool: BlockPool, block_size: int, root: bytes | None = None, lower: LowerTiers | None = None
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.root = root
+        self.lower = lower
+        self.counters = PrefixCounters()
         self._tables: dict[int, list[int]] = {}
+        self._keys: dict[int, list[bytes]] = {}  # each sequence's chain over its full blocks, extended as it grows
+        self._registered: dict[int, int] = {}  # leading blocks of each table that are keyed (cached or registered)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.root is not None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -72,15 +167,95 @@ class BlockTables:
             del self._tables[seq_id]
         return None if extra is None else table
 
+    # ---- prefix reuse -----------------------------------------------------------------------------
+
+    def keys(self, seq_id: int, token_ids: Sequence[int]) -> list[bytes]:
+        """The chain keys of the full blocks of `token_ids` (the tokens of `seq_id`, which only ever grow)."""
+        if self.root is None:
+            return []
+        return extend_chain(self._keys.setdefault(seq_id, []), self.root, token_ids, self.block_size)
+
+    def cached_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` an admission now would take from cached blocks (device or lower tiers, without
+        reading them): whole blocks, short of the last token, which is always computed (its logits are needed)."""
+        if self.root is None:
+            return 0
+        keys = self.keys(seq_id, token_ids)[: (len(token_ids) - 1) // self.block_size]
+        on_device = len(self.pool.lookup(keys))
+        below = self.lower.count(keys[on_device:]) if self.lower is not None and on_device < len(keys) else 0
+        return (on_device + below) * self.block_size
+
+    def admit(self, seq_id: int, token_ids: Sequence[int], budget: int) -> tuple[list[int], int, int] | None:
+        """Start the table of a sequence not in the cache: its longest cached prefix (short of the last token), then
+        fresh blocks for up to `budget` more tokens. Returns (table, cached tokens, end of the first chunk), or None
+        (nothing taken) when the blocks do not fit."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already has a table")
+        keys = self.keys(seq_id, token_ids)[: (len(token_ids) - 1) // self.block_size]
+        device = self.pool.lookup(keys)
+        below = self.lower.count(keys[len(device) :]) if self.lower is not None and len(device) < len(keys) else 0
+        hit = len(device) + below
+        end = min(len(token_ids), hit * self.block_size + budget)
+        fresh = self.blocks_for(end) - len(device)
+        if fresh > self.pool.num_free - sum(1 for b in device if not self.pool.refs(b)):
+            return None
+        payloads = self.lower.fetch(keys[len(device) : hit]) if below else []
+        if len(payloads) < below:  # a lower block went bad between count and fetch: compute from there
+            hit = len(device) + len(payloads)
+            end = min(len(token_ids), hit * self.block_size + budget)
+            fresh = self.blocks_for(end) - len(device)
+            if fresh > self.pool.num_free - sum(1 for b in device if not self.pool.refs(b)):
+                return None
+        self.pool.share(device)
+        blocks = self.pool.allocate(fresh)
+        assert blocks is not None  # checked above
+        for block, key, payload in zip(blocks, keys[len(device) : hit], payloads, strict=False):
+            self.pool.register(block, key)
+            self.pool.events.append(("promote", key, block, payload))
+        table = self._tables[seq_id] = device + blocks
+        self._registered[seq_id] = hit
+        c = self.counters
+        c.lookup_tokens += len(token_ids)
+        c.hit_tokens += hit * self.block_size
+        c.device_hit_tokens += len(device) * self.block_size
+        c.promoted_blocks += hit - len(device)
+        return table, hit * self.block_size, end
+
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_cached: int) -> None:
+        """Register the full blocks among the first `num_cached` tokens of `seq_id` (their keys and values are now
+        in the cache) so later sequences with the same prefix can share them."""
+        if self.root is None:
+            return
+        full = num_cached // self.block_size
+        done = self._registered.get(seq_id, 0)
+        if full <= done:
+            return
+        keys, table = self.keys(seq_id, token_ids), self._tables[seq_id]
+        for b in range(done, full):
+            if self.pool.register(table[b], keys[b]) and self.pool.record:
+                self.pool.events.append(("done", keys[b], table[b]))
+        self._registered[seq_id] = full
+
     def free(self, seq_id: int) -> None:
-        self.pool.free(self._tables.pop(seq_id, []))
+        """Let go of every block of `seq_id`, its last ones first (so, cached, they are evicted first: a prefix's
+        head is the part other sequences share)."""
+        table = self._tables.pop(seq_id, [])
+        self.pool.free(table[::-1] if self.prefix_caching else table)
+        self._keys.pop(seq_id, None)
+        self._registered.pop(seq_id, None)
 
     @property
     def num_used(self) -> int:
+        """Blocks held by some sequence (cached ones are not)."""
         return self.pool.num_blocks - self.pool.num_free
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         owned = [b for t in self._tables.values() for b in t]
-        assert len(owned) == len(set(owned)), "a block belongs to two sequences"
-        assert len(owned) == self.num_used, "an allocated block belongs to no sequence"
+        held = {b: owned.count(b) for b in set(owned)}
+        assert all(self.pool.refs(b) == n for b, n in held.items()), "a block's references do not match its tables"
+        assert sum(held.values()) == sum(self.pool.refs(b) for b in range(self.pool.num_blocks)), (
+            "an allocated block belongs to no sequence"
+        )
+        if not self.prefix_caching:
+            assert len(owned) == len(set(owned)), "a block belongs to two sequences"

@@ -6,6 +6,7 @@ dtype, shape and [begin, end) byte range relative to the end of the header, then
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -166,3 +167,24 @@ class Checkpoint:
         if ext.nbytes == 0:
             return torch.empty(ext.shape, dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(ext.shape)
+
+
+FINGERPRINT_SAMPLES = 16  # 4 KiB reads spread over each weight file
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """A digest naming the checkpoint's weights: config.json, and each weight file's name, size, header and
+    FINGERPRINT_SAMPLES small extents spread over its data. A fine-tuned copy of the same shapes differs in the
+    samples; reading them costs 64 KiB per file, not the whole checkpoint."""
+    digest = hashlib.sha256()
+    digest.update((model_dir / "config.json").read_bytes())
+    for path in _weight_files(model_dir):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            digest.update(f.read(min(header_len, MAX_HEADER_BYTES)))
+            for i in range(FINGERPRINT_SAMPLES):
+                f.seek(i * max(size - 4096, 0) // max(FINGERPRINT_SAMPLES - 1, 1))
+                digest.update(f.read(4096))
+    return digest.hexdigest()

@@ -1,0 +1,82 @@
+"""Prefix reuse end to end: hits give the tokens misses give (greedy and seeded sampling), compute fewer prefill
+tokens, and survive the trip through host RAM under a budget that evicts them from the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_checkpoint
+from offload.api import LLM
+from offload.common.config import EngineConfig, SamplingParams
+
+SYSTEM = list(range(3, 3 + 45))  # a shared "system prompt" of 45 token ids (11 blocks of 4, and one token)
+QUESTIONS = [[100 + i, 50 + 3 * i, 7 + i] for i in range(6)]
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=7)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def model_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("prefix")
+    make_checkpoint(path, "llama", dtype=request.param)
+    return path
+
+
+def run(model_dir, prompts, params, **config):
+    with LLM(model_dir, EngineConfig(block_size=4, **{"kv_cache_bytes": 1 << 22} | config)) as llm:
+        out = [c.token_ids for c in llm.generate_ids(prompts, params)]
+        return out, llm.stats
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_hits_give_the_tokens_misses_give(model_dir, params) -> None:
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    cold, cold_stats = run(model_dir, prompts, params, prefix_cache=False)
+    warm, warm_stats = run(model_dir, prompts, params)
+    assert warm == cold
+    assert cold_stats.prefix_hit_tokens == 0 and cold_stats.prefill_tokens == sum(map(len, prompts))
+    # the first prompt computes the system prompt; the five others share its 11 full blocks
+    assert warm_stats.prefix_hit_tokens == 5 * 44
+    assert warm_stats.prefill_tokens == cold_stats.prefill_tokens - 5 * 44
+    assert warm_stats.prefix_hit_rate == pytest.approx(5 * 44 / sum(map(len, prompts)))
+
+
+def test_a_second_call_reuses_the_first_calls_blocks(model_dir) -> None:
+    with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as llm:
+        first = llm.generate_ids([SYSTEM + QUESTIONS[0]], GREEDY)
+        again = llm.generate_ids([SYSTEM + QUESTIONS[0]], GREEDY)
+        assert again[0].token_ids == first[0].token_ids
+        assert llm.stats.prefix_hit_tokens == 44 and llm.stats.prefill_tokens == 4
+
+
+def test_evicted_prefixes_come_back_from_host_ram(model_dir) -> None:
+    # a device cache of 20 blocks: the 16 distinct prompts below push the system prompt's blocks out of it
+    with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
+        per_block = probe.kv.bytes_per_block
+    small = dict(kv_cache_bytes=20 * per_block, max_num_seqs=2)
+    fillers = [[200 + 5 * i + j for j in range(30)] for i in range(8)]
+    prompts = [SYSTEM + QUESTIONS[0], *fillers, SYSTEM + QUESTIONS[1]]
+    with LLM(model_dir, EngineConfig(block_size=4, prefix_cache=False, **small)) as llm:
+        expected = [llm.generate_ids([p], GREEDY)[0].token_ids for p in prompts]
+    host = 128 * per_block  # room for every full block of the run
+    with LLM(model_dir, EngineConfig(block_size=4, kv_host_memory=host, **small)) as llm:
+        got = [llm.generate_ids([p], GREEDY)[0].token_ids for p in prompts]  # one at a time: the order is fixed
+        last = llm.stats
+        moved = llm.kv_tiers.counters
+        assert llm.kv_tiers.host.peak <= host
+    assert got == expected
+    assert last.prefix_hit_tokens == 44 and last.kv_bytes_up == 11 * per_block  # all 11 blocks from host RAM
+    assert moved.promoted_host == 11 and moved.demoted_host >= 11 and moved.dropped == 0
+
+
+def test_without_host_ram_evicted_prefixes_are_recomputed(model_dir) -> None:
+    with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
+        per_block = probe.kv.bytes_per_block
+    small = dict(kv_cache_bytes=20 * per_block, max_num_seqs=2)
+    fillers = [[200 + 5 * i + j for j in range(30)] for i in range(8)]
+    with LLM(model_dir, EngineConfig(block_size=4, **small)) as llm:
+        for p in [SYSTEM + QUESTIONS[0], *fillers]:
+            llm.generate_ids([p], GREEDY)
+        llm.generate_ids([SYSTEM + QUESTIONS[1]], GREEDY)
+        assert llm.stats.prefix_hit_tokens == 0 and llm.stats.prefill_tokens == 48

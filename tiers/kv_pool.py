@@ -1,0 +1,55 @@
+"""The KV pool an engine runs with: block tables with prefix reuse over the device cache, and the host and disk parts
+below it, as the engine config's budgets say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from offload.common.config import EngineConfig
+from offload.common.errors import OffloadError
+from offload.common.model_config import ModelSpec
+from tiers.blocks import BlockPool, BlockTables
+from tiers.checkpoint import weights_fingerprint
+from tiers.kv import KVCache
+from tiers.kv_tiers import KVTiers
+from tiers.memory import MemoryTier
+from tiers.prefix import chain_root
+
+
+def kv_key(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, kv: KVCache) -> dict:
+    """What makes a cached KV block's bytes mean the same keys and values: the weights, the compute dtype, the cache's
+    format and block geometry. Prefix keys chain from it; the disk tier keeps blocks under it."""
+    return {
+        "weights": weights_fingerprint(model_dir),
+        "compute_dtype": str(dtype).removeprefix("torch."),
+        "kv_format": kv.format,
+        "block_size": kv.block_size,
+        "kv_shape": [spec.num_layers, spec.num_kv_heads, spec.head_dim],
+    }
+
+
+def make_kv_pool(config: EngineConfig, kv: KVCache, key: dict) -> tuple[BlockTables, KVTiers | None]:
+    """Block tables over `kv`'s blocks (sharing prefixes unless config.prefix_cache is off), and the host and disk
+    parts of the pool when --kv-host-memory or --kv-disk-memory give them room (else None)."""
+    tiers = None
+    if config.kv_host_memory or config.kv_disk_memory:
+        if not config.prefix_cache:
+            raise OffloadError(
+                "--kv-host-memory and --kv-disk-memory keep cached prefix blocks: they need the prefix cache "
+                "(drop --no-prefix-cache)"
+            )
+        disk = None
+        if config.kv_disk_memory:
+            from tiers.kv_store import KVDiskStore
+
+            folder = Path(config.offload_dir) / "kv"
+            disk = KVDiskStore(folder, key, kv.bytes_per_block, config.kv_disk_memory)
+        host = None
+        if config.kv_host_memory:
+            host = MemoryTier("kv host", config.kv_host_memory, torch.device("cpu"), pin=True)
+        tiers = KVTiers(kv, host, disk)
+    root = chain_root(key) if config.prefix_cache else None
+    pool = BlockPool(kv.num_blocks, record=tiers is not None)
+    return BlockTables(pool, config.block_size, root, tiers), tiers

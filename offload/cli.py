@@ -261,8 +261,9 @@ def _summary(llm, completions) -> str:
         f"memory     device peak {format_size(pl.device_peak)}"
         + (f" of a {format_size(pl.device_budget)} budget" if pl.device_budget is not None else " (no budget)")
         + f", host peak {format_size(pl.host_peak)}",
-        f"kv cache   {format_size(pl.kv_bytes)} on {pl.device}: {pl.kv_blocks} blocks of {pl.block_size} tokens, "
-        f"peak {s.peak_kv_blocks} blocks ({kv_used} token slots)",
+        f"kv cache   {format_size(pl.kv_bytes)} {llm.kv.format} on {pl.device}: {pl.kv_blocks} blocks of "
+        f"{pl.block_size} tokens, peak {s.peak_kv_blocks} blocks ({kv_used} token slots)",
+        f"prefix     {_prefix_line(llm, s)}",
     ]
     if pl.spill is not None:
         lines.append(f"spill      {_spill_line(pl.spill, llm.policy.layer_tiers)}")
@@ -275,6 +276,30 @@ def _summary(llm, completions) -> str:
         )
     lines.append(io)
     return "\n".join(lines)
+
+
+def _prefix_line(llm, s) -> str:
+    """Prefix reuse in the last run, and what the KV tiers below the device moved."""
+    from offload.common.sizes import format_size
+
+    if not llm.tables.prefix_caching:
+        return "reuse off (--no-prefix-cache): every prompt token computed"
+    line = (
+        f"{s.prefix_hit_tokens} of {s.prefix_lookup_tokens} prompt tokens from cached blocks "
+        f"({s.prefix_hit_rate:.0%} hit rate), {s.prefill_tokens} computed"
+    )
+    tiers = llm.kv_tiers
+    if tiers is not None:
+        parts = []
+        if tiers.host_slots:
+            parts.append(f"host RAM {tiers.host_blocks}/{tiers.host_slots} blocks")
+        if tiers.disk is not None:
+            parts.append(f"disk {tiers.disk.blocks} blocks ({format_size(tiers.disk.used)})")
+        line += (
+            f"; {' and '.join(parts)} below, {format_size(s.kv_bytes_down)} moved down, "
+            f"{format_size(s.kv_bytes_up)} brought back"
+        )
+    return line
 
 
 def _spill_line(spill, tiers: tuple[str, ...]) -> str:

@@ -106,6 +106,8 @@ class CoreCounters:
         return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
 
 
+PREFILL_SAMPLE = 64  # prefill tokens a step must compute to measure the prefill rate (below, decode dominates)
+
 # counters kept by the weight store and the KV pool, not by the core
 _FROM_PARTS = (
     "bytes_read",
@@ -257,6 +259,10 @@ class EngineCore:
         tokens = sample(out.logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
         logprobs = _logprobs(out.logits, tokens, [r.seq.params.logprobs for r in reqs])
         now = time.perf_counter()
+        if self.kv_tiers is not None and plan.num_prefill_tokens >= PREFILL_SAMPLE:  # the cost of recomputing KV
+            rate = plan.num_prefill_tokens / max(now - start, 1e-9)
+            last = self.kv_tiers.prefill_rate
+            self.kv_tiers.prefill_rate = rate if last is None else 0.8 * last + 0.2 * rate
         kind = "prefill_seconds" if plan.num_prefill_tokens else "decode_seconds"
         self._totals[kind] += now - start
         if not plan.num_prefill_tokens:

@@ -14,12 +14,18 @@ demoted again finds it there and moves nothing.
 All moves happen at the step boundary, in `settle`, which replays the pool's event log (tiers/blocks.py) in order:
 every device row it copies down is read before any row is written, so an evicted block's bytes are still its key's.
 `count` and `fetch` answer the pool's admissions (`LowerTiers`); fetched payloads are verified copies.
+
+Reading a block back is not always cheaper than computing it again: host RAM always is (a copy), the disk is when
+a block's bytes read faster than its tokens prefill. Both rates are measured as the engine runs (`disk_seconds`
+per block read here, `prefill_rate` from the core's prefill steps); until both are known, the disk is read.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +51,8 @@ class KVTierCounters:
     bytes_down: int = 0
     bytes_up: int = 0
     writes_skipped: int = 0  # write-through blocks dropped because the disk writer was behind
+    disk_seconds: float = 0.0  # spent reading blocks back from disk
+    recomputed_not_read: int = 0  # admissions that left disk blocks unread: recomputing them was predicted cheaper
 
 
 class KVTiers:
@@ -61,6 +69,7 @@ class KVTiers:
         while slots and not host.can_allocate(host.footprint(slots * self.row_bytes)):
             slots -= 1  # alignment padding
         self.host = host
+        self.prefill_rate: float | None = None  # prefill tokens per second, as the core measures them
         self._slab = host.allocate(slots * self.row_bytes) if slots else None
         self._rows = self._slab[: slots * self.row_bytes].view(slots, self.row_bytes) if slots else None
         self._host: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
@@ -84,40 +93,57 @@ class KVTiers:
     # ---- LowerTiers: what admissions ask ------------------------------------------------------------
 
     def count(self, keys: Sequence[bytes]) -> int:
-        n = 0
+        n, disk_pays = 0, self.disk_pays()
         for key in keys:
-            if key not in self._host and not self._on_disk(key):
+            if key not in self._host and not (disk_pays and self._on_disk(key)):
+                if not disk_pays and self._on_disk(key):
+                    self.counters.recomputed_not_read += 1
                 break
             n += 1
         return n
 
+    def disk_pays(self) -> bool:
+        """Whether reading a block from disk is predicted faster than prefilling its tokens (True until both rates
+        are measured)."""
+        c = self.counters
+        if self.prefill_rate is None or not c.promoted_disk or c.disk_seconds <= 0:
+            return True
+        read = c.disk_seconds / c.promoted_disk  # seconds per block
+        return read < self.kv.block_size / self.prefill_rate
+
     def fetch(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
         """Copies of the rows of the longest run of `keys` held below; a disk block that fails its check ends the
-        run (the store drops it, and the caller computes from there)."""
+        run (the store drops it, and the caller computes from there). Consecutive disk blocks are read together."""
         rows: list[torch.Tensor] = []
-        for key in keys:
-            slot = self._host.get(key)
+        i = 0
+        while i < len(keys):
+            slot = self._host.get(keys[i])
             if slot is not None:
-                self._host.move_to_end(key)
+                self._host.move_to_end(keys[i])
                 rows.append(self._rows[slot].clone())
                 self.counters.promoted_host += 1
+                i += 1
                 continue
-            row = None
-            if self.disk is not None:
-                with self._disk_lock:
-                    row = self.disk.get(key)
-            if row is None:
+            run = list(itertools.takewhile(lambda k: k not in self._host and self._on_disk(k), keys[i:]))
+            if not run:
                 break
-            rows.append(row)
-            self.counters.promoted_disk += 1
+            start = time.perf_counter()
+            with self._disk_lock:
+                got = self.disk.get_many(run)
+            self.counters.disk_seconds += time.perf_counter() - start
+            good = list(itertools.takewhile(lambda row: row is not None, got))
+            rows.extend(good)
+            self.counters.promoted_disk += len(good)
+            if len(good) < len(run):
+                break
+            i += len(run)
         self.counters.bytes_up += len(rows) * self.row_bytes
         return rows
 
     def _on_disk(self, key: bytes) -> bool:
-        if self.disk is None:
-            return False
-        with self._disk_lock:
-            return key in self.disk
+        """A membership test only (a dict lookup, atomic under the GIL): no lock, so admissions never wait on a
+        write-through's fsync. A block evicted meanwhile fails its read in `fetch`, which ends the run."""
+        return self.disk is not None and key in self.disk
 
     # ---- the step boundary ----------------------------------------------------------------------------
 

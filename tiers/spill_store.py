@@ -14,13 +14,11 @@ that fails removes everything it wrote and raises one OffloadError line; `used` 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import math
 import os
 import zlib
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -29,6 +27,7 @@ import torch
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
 from tiers.checkpoint import TORCH_DTYPES
+from tiers.files import fsync_dir, locked, make_dirs, os_error_reason, pwrite_all, write_bytes
 from tiers.io.base import aligned_buffer, aligned_span
 from tiers.io.direct import PreadBackend
 from tiers.layout import GroupLayout, Run, TensorAt
@@ -37,14 +36,6 @@ FORMAT = 1  # bump when the file layout or the manifest changes: older spill fil
 MANIFEST = "manifest.json"
 VERIFY_CHUNK = 16 << 20  # bytes read per step when checking a reused file
 DTYPE_CODES = {dtype: code for code, (dtype, _) in TORCH_DTYPES.items()}  # torch dtype -> safetensors code
-_WHY = {
-    errno.EROFS: "read-only filesystem",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "permission denied",
-    errno.ENOSPC: "no space left on device",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.ENOTDIR: "not a directory",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +146,8 @@ class SpillStore:
         created: list[Path] = []
         written: list[Path] = []  # temp names, then final names: removed on failure
         try:
-            created = _make_dirs(self.folder)
-            with _locked(self.folder):
+            created = make_dirs(self.folder)
+            with locked(self.folder):
                 self.open(self._key)  # what another process wrote since our open is reused, not rewritten
                 todo = [f for f in files if self.lookup(f) is None]
                 # writers hold the lock while their temp files exist: any found now is a killed run's leftover
@@ -170,14 +161,14 @@ class SpillStore:
                 for i, f in enumerate(done):
                     os.replace(written[i], self.folder / f.name)
                     written[i] = self.folder / f.name
-                _fsync_dir(self.folder)
+                fsync_dir(self.folder)
                 after = {**self._files, **{f.name: f for f in done}}
                 manifest = {"format": FORMAT, "key": self._key, "files": [asdict(f) for f in after.values()]}
                 tmp = self.folder / f".{MANIFEST}.{os.getpid()}.tmp"
                 written.append(tmp)
-                _write_bytes(tmp, json.dumps(manifest, indent=1).encode())
+                write_bytes(tmp, json.dumps(manifest, indent=1).encode())
                 os.replace(tmp, self.folder / MANIFEST)
-                _fsync_dir(self.folder)
+                fsync_dir(self.folder)
         except BaseException as exc:
             for path in written:
                 with contextlib.suppress(OSError):
@@ -186,7 +177,7 @@ class SpillStore:
                 with contextlib.suppress(OSError):
                     path.rmdir()
             if isinstance(exc, OSError):
-                why = _WHY.get(exc.errno, exc.strerror or str(exc))
+                why = os_error_reason(exc)
                 raise OffloadError(
                     f"--offload-dir {self.directory}: {why} (writing {format_size(needed)} of converted weights)"
                 ) from None
@@ -255,33 +246,15 @@ def _write_file(path: Path, file: SpillFile, tensors: dict[str, torch.Tensor]) -
                 got = f"{data.dtype} {tuple(data.shape)}"
                 raise ValueError(f"{file.name}: {t.short} is {got}, planned {t.dtype} {t.shape}")
             raw = memoryview(data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-            crc = _pwrite(fd, memoryview(bytes(t.offset - at)), at, crc)  # padding up to the aligned offset
-            crc = _pwrite(fd, raw, t.offset, crc)
+            crc = pwrite_all(fd, memoryview(bytes(t.offset - at)), at, crc)  # padding up to the aligned offset
+            crc = pwrite_all(fd, raw, t.offset, crc)
             at = t.offset + t.nbytes
-        crc = _pwrite(fd, memoryview(bytes(file.size - at)), at, crc)
+        crc = pwrite_all(fd, memoryview(bytes(file.size - at)), at, crc)
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # streamed with O_DIRECT: keep it out of the page cache
     finally:
         os.close(fd)
     return crc
-
-
-def _pwrite(fd: int, data: memoryview, offset: int, crc: int) -> int:
-    """Write all of `data` at `offset` (pwrite may write less than asked); returns the CRC-32 continued over it."""
-    crc = zlib.crc32(data, crc)
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-    return crc
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        _pwrite(fd, memoryview(data), 0, 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _crc32(path: Path, size: int) -> int | None:
@@ -298,33 +271,3 @@ def _crc32(path: Path, size: int) -> int | None:
     except OffloadError:  # missing, unreadable or shrunk while read
         return None
     return crc
-
-
-def _make_dirs(folder: Path) -> list[Path]:
-    """Create `folder` and its missing parents; the ones created, outermost first."""
-    missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
-    created = []
-    for p in missing:
-        p.mkdir()
-        created.append(p)
-    return created
-
-
-@contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `folder` (flock on the directory itself, so no lock file is left behind)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the renames inside `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -80,3 +80,68 @@ def test_without_host_ram_evicted_prefixes_are_recomputed(model_dir) -> None:
             llm.generate_ids([p], GREEDY)
         llm.generate_ids([SYSTEM + QUESTIONS[1]], GREEDY)
         assert llm.stats.prefix_hit_tokens == 0 and llm.stats.prefill_tokens == 48
+
+
+def disk_config(tmp_path, per_block: int, blocks: int = 64) -> dict:
+    """--offload-dir and a --kv-disk-memory of `blocks` block files (a 4 KiB header, the row padded to 4 KiB)."""
+    return dict(offload_dir=str(tmp_path), kv_disk_memory=blocks * (4096 + -(-per_block // 4096) * 4096))
+
+
+def test_a_restarted_engine_starts_warm_from_disk(model_dir, tmp_path) -> None:
+    prompts = [SYSTEM + QUESTIONS[0]]
+    expected, _ = run(model_dir, prompts, GREEDY, prefix_cache=False)
+    with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
+        per_block = probe.kv.bytes_per_block
+    config = disk_config(tmp_path, per_block)
+    first, first_stats = run(model_dir, prompts, GREEDY, **config)  # writes its blocks through to disk, then exits
+    again, stats = run(model_dir, [SYSTEM + QUESTIONS[0]], GREEDY, **config)
+    assert first == again == expected
+    assert first_stats.prefix_hit_tokens == 0
+    assert stats.prefix_hit_tokens == 44 and stats.prefill_tokens == 4 and stats.kv_bytes_up == 11 * per_block
+    files = list((tmp_path / "kv").glob("*.kv"))
+    assert len(files) >= 11
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "foreign"])
+def test_a_damaged_disk_block_is_dropped_and_recomputed(model_dir, tmp_path, damage) -> None:
+    prompts = [SYSTEM + QUESTIONS[0]]
+    expected, _ = run(model_dir, prompts, GREEDY, prefix_cache=False)
+    with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
+        per_block = probe.kv.bytes_per_block
+        keys = probe.tables.keys(0, SYSTEM + QUESTIONS[0])
+    config = disk_config(tmp_path, per_block)
+    run(model_dir, prompts, GREEDY, **config)
+    folder = tmp_path / "kv"
+    victim = next(folder.glob(f"{keys[3].hex()}.*.kv"))  # the fourth block of the system prompt
+    if damage == "flip":
+        data = bytearray(victim.read_bytes())
+        data[4096 + 100] ^= 0x40
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:5000])
+    elif damage == "swap":  # another block's file under this block's name
+        other = next(folder.glob(f"{keys[5].hex()}.*.kv"))
+        victim.write_bytes(other.read_bytes())
+    else:  # a block of another model (other weights: another key) copied in under this name
+        other_dir = tmp_path / "other"
+        make_checkpoint(other_dir, "llama", seed=1)
+        other_run = tmp_path / "other-run"
+        run(other_dir, prompts, GREEDY, **disk_config(other_run, per_block))
+        victim.write_bytes(next((other_run / "kv").glob("*.kv")).read_bytes())
+    got, stats = run(model_dir, prompts, GREEDY, **config)
+    assert got == expected  # never a wrong token from a bad block
+    assert stats.prefix_hit_tokens == 3 * 4  # the three blocks before the damaged one still serve
+    assert stats.prefill_tokens == len(prompts[0]) - 12
+
+
+def test_the_disk_budget_holds(model_dir, tmp_path) -> None:
+    with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
+        per_block = probe.kv.bytes_per_block
+    config = disk_config(tmp_path, per_block, blocks=6)
+    prompts = [[200 + 7 * i + j for j in range(30)] for i in range(4)]
+    with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, **config)) as llm:
+        llm.generate_ids(prompts, GREEDY)
+        llm.kv_tiers.flush()
+        disk = llm.kv_tiers.disk
+        assert 0 < disk.blocks <= 6 and disk.peak <= config["kv_disk_memory"]
+        disk.check_integrity()

@@ -5,12 +5,16 @@ back to back in `q`. Its keys and values live in the blocks listed in its row of
 its queries are the last query_lens[s] of its context_lens[s] positions, and attend causally
 (optionally only to the last `window` positions).
 
+The cache is read only through `PagedCache`: a plain tensor, or a quantized layer (kernels/kv_quant.QuantizedKV)
+that dequantizes just the blocks gathered.
+
 `paged_attention_ref` is the pure-torch reference; `paged_attention` dispatches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +42,28 @@ class PagedBatch:
         return len(self.context_lens)
 
 
+class PagedCache(Protocol):
+    """What paged attention reads of one layer's K or V: a [num_blocks, block_size, Hkv, D] tensor, or an object
+    standing for one whose `index_select(0, blocks)` returns those blocks in the compute dtype (`dtype`), and whose
+    `element_size()` is the bytes of one value so returned."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def dim(self) -> int: ...
+
+    def element_size(self) -> int: ...
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor: ...
+
+
 def paged_attention_ref(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | PagedCache,
+    v_cache: torch.Tensor | PagedCache,
     batch: PagedBatch,
     scale: float,
     window: int | None = None,
@@ -135,8 +157,8 @@ def _decode_groups(batch: PagedBatch, seqs: list[int], block_size: int, per_bloc
 
 def _attend_single_queries(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | PagedCache,
+    v_cache: torch.Tensor | PagedCache,
     batch: PagedBatch,
     seqs: list[int],
     scale: float,
@@ -146,7 +168,7 @@ def _attend_single_queries(
     """Sequences with one query each (at position context_len - 1): each group's K/V gathered block by block,
     the slots showing what no sequence wrote zeroed (see `_decode_groups`), then one fused SDPA call per group."""
     _, block_size, kv_heads, head_dim = k_cache.shape
-    per_block = 2 * block_size * kv_heads * head_dim * k_cache.element_size()  # K and V of one block, bytes
+    per_block = 2 * block_size * kv_heads * head_dim * k_cache.element_size()  # K and V of one block as gathered, bytes
     for g in _decode_groups(batch, seqs, block_size, per_block):
         n = len(g.lens)
         # index_select along blocks copies whole rows: 4-6x faster than indexing by the 2-D table
@@ -180,7 +202,9 @@ def _valid(batch: PagedBatch, group: _DecodeGroup, slots: int, window: int | Non
     return batch.memo[key]
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch) -> None:
+def _check(
+    q: torch.Tensor, k_cache: torch.Tensor | PagedCache, v_cache: torch.Tensor | PagedCache, batch: PagedBatch
+) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
@@ -200,8 +224,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
 
 def paged_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | PagedCache,
+    v_cache: torch.Tensor | PagedCache,
     batch: PagedBatch,
     scale: float,
     window: int | None = None,

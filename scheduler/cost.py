@@ -36,6 +36,7 @@ LAYER_OVERHEAD = 150e-6
 SEQ_OVERHEAD = 40e-6
 DECODE_KV_PASSES = 3
 QUANT_GROUP = 64  # weights per scale and zero point when weights are quantized (FlexGen's group size)
+KV_QUANT_GROUP = 32  # KV values per scale in --kv-dtype int8/int4 (kernels/kv_quant.py GROUP_SIZE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +189,13 @@ class Context:
         return params * bits / 8 + params / QUANT_GROUP * 2 * self.dtype_bytes  # + a scale and a zero per group
 
     def kv_bytes(self, tokens: int, kv_bits: int) -> float:
-        """KV cache of `tokens` tokens of one sequence, across layers, rounded up to whole blocks."""
+        """KV cache of `tokens` tokens of one sequence, across layers, rounded up to whole blocks. A quantized cache
+        (8 or 4 bits, kernels/kv_quant.py) also stores a float16 scale per KV_QUANT_GROUP values, and int4 a zero."""
         blocks = -(-tokens // self.block_size)
-        return blocks * self.block_size * self.shape.kv_bytes_per_token(kv_bits / 8)
+        bits = kv_bits
+        if kv_bits < 8 * self.dtype_bytes:
+            bits += (16 if kv_bits == 8 else 32) / KV_QUANT_GROUP
+        return blocks * self.block_size * self.shape.kv_bytes_per_token(bits / 8)
 
 
 def _layer_step(
@@ -393,6 +398,6 @@ def _unsupported(ctx: Context, cand: Candidate) -> tuple[str, ...]:
         missing.append("KV cache in host RAM")
     if cand.weight_bits < 8 * ctx.dtype_bytes:
         missing.append(f"{cand.weight_bits}-bit weights")
-    if cand.kv_bits < 8 * ctx.dtype_bytes:
-        missing.append(f"{cand.kv_bits}-bit KV cache")
+    if cand.kv_bits < 8 * ctx.dtype_bytes and cand.kv_bits not in (8, 4):
+        missing.append(f"{cand.kv_bits}-bit KV cache")  # --kv-dtype int8 and int4 run
     return tuple(missing)

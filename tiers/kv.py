@@ -1,6 +1,8 @@
 """The paged KV cache's tensors: every layer's keys and values, in blocks of `block_size` tokens.
 
 Which block holds what is the bookkeeping of tiers/blocks.py; `KVCache` holds the tensors the model writes and reads.
+The cache stores the compute dtype, or a quantized format (int8, int4, fp8: kernels/kv_quant.py) whose records hold
+each token's codes and scales together, so that a block's bytes are complete wherever they go.
 """
 
 from __future__ import annotations
@@ -9,25 +11,31 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import GROUP_SIZE, QUANT_KINDS, KVQuantFormat, QuantizedKV
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayer:
     """One layer's keys and values: what the attention reads (`k`, `v`: [num_blocks, block_size, kv_heads, head_dim]
-    in the compute dtype) and where a step's new tokens go (`write`)."""
+    in the compute dtype: the cache's own tensors, or `QuantizedKV`s that dequantize the blocks gathered) and where a
+    step's new tokens go (`write`)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | QuantizedKV
+    v: torch.Tensor | QuantizedKV
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the keys and values [tokens, kv_heads, head_dim] of new tokens at cache `slots` [tokens]
         (block * block_size + offset)."""
-        heads, dim = self.k.shape[2:]
-        self.k.view(-1, heads, dim)[slots] = k
-        self.v.view(-1, heads, dim)[slots] = v
+        for cache, new in ((self.k, k), (self.v, v)):
+            if isinstance(cache, QuantizedKV):
+                cache.write(slots, new)
+            else:
+                cache.view(-1, *cache.shape[2:])[slots] = new
 
 
 class KVCache:
-    """K and V of every layer, [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], on one device.
+    """K and V of every layer, [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], on one device; quantized,
+    [num_layers, 2, num_blocks, block_size, kv_heads, record_bytes] uint8 (one record per token and head).
 
     A block's bytes (every layer's K and V of its tokens) leave and enter the cache as one flat uint8 row
     (`read_blocks`, `write_blocks`): the form the host and NVMe tiers store, whatever the cache's format."""
@@ -42,31 +50,45 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         kv_dtype: str = "auto",
+        group_size: int = GROUP_SIZE,
     ) -> None:
-        """`dtype`: the compute dtype (what attention reads); `kv_dtype`: what the cache stores ("auto": `dtype`)."""
-        if kv_dtype not in ("auto", str(dtype).removeprefix("torch.")):
-            raise ValueError(f"kv_dtype {kv_dtype!r} is not supported yet")
-        shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        """`dtype`: the compute dtype (what attention reads); `kv_dtype`: what the cache stores ("auto": `dtype`;
+        int8, int4, fp8: quantized per `group_size` values along head_dim)."""
+        self.quant = _quant_format(kv_dtype, dtype, head_dim, group_size)  # None: the cache stores `dtype`
+        width, stored = (head_dim, dtype) if self.quant is None else (self.quant.record_bytes, torch.uint8)
         # torch.empty: pages are committed only as blocks are first written
-        self._data = torch.empty(shape, dtype=dtype, device=device)
+        self._data = torch.empty((num_layers, 2, num_blocks, block_size, kv_heads, width), dtype=stored, device=device)
+        self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.format = str(dtype).removeprefix("torch.")  # what a stored block's bytes mean (keys persisted blocks)
+        # what a stored block's bytes mean (keys persisted blocks): "bfloat16", "int8-g32", ...
+        self.format = _dtype_name(dtype) if self.quant is None else self.quant.name
 
     @staticmethod
     def block_bytes(
-        num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: str = "auto"
+        num_layers: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_dtype: str = "auto",
+        group_size: int = GROUP_SIZE,
     ) -> int:
-        """Bytes of one block: K and V of `block_size` tokens in every layer."""
-        return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
+        """Bytes of one block: K and V of `block_size` tokens in every layer, scales included."""
+        quant = _quant_format(kv_dtype, dtype, head_dim, group_size)
+        per_head = head_dim * dtype.itemsize if quant is None else quant.record_bytes  # one token's K, one head
+        return 2 * num_layers * block_size * kv_heads * per_head
 
     @property
     def storage(self) -> torch.Tensor:
-        """The one tensor holding every block of every layer."""
+        """The one tensor holding every block of every layer (the shape and dtype the class docstring gives)."""
         return self._data
 
     def layer(self, layer: int) -> KVLayer:
-        return KVLayer(self._data[layer, 0], self._data[layer, 1])
+        k, v = self._data[layer, 0], self._data[layer, 1]
+        if self.quant is None:
+            return KVLayer(k, v)
+        return KVLayer(QuantizedKV(k, self.quant, self.dtype), QuantizedKV(v, self.quant, self.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +101,7 @@ class KVCache:
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), bytes_per_block] uint8 on the CPU: each block's bytes, all layers, K then V."""
         index = torch.tensor(blocks, dtype=torch.int64, device=self._data.device)
-        rows = self._data.index_select(2, index).movedim(2, 0).contiguous()  # [n, layers, 2, block, heads, dim]
+        rows = self._data.index_select(2, index).movedim(2, 0).contiguous()  # [n, layers, 2, block, heads, last]
         return rows.view(len(blocks), -1).view(torch.uint8).cpu()
 
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
@@ -93,3 +115,19 @@ class KVCache:
         rows = data.to(self._data.device).view(self._data.dtype).view(shape).movedim(0, 2)
         index = torch.tensor(blocks, dtype=torch.int64, device=self._data.device)
         self._data.index_copy_(2, index, rows)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _quant_format(kv_dtype: str, dtype: torch.dtype, head_dim: int, group_size: int) -> KVQuantFormat | None:
+    """The quantized format `kv_dtype` names, or None where the cache stores the compute dtype itself."""
+    if kv_dtype in ("auto", _dtype_name(dtype)):
+        return None
+    if kv_dtype not in QUANT_KINDS:
+        raise ValueError(
+            f"kv_dtype {kv_dtype!r}: the KV cache stores the compute dtype ({_dtype_name(dtype)}) or one of "
+            f"{', '.join(QUANT_KINDS)}"
+        )
+    return KVQuantFormat(kv_dtype, head_dim, group_size)

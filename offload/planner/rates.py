@@ -169,6 +169,7 @@ def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0
     from offload.model.llama import FAMILY
     from offload.model.registry import LayerInput
     from offload.model.rope import cos_sin, inverse_frequencies
+    from tiers.kv import KVLayer
 
     shape = layer_shape(256, 64)  # 4 heads, one K/V head, MLP 704
     config = {
@@ -197,7 +198,7 @@ def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0
         torch.tensor([context - 1], device=device),
     )
     cos, sin = cos_sin(inverse_frequencies(spec.rope, spec.head_dim), torch.tensor([context - 1], device=device), dt)
-    inp = LayerInput(cos, sin, batch, cache, cache.clone())
+    inp = LayerInput(cos, sin, batch, KVLayer(cache, cache.clone()))
     hidden = torch.randn(1, spec.hidden_size, generator=gen).to(device=device, dtype=dt)  # [1 token, hidden]
     return typical_seconds(lambda: FAMILY.layer(spec, 0, weights, hidden, inp), device, min_seconds)
 

@@ -189,13 +189,13 @@ def _generate(args: argparse.Namespace) -> None:
         else:
             lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
         config = planned_config(args, config, lengths, args.max_new_tokens)
-    llm = LLM(args.model, config)
-    if args.show_placement:
-        print(_placement_table(llm), file=sys.stderr if args.json else sys.stdout)
-    if args.chat:
-        completions = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    else:
-        completions = llm.generate(prompts, params)
+    with LLM(args.model, config) as llm:  # closing writes the KV blocks queued for disk
+        if args.show_placement:
+            print(_placement_table(llm), file=sys.stderr if args.json else sys.stdout)
+        if args.chat:
+            completions = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            completions = llm.generate(prompts, params)
     if args.json:
         for p, c in zip(prompts, completions, strict=True):
             print(
@@ -477,8 +477,8 @@ def _batch(args: argparse.Namespace) -> None:
             if args.ordered:
                 rewrite_in_order(out, [r.id for r in read_input(input_path, model_dir.name)[0]])
         else:
-            llm = LLM(model_dir, config)
-            summary = run_job(llm, input_path, out, args.ordered, args.fsync_interval, not args.no_progress)
+            with LLM(model_dir, config) as llm:
+                summary = run_job(llm, input_path, out, args.ordered, args.fsync_interval, not args.no_progress)
     except KeyboardInterrupt:
         print(f"interrupted: {out} holds what finished; rerun the same command to resume", file=sys.stderr)
         raise

@@ -190,6 +190,11 @@ class AsyncFront:
         self._stop = True
         self._wake.set()
 
+    def join(self, timeout: float) -> bool:
+        """Wait (from a thread outside the event loop) for the core thread to end; True if it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _send(self, command: tuple) -> None:
         self._inbox.put(command)
         self._wake.set()

@@ -43,6 +43,9 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+DRAIN_JOIN = 10.0  # seconds to wait at exit for the engine's thread to end its step
+
+
 def serve(load: Callable[[], object], settings: ServeSettings, host: str, port: int, log_level: str) -> None:
     """Serve until a signal ends it; OffloadError if the model fails to load."""
     holder: dict[str, uvicorn.Server] = {}
@@ -65,6 +68,8 @@ def serve(load: Callable[[], object], settings: ServeSettings, host: str, port: 
     )
     holder["server"] = server = _DrainingServer(config, app_server)
     server.run()
+    if app_server.llm is not None and (app_server.front is None or app_server.front.join(DRAIN_JOIN)):
+        app_server.llm.close()  # KV blocks queued for disk are written before the process ends
     if app_server.load_error is not None:
         exc = app_server.load_error
         raise exc if isinstance(exc, OffloadError) else OffloadError(f"loading the model failed: {exc!r}")

@@ -249,6 +249,15 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix blocks cached on the device and in host RAM (blocks running requests hold stay), so the
+        next requests compute their prompts in full, as a fresh engine would; the disk tier, which persists across
+        runs, keeps its blocks."""
+        self.tables.pool.drop_cached()
+        if self.kv_tiers is not None:
+            self.kv_tiers.settle(self.tables.pool)
+            self.kv_tiers.clear_host()
+
     def token_text(self, token_id: int) -> str:
         """One token as text (what logprobs name it)."""
         return self.tokenizer.decode([token_id])

@@ -189,13 +189,10 @@ class Context:
         return params * bits / 8 + params / QUANT_GROUP * 2 * self.dtype_bytes  # + a scale and a zero per group
 
     def kv_bytes(self, tokens: int, kv_bits: int) -> float:
-        """KV cache of `tokens` tokens of one sequence, across layers, rounded up to whole blocks. A quantized cache
-        (8 or 4 bits, kernels/kv_quant.py) also stores a float16 scale per KV_QUANT_GROUP values, and int4 a zero."""
-        blocks = -(-tokens // self.block_size)
-        bits = kv_bits
-        if kv_bits < 8 * self.dtype_bytes:
-            bits += (16 if kv_bits == 8 else 32) / KV_QUANT_GROUP
-        return blocks * self.block_size * self.shape.kv_bytes_per_token(bits / 8)
+        """KV cache of `tokens` tokens of one sequence, across layers, in whole blocks; a quantized one (kv_quant.py)
+        also stores a float16 scale per KV_QUANT_GROUP values, and int4 a float16 zero."""
+        bits = kv_bits + ((16 if kv_bits == 8 else 32) / KV_QUANT_GROUP if kv_bits < 8 * self.dtype_bytes else 0)
+        return -(-tokens // self.block_size) * self.block_size * self.shape.kv_bytes_per_token(bits / 8)
 
 
 def _layer_step(

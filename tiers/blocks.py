@@ -111,6 +111,16 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
+    def drop_cached(self) -> int:
+        """Forget every cached block (keyed, unreferenced): back to the free list, nothing handed down. Returns how
+        many. Held blocks keep their keys."""
+        dropped = list(self._cached.items())
+        for block, key in dropped:
+            del self._key_of[block], self._by_key[key]
+            self._free.append(block)
+        self._cached.clear()
+        return len(dropped)
+
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)
 

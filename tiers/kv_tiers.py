@@ -173,6 +173,11 @@ class KVTiers:
         if overlay:
             self.kv.write_blocks(list(overlay), torch.stack(list(overlay.values())))
 
+    def clear_host(self) -> None:
+        """Forget the blocks kept in host RAM (the disk keeps its own)."""
+        self._free_slots.extend(self._host.values())
+        self._host.clear()
+
     def _demote(self, key: bytes, row: torch.Tensor) -> None:
         """An evicted device block: into host RAM (evicting the least recent there, to disk), else to disk, else
         dropped."""

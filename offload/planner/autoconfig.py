@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from offload.common.config import EngineConfig, Policy
+from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
@@ -34,6 +35,9 @@ from tiers.kv import KVCache
 # 39 MiB at batch 16 (every layer streamed), 80 and 94 MiB at batch 128 (2 and 3 layers resident), 14 MiB at batch
 # 64 (all resident); twice the most, since part of it grows with the batch
 MEMORY_RESERVE = 192 << 20
+
+
+KV_BITS = {"int8": 8, "fp8": 8, "int4": 4}  # --kv-dtype -> the cost model's kv_bits; float formats: the dtype's
 
 
 def autoconfigure(
@@ -75,6 +79,7 @@ def autoconfigure(
         kv_tiers=("device",),
         ring_slots=config.ring_slots,
         block_size=config.block_size,
+        kv_bits=(KV_BITS.get(config.kv_dtype, 8 * DTYPE_BYTES[dtype]),),
     )
     chosen = best(predictions, runnable_only=True)
     if chosen is None and config.memory is not None:
@@ -93,9 +98,12 @@ def autoconfigure(
         )
     cand = chosen.candidate
     blocks = -(-(prompt + max_new_tokens) // config.block_size)
-    per_block = KVCache.block_bytes(
-        spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype), config.kv_dtype
-    )
+    try:
+        per_block = KVCache.block_bytes(
+            spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype), config.kv_dtype
+        )
+    except ValueError as exc:  # a KV format the model's head_dim does not take
+        raise OffloadError(f"--kv-dtype {config.kv_dtype}: {exc}") from None
     step_tokens = cand.batch * prompt  # every prompt of the batch in one pass over the weights
     planned = dataclasses.replace(
         config,

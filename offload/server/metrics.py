@@ -111,3 +111,18 @@ class _CoreCollector:
         yield tiers
         yield counter("offload_read_stall_seconds", "Time the engine waited for weight reads", c.stall_seconds)
         yield counter("offload_step_seconds", "Time inside engine steps", c.prefill_seconds + c.decode_seconds)
+        yield counter(
+            "offload_prefill_tokens_computed",
+            "Prompt tokens computed (not found in the prefix cache)",
+            c.prefill_tokens,
+        )
+        yield counter(
+            "offload_prefix_cache_lookup_tokens", "Prompt tokens of admitted requests looked up", c.prefix_lookup_tokens
+        )
+        yield counter(
+            "offload_prefix_cache_hit_tokens", "Prompt tokens served from cached KV blocks", c.prefix_hit_tokens
+        )
+        kv = CounterMetricFamily("offload_kv_bytes_moved", "KV bytes moved below the device and back", labels=["way"])
+        kv.add_metric(["down"], c.kv_bytes_down)
+        kv.add_metric(["up"], c.kv_bytes_up)
+        yield kv

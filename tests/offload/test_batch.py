@@ -197,3 +197,24 @@ def test_sigterm_stops_the_job_cleanly_and_it_resumes(tiny_llama, tmp_path):
     assert code == 130 and b"rerun the same command to resume" in job.stderr.read()
     assert _batch(tiny_llama, src, out).wait(120) == 0
     assert len(records(out)) == 26
+
+
+def test_the_next_job_starts_warm_from_the_disk_tier(tiny_llama, tmp_path):
+    shared = "You answer in one word. " * 6
+    src = tmp_path / "in.jsonl"
+    src.write_text(
+        "".join(json.dumps({"id": f"q{i}", "prompt": shared + f"q{i}", "max_tokens": 3}) + "\n" for i in range(6))
+    )
+    config = EngineConfig(
+        kv_cache_bytes=1 << 22, block_size=4, offload_dir=str(tmp_path / "kv"), kv_disk_memory=8 << 20
+    )
+    with LLM(tiny_llama, config) as first:
+        run_job(first, src, tmp_path / "first.jsonl", progress=False)
+    with LLM(tiny_llama, config) as second:  # a new engine: its device cache is empty
+        summary = run_job(second, src, tmp_path / "second.jsonl", progress=False)
+        counters = second.core.counters()
+    assert summary.completed == 6
+    assert counters.prefix_hit_tokens > 0.8 * counters.prefix_lookup_tokens and counters.kv_bytes_up > 0
+    assert {k: comparable(v) for k, v in records(tmp_path / "second.jsonl").items()} == {
+        k: comparable(v) for k, v in records(tmp_path / "first.jsonl").items()
+    }

@@ -50,6 +50,19 @@ def test_planned_config_fits_the_budget_and_runs(model_dir):
     assert llm.device_tier.peak <= budget
 
 
+def test_a_quantized_kv_cache_is_planned_with_its_own_block_size(model_dir):
+    """--kv-dtype int8: the cost model prices 8-bit KV (scales included) and the KV cache gets int8 blocks."""
+    base = EngineConfig(device_memory=700_000, dtype="float32", kv_dtype="int8")
+    config, prediction = autoconfigure(model_dir, base, [10] * 12, 6, slow_disk_cpu())
+    assert prediction.candidate.kv_bits == 8 and not prediction.unsupported
+    per_block = KVCache.block_bytes(6, config.block_size, 2, 16, torch.float32, "int8")
+    assert per_block < KVCache.block_bytes(6, config.block_size, 2, 16, torch.float32) / 3
+    assert config.kv_cache_bytes == prediction.candidate.batch * -(-(10 + 6) // config.block_size) * per_block
+    with LLM(model_dir, config) as llm:
+        out = llm.generate_ids([[5 + i] * 10 for i in range(12)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert all(len(c.token_ids) == 6 for c in out) and llm.stats.preemptions == 0
+
+
 def test_a_slow_disk_makes_the_batch_as_large_as_the_requests(model_dir):
     """Disk-bound: each extra sequence shares the same reads, so the best batch serves every request at once."""
     base = EngineConfig(device_memory=800_000, dtype="float32")

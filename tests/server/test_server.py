@@ -205,6 +205,10 @@ def test_metrics_count_what_ran(server, client):
     )
     after = server.metrics()
     assert after["offload_generation_tokens_total"] - before["offload_generation_tokens_total"] == 5
+    looked_up = after["offload_prefix_cache_lookup_tokens_total"] - before["offload_prefix_cache_lookup_tokens_total"]
+    computed = after["offload_prefill_tokens_computed_total"] - before["offload_prefill_tokens_computed_total"]
+    hits = after["offload_prefix_cache_hit_tokens_total"] - before["offload_prefix_cache_hit_tokens_total"]
+    assert looked_up > 0 and computed == looked_up - hits
     assert after["offload_time_to_first_token_seconds_count"] == before["offload_time_to_first_token_seconds_count"] + 1
     assert after["offload_inter_token_latency_seconds_count"] - before["offload_inter_token_latency_seconds_count"] == 4
     for name in (
@@ -214,6 +218,7 @@ def test_metrics_count_what_ran(server, client):
         "offload_read_stall_seconds_total",
         "offload_preemptions_total",
         "offload_tokens_per_second",
+        'offload_kv_bytes_moved_total{way="down"}',
     ):
         assert name in after
 

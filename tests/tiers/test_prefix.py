@@ -217,3 +217,15 @@ def test_events_are_recorded_only_for_a_consumer(record: bool) -> None:
     tables.free(0)
     tables.pool.allocate(2)
     assert bool(tables.pool.events) == record
+
+
+def test_dropping_cached_blocks_frees_them_and_keeps_held_ones() -> None:
+    tables = tables_with(8)
+    compute(tables, 0, list(range(9)))
+    compute(tables, 1, [50 + i for i in range(9)])
+    tables.free(0)
+    assert tables.pool.drop_cached() == 2
+    assert tables.cached_prefix(2, list(range(9))) == 0
+    assert tables.cached_prefix(3, [50 + i for i in range(9)]) == 8  # held by sequence 1: still shared
+    assert tables.pool.num_free == 8 - 3
+    tables.check_integrity()

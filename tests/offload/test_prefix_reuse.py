@@ -48,6 +48,9 @@ def test_a_second_call_reuses_the_first_calls_blocks(model_dir) -> None:
         again = llm.generate_ids([SYSTEM + QUESTIONS[0]], GREEDY)
         assert again[0].token_ids == first[0].token_ids
         assert llm.stats.prefix_hit_tokens == 44 and llm.stats.prefill_tokens == 4
+        llm.reset_prefix_cache()
+        third = llm.generate_ids([SYSTEM + QUESTIONS[0]], GREEDY)
+        assert third[0].token_ids == first[0].token_ids and llm.stats.prefix_hit_tokens == 0
 
 
 def test_evicted_prefixes_come_back_from_host_ram(model_dir) -> None:

@@ -70,6 +70,7 @@ class KVTiers:
             slots -= 1  # alignment padding
         self.host = host
         self.prefill_rate: float | None = None  # prefill tokens per second, as the core measures them
+        self.host_slots = slots  # blocks host RAM holds
         self._slab = host.allocate(slots * self.row_bytes) if slots else None
         self._rows = self._slab[: slots * self.row_bytes].view(slots, self.row_bytes) if slots else None
         self._host: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
@@ -81,10 +82,6 @@ class KVTiers:
             self._writes = queue.Queue(WRITE_QUEUE)
             self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
             self._writer.start()
-
-    @property
-    def host_slots(self) -> int:
-        return 0 if self._rows is None else self._rows.shape[0]
 
     @property
     def host_blocks(self) -> int:

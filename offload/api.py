@@ -373,7 +373,7 @@ class LLM:
         """Logits [len(ids), vocab] (float32) at every position of each token list: the prompt's scores."""
         ids = [self._check_ids(list(t), i) for i, t in enumerate(prompt_ids)]
         result: list[torch.Tensor] = []
-        pending = list(enumerate(ids))
+        pending = [(-1 - i, t) for i, t in enumerate(ids)]  # ids no request of the core has (they count up from 0)
         while pending:
             chunks = []
             while pending and (table := self.tables.grow(pending[0][0], len(pending[0][1]))) is not None:

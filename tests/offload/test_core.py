@@ -173,3 +173,14 @@ def test_chat_ids_are_the_templates_tokens_not_a_batch_encoding(llm):
     ids = chat_ids(llm.tokenizer, [{"role": "user", "content": "hello"}])
     assert all(isinstance(t, int) for t in ids) and len(ids) > len("hello")
     assert ids == llm.encode_chat([{"role": "user", "content": "hello"}])
+
+
+def test_scoring_between_steps_leaves_running_requests_alone(llm):
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    alone = llm.generate_ids([[5, 6, 7, 8, 9]], params)[0].token_ids
+    rid = llm.core.add_request([5, 6, 7, 8, 9], params)
+    first = [t for d in llm.core.step() if d.request_id == rid for t in d.token_ids]
+    llm.score([[5, 6, 7, 8, 9, 10, 11], [3, 4]])  # its sequences must not take the running request's id or blocks
+    rest = [t for d in run_to_end(llm.core, [rid])[rid] for t in d.token_ids]
+    llm.tables.check_integrity()
+    assert tuple(first + rest) == alone

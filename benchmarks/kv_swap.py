@@ -9,13 +9,14 @@ requests, prompts of 16..512 tokens, 8..128 new tokens each, greedy, eos ignored
 --kv-positions token slots: a fraction of what the batch wants at once, so running sequences are preempted.
 
   recompute   --no-prefix-cache: a preempted sequence's blocks are freed and it recomputes its prompt and outputs
-  swap        the prefix cache with --kv-host-memory: a preempted sequence's full blocks stay cached; evicted from the
-              device they go to host RAM, and the sequence comes back to them (copied up) instead of recomputing
+  swap        the prefix cache with --kv-host-memory: a running sequence that would be preempted moves down instead
+              (its blocks copied to the host part of the pool, where it keeps running and attending), new sequences
+              that do not fit the device part start there, and cached prefix blocks evicted from the device go there
 
 Both runs are the same engine, batch limits and workload, in this process, alternating for --repeats rounds.
-Reported: tokens/s over the whole call, preemptions, prefill tokens computed beyond the prompts (recomputation),
-KV bytes moved down and back up, and whether both give the same tokens (greedy bf16: a different batch composition
-can flip a near-tie, so agreement is reported, not assumed). Prints a table and writes
+Reported: tokens/s over the whole call, preemptions, sequences moved down, prefill tokens computed beyond the
+prompts (recomputation), KV bytes moved down and back up, and whether both give the same tokens (greedy bf16: a
+different batch composition can flip a near-tie, so agreement is reported, not assumed). Prints a table and writes
 benchmarks/results/kv_swap.json with the machine it ran on.
 """
 
@@ -60,6 +61,7 @@ def run(model_dir: Path, requests, mode: str, kv_positions: int, block: int = 16
         "tokens_per_s": s.generated_tokens / wall,
         "generated_tokens": s.generated_tokens,
         "preemptions": s.preemptions,
+        "moved_down": s.moved_down,
         "recomputed_tokens": s.prefill_tokens - prompt_tokens,
         "hit_tokens": s.prefix_hit_tokens,
         "kv_bytes_down": s.kv_bytes_down,
@@ -120,9 +122,10 @@ def main(argv: list[str] | None = None) -> dict | None:
 def table(report: dict) -> str:
     med = report["medians"]
     lines = [
-        f"{'mode':<10} {'tokens/s':>9} {'preemptions':>12} {'recomputed':>11} {'KV down':>10} {'KV up':>10}",
+        f"{'mode':<10} {'tokens/s':>9} {'preemptions':>12} {'moved down':>11} {'recomputed':>11} {'KV down':>10} "
+        f"{'KV up':>10}",
         *(
-            f"{m:<10} {med[m]['tokens_per_s']:>9.1f} {med[m]['preemptions']:>12.0f} "
+            f"{m:<10} {med[m]['tokens_per_s']:>9.1f} {med[m]['preemptions']:>12.0f} {med[m]['moved_down']:>11.0f} "
             f"{med[m]['recomputed_tokens']:>11.0f} {med[m]['kv_bytes_down'] / 2**20:>8.1f}Mi "
             f"{med[m]['kv_bytes_up'] / 2**20:>8.1f}Mi"
             for m in MODES

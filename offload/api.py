@@ -42,6 +42,9 @@ class Completion:
     finish_reason: str  # "stop" (eos or a stop string) or "length"
 
 
+_KV_COUNTERS = ("prefill_tokens", "prefix_hit_tokens", "prefix_lookup_tokens", "kv_bytes_down", "kv_bytes_up")
+
+
 @dataclass(frozen=True, slots=True)
 class RunStats:
     """What the last `generate` call did, and how fast."""
@@ -67,6 +70,7 @@ class RunStats:
     prefix_lookup_tokens: int = 0  # prompt tokens looked up (admissions; a re-admission after preemption too)
     kv_bytes_down: int = 0  # KV bytes moved to host RAM or disk
     kv_bytes_up: int = 0  # KV bytes brought back to the device
+    moved_down: int = 0  # running sequences whose KV moved to host RAM instead of being preempted
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -202,12 +206,17 @@ class LLM:
         self.backend = make_backend(self.io_backend.name)
         self.weights = WeightStore(layout, self.backend, self.policy, self.device_tier, self.host_tier, self.dtype)
         self.kv_key = kv_key(self.model_dir, self.spec, self.dtype, self.kv)
-        self.tables, self.kv_tiers = make_kv_pool(config, self.kv, self.kv_key)
-        self.max_model_len = min(self.spec.max_position, self.kv.num_blocks * config.block_size)
-        self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype)
+        self.tables, self.host_tables, self.kv_tiers = make_kv_pool(config, self.kv, self.kv_key, self.spec)
+        # a sequence's blocks are all in one part of the pool: the device's, or the host's
+        kv_blocks = max(self.kv.num_blocks, self.host_tables.pool.num_blocks if self.host_tables else 0)
+        self.max_model_len = min(self.spec.max_position, kv_blocks * config.block_size)
+        host_kv = self.kv_tiers.host_kv if self.host_tables is not None else None
+        self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype, host_kv)
         limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, self.max_model_len)
         tokenizer = (lambda: self.tokenizer) if has_tokenizer(self.model_dir) else None
-        self.core = EngineCore(self.engine, self.tables, limits, self.eos_ids, self.weights, tokenizer, self.kv_tiers)
+        self.core = EngineCore(
+            self.engine, self.tables, limits, self.eos_ids, self.weights, tokenizer, self.kv_tiers, self.host_tables
+        )
         self.stats: RunStats | None = None
 
     def _make_kv_cache(self) -> KVCache:
@@ -362,10 +371,8 @@ class LLM:
             read_seconds=after.read_seconds - before.read_seconds,
             stall_seconds=after.stall_seconds - before.stall_seconds,
             wall_seconds=time.perf_counter() - called,
-            **{
-                f: getattr(after, f) - getattr(before, f)
-                for f in ("prefill_tokens", "prefix_hit_tokens", "prefix_lookup_tokens", "kv_bytes_down", "kv_bytes_up")
-            },
+            moved_down=after.moved_down - before.moved_down,
+            **{f: getattr(after, f) - getattr(before, f) for f in _KV_COUNTERS},
         )
         return completions
 

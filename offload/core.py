@@ -91,6 +91,7 @@ class CoreCounters:
     decode_tokens: int = 0  # tokens sampled by decode-only steps
     steps: int = 0
     preemptions: int = 0
+    moved_down: int = 0  # running sequences whose KV moved to host RAM instead of being preempted
     bytes_read: int = 0  # weight bytes read from storage
     h2d_bytes: int = 0  # weight bytes copied host -> device
     read_seconds: float = 0.0  # wall time with at least one weight read in flight
@@ -110,6 +111,7 @@ PREFILL_SAMPLE = 64  # prefill tokens a step must compute to measure the prefill
 
 # counters kept by the weight store and the KV pool, not by the core
 _FROM_PARTS = (
+    "moved_down",
     "bytes_read",
     "h2d_bytes",
     "read_seconds",
@@ -140,12 +142,14 @@ class EngineCore:
         weights: WeightStore,
         tokenizer: Callable[[], object] | None,
         kv_tiers: KVTiers | None = None,
+        host_tables: BlockTables | None = None,
     ) -> None:
         """`tokenizer` returns the model's tokenizer (loaded on first use); None: token ids in, token ids out.
-        `kv_tiers`: the host and disk parts of the KV pool, settled before every step (None: the device part only)."""
+        `kv_tiers`: the host and disk parts of the KV pool, settled before every step (None: the device part only);
+        `host_tables`: its host part's tables, for sequences admitted when the device part is full."""
         self.engine, self.tables, self.limits, self.weights = engine, tables, limits, weights
         self.kv_tiers = kv_tiers
-        self.batcher = Batcher(tables, limits, eos_ids)
+        self.batcher = Batcher(tables, limits, eos_ids, host_tables)
         self._tokenizer = tokenizer
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
@@ -164,9 +168,10 @@ class EngineCore:
             raise OffloadError(f"prompt {index} encodes to no tokens")
         if len(ids) >= self.limits.max_model_len:
             spec, kv = self.engine.spec, self.engine.kv
+            blocks = max(c.num_blocks for c in self.engine.caches.values())
             raise OffloadError(
                 f"prompt {index} has {len(ids)} tokens; the context window is {self.limits.max_model_len} tokens "
-                f"(max_position_embeddings {spec.max_position}, KV cache {kv.num_blocks * kv.block_size} tokens) "
+                f"(max_position_embeddings {spec.max_position}, KV cache {blocks * kv.block_size} tokens) "
                 "and must leave room for one new token"
             )
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.engine.spec.vocab_size)]
@@ -231,7 +236,7 @@ class EngineCore:
         io, prefix = self.weights.stats, self.tables.counters
         moved = self.kv_tiers.counters if self.kv_tiers is not None else None
         return CoreCounters(
-            **{**self._totals, "preemptions": self.batcher.num_preemptions},
+            **{**self._totals, "preemptions": self.batcher.num_preemptions, "moved_down": self.batcher.num_moved_down},
             bytes_read=io.bytes_read,
             h2d_bytes=io.h2d_bytes,
             read_seconds=io.read_seconds,

@@ -40,7 +40,7 @@ class BatchLimits:
     max_num_seqs: int  # sequences admitted (prefilling or decoding) at once
     max_step_tokens: int  # tokens computed per step: one per decoding sequence, the rest prefill chunks
     micro_batch_tokens: int  # tokens per micro-batch
-    max_model_len: int  # prompt + output tokens of one sequence; must fit the KV cache alone
+    max_model_len: int  # prompt + output tokens of one sequence; must fit one part of the KV pool alone
 
     @property
     def max_running(self) -> int:
@@ -49,15 +49,26 @@ class BatchLimits:
 
 
 class Batcher:
-    def __init__(self, tables: BlockTables, limits: BatchLimits, eos_ids: tuple[int, ...] = ()) -> None:
-        if tables.blocks_for(limits.max_model_len) > tables.pool.num_blocks:
+    def __init__(
+        self,
+        tables: BlockTables,
+        limits: BatchLimits,
+        eos_ids: tuple[int, ...] = (),
+        host_tables: BlockTables | None = None,
+    ) -> None:
+        """`host_tables`: blocks in host RAM for sequences admitted when the device's do not fit (their KV lives
+        there and their attention runs there); None: the device's only."""
+        largest = max(tables.pool.num_blocks, host_tables.pool.num_blocks if host_tables is not None else 0)
+        if tables.blocks_for(limits.max_model_len) > largest:
             raise ValueError(f"max_model_len {limits.max_model_len} does not fit the KV cache")
         self.tables = tables
+        self.host_tables = host_tables
         self.limits = limits
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Sequence] = deque()  # WAITING, in the order they are to be admitted
         self.running: deque[Sequence] = deque()  # PREFILLING or DECODING, in admission order
         self.num_preemptions = 0
+        self.num_moved_down = 0  # running sequences whose blocks went to the host part instead of being preempted
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens >= self.limits.max_model_len:
@@ -106,6 +117,9 @@ class Batcher:
                 deferred.append(seq)
                 continue
             admitted = self.tables.admit(seq.seq_id, seq.token_ids, budget)
+            if admitted is None and self.host_tables is not None:  # the device part is full: its KV goes to host RAM
+                admitted = self.host_tables.admit(seq.seq_id, seq.token_ids, budget)
+                seq.kv_tier = "host" if admitted is not None else "device"
             if admitted is None:
                 break
             table, seq.num_cached, end = admitted
@@ -150,7 +164,8 @@ class Batcher:
         for c in chunks:
             first, last = -(-c.start_pos // size), c.context_len // size  # blocks completed by this chunk
             if first < last:
-                seq_keys = self.tables.keys(c.seq_id, self._by_id(c.seq_id).token_ids)
+                seq = self._by_id(c.seq_id)
+                seq_keys = self._tables_of(seq).keys(c.seq_id, seq.token_ids)
                 keys.update(seq_keys[first:last])
         return keys
 
@@ -165,12 +180,33 @@ class Batcher:
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, planned: set[int]) -> list[int] | None:
         """Grow `seq` to `num_tokens`, preempting the latest unplanned sequences; None if `seq` itself went."""
-        while (table := self.tables.grow(seq.seq_id, num_tokens)) is None:
-            victim = next(s for s in reversed(self.running) if s.seq_id not in planned)
+        while (table := self._tables_of(seq).grow(seq.seq_id, num_tokens)) is None:
+            # a victim whose blocks are in the same part of the pool: moved down to host RAM if it has room, else
+            # preempted
+            victim = next(s for s in reversed(self.running) if s.seq_id not in planned and s.kv_tier == seq.kv_tier)
+            if self._move_down(victim):
+                continue
             self._preempt(victim)
             if victim is seq:
                 return None
         return table
+
+    def _move_down(self, seq: Sequence) -> bool:
+        """Give `seq`'s blocks in the device part copies in the host part (made before the next step) and free the
+        device ones: it keeps running from host RAM instead of being preempted. False if the host part lacks room."""
+        if self.host_tables is None or seq.kv_tier != "device":
+            return False
+        device_blocks = list(self.tables.table(seq.seq_id))
+        host_blocks = self.host_tables.grow(seq.seq_id, len(device_blocks) * self.tables.block_size)
+        if host_blocks is None:
+            return False
+        self.host_tables.pool.events.extend(
+            ("move", None, dst, src) for dst, src in zip(host_blocks, device_blocks, strict=True)
+        )
+        self.tables.free(seq.seq_id)
+        seq.kv_tier = "host"
+        self.num_moved_down += 1
+        return True
 
     def _chunk(self, seq: Sequence, end: int, table: list[int]) -> SeqChunk:
         """Tokens num_cached .. end - 1 of `seq`; the chunk that reaches its last token samples the next."""
@@ -182,10 +218,21 @@ class Batcher:
             tuple(table),
             wants_logits=end == seq.num_tokens,
             is_decode=seq.state is SeqState.DECODING,
+            kv_tier=seq.kv_tier,
         )
 
+    def _tables_of(self, seq: Sequence) -> BlockTables:
+        return self.host_tables if seq.kv_tier == "host" else self.tables
+
+    def _free(self, seq: Sequence) -> None:
+        """Let go of the blocks of `seq` (and of the prefix keys any tables computed for it)."""
+        for tables in (self.tables, self.host_tables):
+            if tables is not None:
+                tables.free(seq.seq_id)
+        seq.kv_tier = "device"  # where its KV goes is decided again at its next admission
+
     def _preempt(self, seq: Sequence) -> None:
-        self.tables.free(seq.seq_id)
+        self._free(seq)
         self.running.remove(seq)
         seq.state = SeqState.WAITING
         seq.num_cached = 0
@@ -199,7 +246,7 @@ class Batcher:
         for chunk in plan.chunks:
             seq = by_id[chunk.seq_id]
             seq.num_cached = chunk.context_len
-            self.tables.commit(seq.seq_id, seq.token_ids, seq.num_cached)
+            self._tables_of(seq).commit(seq.seq_id, seq.token_ids, seq.num_cached)
             if not chunk.wants_logits:  # a prefill chunk short of the last known token
                 continue
             seq.output_ids.append(next_tokens[chunk.seq_id])
@@ -219,7 +266,7 @@ class Batcher:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` now (eos, length, or a stop string the caller found) and free its blocks."""
-        self.tables.free(seq.seq_id)
+        self._free(seq)
         for queue in (self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)

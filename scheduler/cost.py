@@ -391,8 +391,6 @@ def _overflow(ctx: Context, memory: dict[str, int], budgets: Budgets) -> dict[st
 
 def _unsupported(ctx: Context, cand: Candidate) -> tuple[str, ...]:
     missing = []
-    if cand.kv_tier != "device":
-        missing.append("KV cache in host RAM")
     if cand.weight_bits < 8 * ctx.dtype_bytes:
         missing.append(f"{cand.weight_bits}-bit weights")
     if cand.kv_bits < 8 * ctx.dtype_bytes and cand.kv_bits not in (8, 4):

@@ -19,6 +19,7 @@ class SeqChunk:
     # one token sampled the step before; False for known tokens (a prompt chunk, or prompt + outputs
     # recomputed after a preemption), which count as prefill
     is_decode: bool = False
+    kv_tier: str = "device"  # whose cache block_table indexes: the device part's, or the host part's
 
     @property
     def context_len(self) -> int:
@@ -32,6 +33,11 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def kv_tier(self) -> str:
+        """Every chunk of a micro-batch has its KV in the same part of the pool."""
+        return self.chunks[0].kv_tier if self.chunks else "device"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +71,18 @@ class StepPlan:
 
 
 def split_micro_batches(chunks: list[SeqChunk], max_tokens: int) -> tuple[MicroBatch, ...]:
-    """Pack chunks, in order, into micro-batches of exactly `max_tokens` tokens (the last may hold fewer).
+    """Pack chunks, in order, into micro-batches of exactly `max_tokens` tokens (the last may hold fewer); chunks whose
+    KV is in host RAM go after the device's, in micro-batches of their own.
 
     A chunk that overflows a micro-batch is cut there: its head fills that micro-batch without logits and
     its tail goes on in the next. The cut is exact because the engine runs layer-major: at every layer the
     head's micro-batch writes its keys and values to the cache before the tail's attends to them.
     """
+    by_tier = [c for c in chunks if c.kv_tier == "device"], [c for c in chunks if c.kv_tier != "device"]
+    return tuple(mb for group in by_tier for mb in _pack(group, max_tokens))
+
+
+def _pack(chunks: list[SeqChunk], max_tokens: int) -> list[MicroBatch]:
     batches: list[MicroBatch] = []
     current: list[SeqChunk] = []
     room = max_tokens
@@ -85,4 +97,4 @@ def split_micro_batches(chunks: list[SeqChunk], max_tokens: int) -> tuple[MicroB
         room -= len(c.token_ids)
     if current:
         batches.append(MicroBatch(tuple(current)))
-    return tuple(batches)
+    return batches

@@ -23,6 +23,11 @@ class KVLayer:
     k: torch.Tensor | QuantizedKV
     v: torch.Tensor | QuantizedKV
 
+    @property
+    def device(self) -> torch.device:
+        """Where the cache lives: attention runs there (on the CPU for a host-resident cache)."""
+        return self.k.device
+
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the keys and values [tokens, kv_heads, head_dim] of new tokens at cache `slots` [tokens]
         (block * block_size + offset)."""
@@ -51,13 +56,17 @@ class KVCache:
         device: torch.device,
         kv_dtype: str = "auto",
         group_size: int = GROUP_SIZE,
+        pin: bool = False,
     ) -> None:
         """`dtype`: the compute dtype (what attention reads); `kv_dtype`: what the cache stores ("auto": `dtype`;
-        int8, int4, fp8: quantized per `group_size` values along head_dim)."""
+        int8, int4, fp8: quantized per `group_size` values along head_dim). `pin`: page-lock a CPU cache when CUDA is
+        present (the host part of the pool, which the copy engine reads)."""
         self.quant = _quant_format(kv_dtype, dtype, head_dim, group_size)  # None: the cache stores `dtype`
         width, stored = (head_dim, dtype) if self.quant is None else (self.quant.record_bytes, torch.uint8)
         # torch.empty: pages are committed only as blocks are first written
-        self._data = torch.empty((num_layers, 2, num_blocks, block_size, kv_heads, width), dtype=stored, device=device)
+        shape = (num_layers, 2, num_blocks, block_size, kv_heads, width)
+        pinned = pin and device.type == "cpu" and torch.cuda.is_available()
+        self._data = torch.empty(shape, dtype=stored, device=device, pin_memory=pinned)
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks

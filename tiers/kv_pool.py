@@ -30,8 +30,11 @@ def kv_key(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, kv: KVCache) ->
     }
 
 
-def make_kv_pool(config: EngineConfig, kv: KVCache, key: dict) -> tuple[BlockTables, KVTiers | None]:
-    """Block tables over `kv`'s blocks (sharing prefixes unless config.prefix_cache is off), and the host and disk
+def make_kv_pool(
+    config: EngineConfig, kv: KVCache, key: dict, spec: ModelSpec
+) -> tuple[BlockTables, BlockTables | None, KVTiers | None]:
+    """Block tables over `kv`'s blocks (sharing prefixes unless config.prefix_cache is off); with --kv-host-memory,
+    tables over the host part's blocks, for sequences whose KV lives in host RAM (else None); and the host and disk
     parts of the pool when --kv-host-memory or --kv-disk-memory give them room (else None)."""
     tiers = None
     if config.kv_host_memory or config.kv_disk_memory:
@@ -46,10 +49,26 @@ def make_kv_pool(config: EngineConfig, kv: KVCache, key: dict) -> tuple[BlockTab
 
             folder = Path(config.offload_dir) / "kv"
             disk = KVDiskStore(folder, key, kv.bytes_per_block, config.kv_disk_memory)
-        host = None
+        host = host_kv = None
         if config.kv_host_memory:
             host = MemoryTier("kv host", config.kv_host_memory, torch.device("cpu"), pin=True)
-        tiers = KVTiers(kv, host, disk)
+            blocks = config.kv_host_memory // kv.bytes_per_block
+            if blocks:
+                host_kv = KVCache(
+                    spec.num_layers,
+                    blocks,
+                    kv.block_size,
+                    spec.num_kv_heads,
+                    spec.head_dim,
+                    kv.dtype,
+                    torch.device("cpu"),
+                    config.kv_dtype,
+                    pin=True,
+                )
+        tiers = KVTiers(kv, host_kv, host, disk)
     root = chain_root(key) if config.prefix_cache else None
     pool = BlockPool(kv.num_blocks, record=tiers is not None)
-    return BlockTables(pool, config.block_size, root, tiers), tiers
+    host_tables = None
+    if tiers is not None and tiers.host_slots:
+        host_tables = BlockTables(tiers.host_pool, config.block_size, root, tiers.below_host)
+    return BlockTables(pool, config.block_size, root, tiers), host_tables, tiers

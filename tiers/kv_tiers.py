@@ -1,19 +1,22 @@
-"""The KV pool below the device: host RAM and local disk keep the prefix blocks the device part let go.
+"""The KV pool below the device: host RAM and local disk.
 
-    device  KVCache (tiers/kv.py): every block a sequence holds, and cached prefix blocks while there is room
-      │ ▲   evicted cached blocks go down (demote); a prefix found below comes back into fresh blocks (promote)
-    host    a slab of block rows under --kv-host-memory, least recently used evicted first, to disk
-      │ ▲
+    device  KVCache (tiers/kv.py): the blocks of the sequences admitted there, and cached prefix blocks while room lasts
+      │ ▲   evicted cached blocks go down (demote); a prefix found below comes back into fresh blocks (promote);
+      │     a running sequence that cannot grow on the device moves down whole (its blocks copied, then freed)
+    host    a second KVCache in host RAM under --kv-host-memory, with its own BlockPool: the blocks of sequences whose
+      │ ▲   KV lives there (admitted when the device part was full, or moved down), attended where they are, and
+      │     cached prefix blocks, least recently used evicted first, to disk
     disk    KVDiskStore (tiers/kv_store.py) in --offload-dir under --kv-disk-memory: checksummed block files that
             persist, so a restarted engine starts warm; computed blocks are written through by a background thread
 
 A block moves as one row of bytes, whatever the cache's format (KVCache.read_blocks / write_blocks), so a quantized
-cache moves its quantized bytes. Host and disk are inclusive: a promoted block keeps its copy below, and a block
-demoted again finds it there and moves nothing.
+cache moves its quantized bytes. Host and disk copies of cached blocks are inclusive: a promoted block keeps its
+copy below, and a block demoted again finds it there and moves nothing.
 
-All moves happen at the step boundary, in `settle`, which replays the pool's event log (tiers/blocks.py) in order:
-every device row it copies down is read before any row is written, so an evicted block's bytes are still its key's.
-`count` and `fetch` answer the pool's admissions (`LowerTiers`); fetched payloads are verified copies.
+All moves happen at the step boundary, in `settle`, which replays the event logs of both pools (tiers/blocks.py) in
+order, the host part's first: every row it copies is read before any row is written, so an evicted or moved block's
+bytes are still its own. `count` and `fetch` answer the device part's admissions (`LowerTiers`), `below_host` the
+host part's (the disk only); fetched payloads are verified copies.
 
 Reading a block back is not always cheaper than computing it again: host RAM always is (a copy), the disk is when
 a block's bytes read faster than its tokens prefill. Both rates are measured as the engine runs (`disk_seconds`
@@ -26,7 +29,6 @@ import itertools
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,26 +57,42 @@ class KVTierCounters:
     recomputed_not_read: int = 0  # admissions that left disk blocks unread: recomputing them was predicted cheaper
 
 
-class KVTiers:
-    """The host and disk parts of the KV pool; either may be absent (capacity 0 / no store)."""
+class _DiskOnly:
+    """The lower tier of the host part's own tables: the disk."""
 
-    def __init__(self, kv: KVCache, host: MemoryTier | None, disk=None) -> None:
-        """`host`: the KV host budget (a MemoryTier; None or capacity 0: no host part). `disk`: a KVDiskStore or
-        None. The slab for the host part is taken from `host` now, whole."""
+    def __init__(self, tiers: KVTiers) -> None:
+        self.tiers = tiers
+
+    def count(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and self.tiers.disk_pays() and self.tiers._on_disk(keys[n]):
+            n += 1
+        return n
+
+    def fetch(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        return self.tiers.fetch(keys, disk_only=True)
+
+
+class KVTiers:
+    """The host and disk parts of the KV pool; either may be absent (no host cache / no store)."""
+
+    def __init__(self, kv: KVCache, host_kv: KVCache | None, host: MemoryTier | None, disk=None) -> None:
+        """`host_kv`: the host part, a KVCache in host RAM of `kv`'s format (None: no host part), charged to `host`
+        (the --kv-host-memory budget). `disk`: a KVDiskStore or None."""
         self.kv = kv
         self.disk = disk
         self.row_bytes = kv.bytes_per_block
         self.counters = KVTierCounters()
-        slots = 0 if host is None or not host.capacity else host.capacity // self.row_bytes
-        while slots and not host.can_allocate(host.footprint(slots * self.row_bytes)):
-            slots -= 1  # alignment padding
         self.host = host
+        self.host_kv = host_kv
+        if host_kv is not None and (host is None or not host.adopt(host_kv.storage)):
+            raise ValueError(f"the host KV cache ({host_kv.nbytes} bytes) does not fit its budget")
+        self.host_slots = 0 if host_kv is None else host_kv.num_blocks  # blocks host RAM holds
+        # the host part's blocks: cached prefix blocks (keyed, unheld, least recent evicted first, to disk) and the
+        # blocks of sequences whose KV lives in host RAM
+        self.host_pool = BlockPool(self.host_slots, record=True)
+        self.below_host = _DiskOnly(self)  # what the host part's own tables fetch from
         self.prefill_rate: float | None = None  # prefill tokens per second, as the core measures them
-        self.host_slots = slots  # blocks host RAM holds
-        self._slab = host.allocate(slots * self.row_bytes) if slots else None
-        self._rows = self._slab[: slots * self.row_bytes].view(slots, self.row_bytes) if slots else None
-        self._host: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
-        self._free_slots = list(range(slots))[::-1]
         self._disk_lock = threading.Lock()  # the store is used by the scheduler's thread and the writer
         self._writes: queue.Queue | None = None
         self._writer: threading.Thread | None = None
@@ -85,14 +103,15 @@ class KVTiers:
 
     @property
     def host_blocks(self) -> int:
-        return len(self._host)
+        """Blocks of the host part in use: cached prefix blocks and those of host-resident sequences."""
+        return self.host_slots - len(self.host_pool._free)
 
-    # ---- LowerTiers: what admissions ask ------------------------------------------------------------
+    # ---- LowerTiers: what the device part's admissions ask ----------------------------------------------
 
     def count(self, keys: Sequence[bytes]) -> int:
         n, disk_pays = 0, self.disk_pays()
         for key in keys:
-            if key not in self._host and not (disk_pays and self._on_disk(key)):
+            if not self.host_pool.lookup([key]) and not (disk_pays and self._on_disk(key)):
                 if not disk_pays and self._on_disk(key):
                     self.counters.recomputed_not_read += 1
                 break
@@ -108,20 +127,24 @@ class KVTiers:
         read = c.disk_seconds / c.promoted_disk  # seconds per block
         return read < self.kv.block_size / self.prefill_rate
 
-    def fetch(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+    def fetch(self, keys: Sequence[bytes], disk_only: bool = False) -> list[torch.Tensor]:
         """Copies of the rows of the longest run of `keys` held below; a disk block that fails its check ends the
         run (the store drops it, and the caller computes from there). Consecutive disk blocks are read together."""
         rows: list[torch.Tensor] = []
         i = 0
         while i < len(keys):
-            slot = self._host.get(keys[i])
-            if slot is not None:
-                self._host.move_to_end(keys[i])
-                rows.append(self._rows[slot].clone())
+            held = [] if disk_only else self.host_pool.lookup(keys[i : i + 1])
+            if held:
+                self._touch(held)
+                rows.append(self.host_kv.read_blocks(held)[0])
                 self.counters.promoted_host += 1
                 i += 1
                 continue
-            run = list(itertools.takewhile(lambda k: k not in self._host and self._on_disk(k), keys[i:]))
+            run = list(
+                itertools.takewhile(
+                    lambda k: (disk_only or not self.host_pool.lookup([k])) and self._on_disk(k), keys[i:]
+                )
+            )
             if not run:
                 break
             start = time.perf_counter()
@@ -137,6 +160,11 @@ class KVTiers:
         self.counters.bytes_up += len(rows) * self.row_bytes
         return rows
 
+    def _touch(self, blocks: list[int]) -> None:
+        """Mark cached host blocks as just used (held ones are in use anyway)."""
+        self.host_pool.share(blocks)
+        self.host_pool.free(blocks)
+
     def _on_disk(self, key: bytes) -> bool:
         """A membership test only (a dict lookup, atomic under the GIL): no lock, so admissions never wait on a
         write-through's fsync. A block evicted meanwhile fails its read in `fetch`, which ends the run."""
@@ -145,54 +173,70 @@ class KVTiers:
     # ---- the step boundary ----------------------------------------------------------------------------
 
     def settle(self, pool: BlockPool) -> None:
-        """Carry out what the pool logged since the last call, before the next step reads or writes the cache."""
+        """Carry out what the device part's pool and the host part's logged since the last call, before the next
+        step reads or writes either cache."""
+        if self.host_kv is not None:
+            self._replay(self.host_pool, self.host_kv, self._evict_host)
+        self._replay(pool, self.kv, self._demote)
+
+    def _replay(self, pool: BlockPool, kv: KVCache, evicted) -> None:
         events, pool.events = pool.events, []
         if not events:
             return
         overlay: dict[int, torch.Tensor] = {}  # block -> the row a promotion puts there (written last)
-        down: list[tuple[bytes, int | torch.Tensor, str]] = []  # (key, device block or row, "evict" | "done")
+        down: list[tuple[bytes, int | torch.Tensor, str]] = []  # (key, block or row, "evict" | "done")
+        # ("move", None, host block, device block): a running sequence's blocks moved down, read before any write
+        moved = [e for e in events if e[0] == "move"]
+        rows = {}
+        if moved:
+            rows = dict(zip((e[2] for e in moved), self.kv.read_blocks([e[3] for e in moved]), strict=True))
         for event in events:
             kind, key, block = event[:3]
             if kind == "promote":
                 overlay[block] = event[3]
+            elif kind == "move":
+                overlay[block] = rows[block]
+                self.counters.bytes_down += self.row_bytes
             elif kind == "evict":
                 down.append((key, overlay.pop(block, block), kind))
             elif self.disk is not None:  # "done": write through to disk
                 down.append((key, overlay.get(block, block), kind))
         blocks = sorted({src for _, src, _ in down if isinstance(src, int)})
-        read = dict(zip(blocks, self.kv.read_blocks(blocks), strict=True)) if blocks else {}
+        read = dict(zip(blocks, kv.read_blocks(blocks), strict=True)) if blocks else {}
         for key, src, kind in down:
             row = read[src] if isinstance(src, int) else src
             if kind == "evict":
-                self._demote(key, row)
+                evicted(key, row)
             else:
                 self._write_through(key, row)
         if overlay:
-            self.kv.write_blocks(list(overlay), torch.stack(list(overlay.values())))
+            kv.write_blocks(list(overlay), torch.stack(list(overlay.values())))
+
+    def _evict_host(self, key: bytes, row: torch.Tensor) -> None:
+        if not self._to_disk(key, row):
+            self.counters.dropped += 1
 
     def clear_host(self) -> None:
-        """Forget the blocks kept in host RAM (the disk keeps its own)."""
-        self._free_slots.extend(self._host.values())
-        self._host.clear()
+        """Forget the prefix blocks cached in host RAM (the disk keeps its own)."""
+        self.host_pool.drop_cached()
 
     def _demote(self, key: bytes, row: torch.Tensor) -> None:
-        """An evicted device block: into host RAM (evicting the least recent there, to disk), else to disk, else
-        dropped."""
-        if key in self._host:
-            self._host.move_to_end(key)
+        """An evicted device block: into host RAM (evicting the least recent cached block there, to disk), else
+        to disk, else dropped."""
+        held = self.host_pool.lookup([key])
+        if held:
+            self._touch(held)
             return
-        if self._rows is None:
-            if not self._to_disk(key, row):
-                self.counters.dropped += 1
+        block = self.host_pool.allocate(1) if self.host_kv is not None else None
+        if block is None:  # no host part, or every host block is held by a host-resident sequence
+            self._evict_host(key, row)
             return
-        if not self._free_slots:
-            old_key, slot = self._host.popitem(last=False)
-            if not self._to_disk(old_key, self._rows[slot]):
-                self.counters.dropped += 1
-            self._free_slots.append(slot)
-        slot = self._free_slots.pop()
-        self._rows[slot].copy_(row)
-        self._host[key] = slot
+        for event in self.host_pool.events:  # the cached block this allocation evicted: its bytes go first
+            self._evict_host(event[1], self.host_kv.read_blocks([event[2]])[0])
+        self.host_pool.events.clear()
+        self.host_kv.write_blocks(block, row[None])
+        self.host_pool.register(block[0], key)
+        self.host_pool.free(block)
         self.counters.demoted_host += 1
         self.counters.bytes_down += self.row_bytes
 
@@ -238,6 +282,5 @@ class KVTiers:
             self._writer = None
             with self._disk_lock:
                 self.disk.close()
-        if self._slab is not None:
-            self.host.free(self._slab)
-            self._slab = self._rows = None
+        if self.host_kv is not None and self.host is not None and self.host.used:
+            self.host.free(self.host_kv.storage)

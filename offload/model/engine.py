@@ -27,8 +27,9 @@ class _Prepared:
     token_ids: torch.Tensor  # [tokens]
     cos: torch.Tensor  # [tokens, head_dim]
     sin: torch.Tensor
-    batch: PagedBatch
+    batch: PagedBatch  # on the device of the micro-batch's KV cache
     logit_rows: torch.Tensor  # [rows] indices into the micro-batch's tokens
+    kv_tier: str
 
 
 class Engine:
@@ -40,8 +41,12 @@ class Engine:
         kv: KVCache,
         device: torch.device,
         dtype: torch.dtype,
+        host_kv: KVCache | None = None,
     ) -> None:
+        """`host_kv`: the host part of the KV pool, for micro-batches of sequences whose KV lives in host RAM (their
+        attention runs where it lives, on the CPU: the query moves, not the cache)."""
         self.spec, self.family, self.weights, self.kv = spec, family, weights, kv
+        self.caches = {"device": kv} | ({"host": host_kv} if host_kv is not None else {})
         self.device, self.dtype = device, dtype
         self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim).to(device)
 
@@ -51,9 +56,9 @@ class Engine:
         hidden = [self.family.embed(self.weights.embed, p.token_ids) for p in prepared]
         for layer in range(self.spec.num_layers):
             w = self.weights.acquire(layer)
-            kv = self.kv.layer(layer)
+            kvs = {tier: cache.layer(layer) for tier, cache in self.caches.items()}
             for i, p in enumerate(prepared):
-                inp = LayerInput(p.cos, p.sin, p.batch, kv)
+                inp = LayerInput(p.cos, p.sin, p.batch, kvs[p.kv_tier])
                 hidden[i] = self.family.layer(self.spec, layer, w, hidden[i], inp)
             self.weights.release(layer)
         rows = torch.cat([h[p.logit_rows] for h, p in zip(hidden, prepared, strict=True)])
@@ -82,10 +87,11 @@ class Engine:
 
         pos_t = tensor(positions)
         cos, sin = cos_sin(self.inv_freq, pos_t, self.dtype)
+        cache_device = self.caches[mb.kv_tier].storage.device
         batch = PagedBatch(
             query_start=tuple(starts),
             context_lens=tuple(c.context_len for c in mb.chunks),
-            block_tables=torch.tensor(tables, dtype=torch.int64, device=self.device),
-            slot_mapping=tensor(slots),
+            block_tables=torch.tensor(tables, dtype=torch.int64, device=cache_device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=cache_device),
         )
-        return _Prepared(tensor(token_ids), cos, sin, batch, tensor(rows))
+        return _Prepared(tensor(token_ids), cos, sin, batch, tensor(rows), mb.kv_tier)

@@ -87,9 +87,11 @@ class LlamaFamily:
             k = rms_norm(k, w["k_norm"], spec.rms_norm_eps)
         q = apply_rope(q, inp.cos, inp.sin)
         k = apply_rope(k, inp.cos, inp.sin)
-        # write this step's keys and values into their cache slots, then attend over the whole context
-        inp.kv.write(inp.batch.slot_mapping, k, v)
-        out = paged_attention(q, inp.kv.k, inp.kv.v, inp.batch, d**-0.5, spec.window(layer))
+        # write this step's keys and values into their cache slots, then attend over the whole context, where the
+        # cache lives (a host-resident cache on CUDA: the query goes to the CPU, the output comes back)
+        at = inp.kv.device
+        inp.kv.write(inp.batch.slot_mapping, k.to(at), v.to(at))
+        out = paged_attention(q.to(at), inp.kv.k, inp.kv.v, inp.batch, d**-0.5, spec.window(layer)).to(x.device)
         return linear(out.reshape(tokens, spec.q_size), w["o_proj"], w.get("o_bias"))
 
     def head(self, spec: ModelSpec, w: Weights, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ def test_a_small_run_preempts_and_reports_both_modes(tmp_path):
     med = report["medians"]
     assert med["recompute"]["preemptions"] > 0 and med["recompute"]["recomputed_tokens"] > 0
     assert med["recompute"]["kv_bytes_down"] == med["recompute"]["hit_tokens"] == 0
-    assert med["swap"]["preemptions"] > 0 and med["swap"]["hit_tokens"] > 0
+    assert med["swap"]["moved_down"] > 0 and med["swap"]["preemptions"] < med["recompute"]["preemptions"]
     assert med["swap"]["recomputed_tokens"] < med["recompute"]["recomputed_tokens"]
+    assert med["recompute"]["moved_down"] == 0
     assert med["swap"]["kv_host_peak"] <= med["swap"]["kv_host_budget"]

@@ -1,0 +1,69 @@
+"""KV of running sequences in host RAM: sequences admitted when the device part of the pool is full keep their KV in
+the host part and attend there; their tokens equal an all-device run's, and neither part exceeds its budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload.api import LLM
+from offload.common.config import EngineConfig, SamplingParams
+
+PROMPTS = [[3 + (7 * i + j) % 250 for j in range(10 + 3 * i)] for i in range(8)]
+GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def per_block(tiny_llama) -> int:
+    with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 20)) as llm:
+        return llm.kv.bytes_per_block
+
+
+@pytest.fixture(scope="module")
+def all_device(tiny_llama):
+    with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, prefix_cache=False)) as llm:
+        return [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_sequences_past_the_device_budget_run_from_host_ram(tiny_llama, per_block, all_device, kv_dtype) -> None:
+    device_blocks = 12  # the whole batch needs about 90 blocks at its peak
+    config = EngineConfig(
+        block_size=4, kv_cache_bytes=device_blocks * per_block, kv_host_memory=200 * per_block, kv_dtype=kv_dtype
+    )
+    with LLM(tiny_llama, config) as llm:
+        out = llm.generate_ids(PROMPTS, GREEDY)
+        host_peak, host_budget = llm.kv_tiers.host.peak, llm.kv_tiers.host.capacity
+        llm.tables.check_integrity()
+        llm.host_tables.check_integrity()
+        assert llm.host_tables.pool.num_free == llm.kv_tiers.host_slots  # every host block back (or cached)
+        stats = llm.stats
+    assert stats.preemptions == 0  # the host part held what the device part could not
+    assert host_peak <= host_budget
+    if kv_dtype == "auto":
+        assert [c.token_ids for c in out] == all_device
+    else:  # int8: the same tokens as int8 on the device alone (the tiny checkpoint's near-ties are int8's, not host's)
+        with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, kv_dtype="int8")) as llm:
+            assert [c.token_ids for c in out] == [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
+
+
+def test_without_a_host_part_the_same_budget_preempts(tiny_llama, per_block, all_device) -> None:
+    with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=12 * per_block)) as llm:
+        out = llm.generate_ids(PROMPTS, GREEDY)
+        assert llm.stats.preemptions > 0
+    assert [c.token_ids for c in out] == all_device
+
+
+def test_host_resident_sequences_share_prefixes_in_host_ram(tiny_llama, per_block) -> None:
+    shared = list(range(3, 3 + 24))  # six full blocks
+    prompts = [shared + [200 + i, 201 + i] for i in range(6)]
+    # the device part holds one sequence; a step admits one prompt (32 tokens), so each later one finds the
+    # prefix its predecessors left in the host part
+    config = EngineConfig(
+        block_size=4, kv_cache_bytes=8 * per_block, kv_host_memory=200 * per_block, max_step_tokens=32
+    )
+    with LLM(tiny_llama, config) as llm:
+        out = llm.generate_ids(prompts, GREEDY)
+        hits = llm.host_tables.counters.hit_tokens
+    with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, prefix_cache=False)) as llm:
+        assert [c.token_ids for c in out] == [c.token_ids for c in llm.generate_ids(prompts, GREEDY)]
+    assert hits >= 2 * 24  # host-resident sequences admitted after the first share its six blocks

@@ -233,7 +233,8 @@ class EngineCore:
         return len(self.batcher.waiting)
 
     def counters(self) -> CoreCounters:
-        io, prefix = self.weights.stats, self.tables.counters
+        io = self.weights.stats
+        parts = [t.counters for t in (self.tables, self.batcher.host_tables) if t is not None]  # device, host
         moved = self.kv_tiers.counters if self.kv_tiers is not None else None
         return CoreCounters(
             **{**self._totals, "preemptions": self.batcher.num_preemptions, "moved_down": self.batcher.num_moved_down},
@@ -241,8 +242,8 @@ class EngineCore:
             h2d_bytes=io.h2d_bytes,
             read_seconds=io.read_seconds,
             stall_seconds=io.stall_seconds,
-            prefix_lookup_tokens=prefix.lookup_tokens,
-            prefix_hit_tokens=prefix.hit_tokens,
+            prefix_lookup_tokens=sum(c.lookup_tokens for c in parts),
+            prefix_hit_tokens=sum(c.hit_tokens for c in parts),
             kv_bytes_down=moved.bytes_down if moved else 0,
             kv_bytes_up=moved.bytes_up if moved else 0,
         )

@@ -64,6 +64,9 @@ def test_host_resident_sequences_share_prefixes_in_host_ram(tiny_llama, per_bloc
     with LLM(tiny_llama, config) as llm:
         out = llm.generate_ids(prompts, GREEDY)
         hits = llm.host_tables.counters.hit_tokens
+        # the run's statistics count both parts' admissions
+        assert llm.stats.preemptions == 0 and llm.stats.prefix_lookup_tokens == sum(map(len, prompts))
+        assert llm.stats.prefix_hit_tokens >= hits
     with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, prefix_cache=False)) as llm:
         assert [c.token_ids for c in out] == [c.token_ids for c in llm.generate_ids(prompts, GREEDY)]
     assert hits >= 2 * 24  # host-resident sequences admitted after the first share its six blocks

@@ -4,6 +4,7 @@ the host part and attend there; their tokens equal an all-device run's, and neit
 from __future__ import annotations
 
 import pytest
+import torch
 
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
@@ -70,3 +71,18 @@ def test_host_resident_sequences_share_prefixes_in_host_ram(tiny_llama, per_bloc
     with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, prefix_cache=False)) as llm:
         assert [c.token_ids for c in out] == [c.token_ids for c in llm.generate_ids(prompts, GREEDY)]
     assert hits >= 2 * 24  # host-resident sequences admitted after the first share its six blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_sequences_in_host_ram_attend_on_the_cpu_and_match_the_device(tiny_llama, per_block) -> None:
+    """On CUDA the host part's sequences attend on the CPU (the query moves, not the cache): same greedy tokens as a
+    run with every sequence's KV on the GPU, and the host cache is pinned."""
+    with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, device="cuda", prefix_cache=False)) as llm:
+        want = [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
+    config = EngineConfig(block_size=4, kv_cache_bytes=12 * per_block, kv_host_memory=200 * per_block, device="cuda")
+    with LLM(tiny_llama, config) as llm:
+        got = [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
+        assert llm.kv_tiers.host_kv.storage.is_pinned() and llm.kv.storage.is_cuda
+        assert llm.stats.preemptions == 0
+    assert got == want

@@ -204,18 +204,23 @@ class BlockTables:
         keys = self.keys(seq_id, token_ids)[: (len(token_ids) - 1) // self.block_size]
         device = self.pool.lookup(keys)
         below = self.lower.count(keys[len(device) :]) if self.lower is not None and len(device) < len(keys) else 0
+        room = self.pool.num_free - sum(1 for b in device if not self.pool.refs(b))  # sharing takes cached ones
+
+        def fit(hit: int) -> tuple[int, int] | None:
+            """(end of the first chunk, fresh blocks) after `hit` cached blocks, or None when they do not fit."""
+            end = min(len(token_ids), hit * self.block_size + budget)
+            fresh = self.blocks_for(end) - len(device)
+            return (end, fresh) if fresh <= room else None
+
         hit = len(device) + below
-        end = min(len(token_ids), hit * self.block_size + budget)
-        fresh = self.blocks_for(end) - len(device)
-        if fresh > self.pool.num_free - sum(1 for b in device if not self.pool.refs(b)):
+        if (fitted := fit(hit)) is None:
             return None
         payloads = self.lower.fetch(keys[len(device) : hit]) if below else []
         if len(payloads) < below:  # a lower block went bad between count and fetch: compute from there
             hit = len(device) + len(payloads)
-            end = min(len(token_ids), hit * self.block_size + budget)
-            fresh = self.blocks_for(end) - len(device)
-            if fresh > self.pool.num_free - sum(1 for b in device if not self.pool.refs(b)):
+            if (fitted := fit(hit)) is None:
                 return None
+        end, fresh = fitted
         self.pool.share(device)
         blocks = self.pool.allocate(fresh)
         assert blocks is not None  # checked above

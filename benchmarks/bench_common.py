@@ -124,3 +124,15 @@ def write_report(path: Path, report: Mapping[str, object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def kv_block_bytes(model_dir: Path, block_size: int, kv_dtype: str = "auto") -> int:
+    """Bytes of one KV block of the model at `model_dir`, in its checkpoint dtype (read from config.json only)."""
+    import torch
+
+    from offload.model.loader import load_spec
+    from tiers.kv import KVCache
+
+    spec, _ = load_spec(model_dir)
+    dims = (spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
+    return KVCache.block_bytes(*dims, getattr(torch, spec.dtype), kv_dtype)

@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench_common import ensure_checkpoint, machine, timestamp, write_report
+from bench_common import ensure_checkpoint, kv_block_bytes, machine, timestamp, write_report
 from mixed_lengths import FULL_SHAPE, QUICK_SHAPE
 
 RESULTS = Path(__file__).parent / "results" / "kv_offload.json"
@@ -106,11 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.vocab = shape.vocab_size
     model_dir = ensure_checkpoint(args.work_dir / shape.name, asdict(shape))
 
-    from offload.api import LLM
-    from offload.common.config import EngineConfig
-
-    with LLM(model_dir, EngineConfig(block_size=16, kv_cache_bytes=1 << 20)) as probe:
-        per_block = probe.kv.bytes_per_block
+    per_block = kv_block_bytes(model_dir, 16)
     context_blocks = -(-(args.prompt + args.new_tokens) // 16)
     device_bytes = args.device_seqs * context_blocks * per_block
     host_bytes = args.host_factor * device_bytes

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench_common import ensure_checkpoint, machine, timestamp, write_report
+from bench_common import ensure_checkpoint, kv_block_bytes, machine, timestamp, write_report
 from mixed_lengths import FULL_SHAPE, FULL_WORKLOAD, QUICK_SHAPE, QUICK_WORKLOAD
 
 RESULTS = Path(__file__).parent / "results" / "kv_swap.json"
@@ -39,8 +39,7 @@ def run(model_dir: Path, requests, mode: str, kv_positions: int, block: int = 16
     from offload.api import LLM
     from offload.common.config import EngineConfig, SamplingParams
 
-    with LLM(model_dir, EngineConfig(block_size=block)) as probe:
-        per_block = probe.kv.bytes_per_block
+    per_block = kv_block_bytes(model_dir, block)
     config = dict(block_size=block, kv_cache_bytes=kv_positions // block * per_block, max_num_seqs=len(requests))
     if mode == "recompute":
         config["prefix_cache"] = False

@@ -161,16 +161,14 @@ class Batcher:
         """Keys of the blocks `chunks` fill this step (prefix reuse only): a sequence that needs one waits a step."""
         keys: set[bytes] = set()
         size = self.tables.block_size
-        for c in chunks:
-            first, last = -(-c.start_pos // size), c.context_len // size  # blocks completed by this chunk
-            if first < last:
-                seq = self._by_id(c.seq_id)
-                seq_keys = self._tables_of(seq).keys(c.seq_id, seq.token_ids)
-                keys.update(seq_keys[first:last])
+        completing = [c for c in chunks if -(-c.start_pos // size) < c.context_len // size]  # complete a block
+        running = {s.seq_id: s for s in self.running} if completing else {}
+        for c in completing:
+            seq = running[c.seq_id]
+            keys.update(
+                self._tables_of(seq).keys(c.seq_id, seq.token_ids)[-(-c.start_pos // size) : c.context_len // size]
+            )
         return keys
-
-    def _by_id(self, seq_id: int) -> Sequence:
-        return next(s for s in self.running if s.seq_id == seq_id)
 
     def _requeue(self, seq: Sequence) -> None:
         """Put a waiting sequence back ahead of every later priority class and behind its own class's overdue ones

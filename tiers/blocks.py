@@ -44,6 +44,11 @@ class BlockPool:
         return len(self._free) + len(self._cached)
 
     @property
+    def num_empty(self) -> int:
+        """Blocks holding nothing: neither held nor cached."""
+        return len(self._free)
+
+    @property
     def num_cached(self) -> int:
         return len(self._cached)
 

@@ -64,10 +64,9 @@ class _DiskOnly:
         self.tiers = tiers
 
     def count(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        while n < len(keys) and self.tiers.disk_pays() and self.tiers._on_disk(keys[n]):
-            n += 1
-        return n
+        if not self.tiers.disk_pays():
+            return 0
+        return sum(1 for _ in itertools.takewhile(self.tiers._on_disk, keys))
 
     def fetch(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
         return self.tiers.fetch(keys, disk_only=True)
@@ -104,17 +103,19 @@ class KVTiers:
     @property
     def host_blocks(self) -> int:
         """Blocks of the host part in use: cached prefix blocks and those of host-resident sequences."""
-        return self.host_slots - len(self.host_pool._free)
+        return self.host_slots - self.host_pool.num_empty
 
     # ---- LowerTiers: what the device part's admissions ask ----------------------------------------------
 
     def count(self, keys: Sequence[bytes]) -> int:
         n, disk_pays = 0, self.disk_pays()
         for key in keys:
-            if not self.host_pool.lookup([key]) and not (disk_pays and self._on_disk(key)):
-                if not disk_pays and self._on_disk(key):
+            if not self.host_pool.lookup([key]):
+                if not self._on_disk(key):
+                    break
+                if not disk_pays:
                     self.counters.recomputed_not_read += 1
-                break
+                    break
             n += 1
         return n
 

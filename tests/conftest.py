@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+
+# Triton kernels run in Triton's CPU interpreter where there is no CUDA device; triton reads this when it is
+# imported (importing a transformers model class imports it), so it is set before anything else loads
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from offload.common.model_config import ModelSpec, ParamCounts, RopeSpec
 

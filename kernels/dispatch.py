@@ -1,0 +1,57 @@
+"""Which implementation runs each kernel: the Triton kernel on a CUDA device, the torch path elsewhere.
+
+Every kernel module asks `use_triton(name, device)` before it launches, and the answer is remembered per kernel so
+the run summary can say what ran (`summary()`). OFFLOAD_KERNELS=torch forces the torch path everywhere (to compare
+or to rule a kernel out); on a CPU the torch path always runs, since Triton's CPU interpreter is for tests only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENV = "OFFLOAD_KERNELS"  # "torch": never launch a Triton kernel
+
+_picked: dict[str, str] = {}  # kernel name -> "triton" | "torch", for the kernels that have run
+
+
+@functools.cache
+def triton_missing() -> str | None:
+    """Why Triton cannot run here, or None when it can (a CUDA device and an importable triton)."""
+    if os.environ.get(ENV, "").lower() == "torch":
+        return f"{ENV}=torch"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def use_triton(name: str, device: torch.device) -> bool:
+    """Whether kernel `name` runs its Triton kernel for tensors on `device`; the choice is recorded."""
+    triton = device.type == "cuda" and triton_missing() is None
+    _picked[name] = "triton" if triton else "torch"
+    return triton
+
+
+def picked() -> dict[str, str]:
+    """Kernel name -> the implementation that ran it last."""
+    return dict(_picked)
+
+
+def summary() -> str:
+    """One line for the run summary: which implementation ran which kernels, and why not Triton."""
+    if not _picked:
+        return ""
+    by_impl: dict[str, list[str]] = {}
+    for name, impl in sorted(_picked.items()):
+        by_impl.setdefault(impl, []).append(name)
+    parts = []
+    for impl, names in sorted(by_impl.items(), reverse=True):  # triton first
+        why = f" ({triton_missing()})" if impl == "torch" and triton_missing() else ""
+        parts.append(f"{impl}{why}: {', '.join(names)}")
+    return "; ".join(parts)

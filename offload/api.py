@@ -13,6 +13,7 @@ import torch
 from offload.common.config import EngineConfig, Policy, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
+from offload.convert import check_runnable
 from offload.core import Delta, EngineCore
 from offload.model.engine import Engine
 from offload.model.loader import load_spec
@@ -188,6 +189,8 @@ class LLM:
         self.model_dir = Path(model).expanduser() if model is not None else ensure_demo_model()
         self.spec, self.family = load_spec(self.model_dir)
         self.device = resolve_device(config.device)
+        if self.spec.quant is not None:
+            check_runnable(self.model_dir, self.spec.quant, self.device)
         self.dtype = getattr(torch, self.spec.dtype if config.dtype == "auto" else config.dtype)
         self.eos_ids = _eos_ids(self.model_dir, self.spec)
         self.device_tier = DeviceTier(config.device_memory, self.device)

@@ -39,12 +39,21 @@ TORCH_DTYPES: dict[str, tuple[torch.dtype, int]] = {
 FLOAT_CODES = ("F32", "F16", "BF16")
 
 
+def held_dtype(code: str, compute: torch.dtype) -> torch.dtype:
+    """The dtype a tensor stored as `code` is computed with: floats in the compute dtype, integers (quantized
+    weights) as stored."""
+    stored = TORCH_DTYPES[code][0]
+    return compute if stored.is_floating_point else stored
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """A checkpoint tensor a model family needs: its name in the checkpoint and the shape it must have."""
+    """A checkpoint tensor a model family needs: its name in the checkpoint, the shape it must have, and its dtype
+    (a safetensors code; None: any float, converted to the compute dtype)."""
 
     name: str
     shape: tuple[int, ...]
+    dtype: str | None = None
 
 
 TensorGroup = dict[str, TensorSpec]  # short name (e.g. "q_proj") -> the checkpoint tensor
@@ -149,12 +158,14 @@ class Checkpoint:
         except KeyError:
             raise OffloadError(f"{self.model_dir}: checkpoint has no tensor {name!r}") from None
 
-    def check(self, name: str, shape: tuple[int, ...]) -> Extent:
-        """The extent of `name`, verified to be a float tensor of `shape`."""
+    def check(self, name: str, shape: tuple[int, ...], dtype: str | None = None) -> Extent:
+        """The extent of `name`, verified to be a tensor of `shape` stored as `dtype` (None: any float)."""
         ext = self.extent(name)
         if ext.shape != shape:
             raise OffloadError(f"{ext.path.name}: tensor {name} has shape {list(ext.shape)}, expected {list(shape)}")
-        if ext.dtype not in FLOAT_CODES:
+        if dtype is not None and ext.dtype != dtype:
+            raise OffloadError(f"{ext.path.name}: tensor {name} has dtype {ext.dtype}, expected {dtype}")
+        if dtype is None and ext.dtype not in FLOAT_CODES:
             raise OffloadError(
                 f"{ext.path.name}: tensor {name} has dtype {ext.dtype}, expected one of {', '.join(FLOAT_CODES)}"
             )

@@ -9,7 +9,7 @@ import torch
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
-from tiers.checkpoint import TORCH_DTYPES
+from tiers.checkpoint import TORCH_DTYPES, held_dtype
 from tiers.device import DeviceTier
 from tiers.host import HostTier
 from tiers.layout import GroupLayout, ModelLayout, TensorAt
@@ -50,7 +50,7 @@ def group_cost(layout: GroupLayout, dtype: torch.dtype, tier: DeviceTier, staged
     def as_dtype(t: TensorAt) -> int:
         return t.nbytes // TORCH_DTYPES[t.dtype][1] * dtype.itemsize
 
-    converted = sum(as_dtype(t) for t in layout.tensors if TORCH_DTYPES[t.dtype][0] != dtype)
+    converted = sum(as_dtype(t) for t in layout.tensors if held_dtype(t.dtype, dtype) != TORCH_DTYPES[t.dtype][0])
     return tier.footprint(layout.slot_bytes) + converted
 
 

@@ -154,10 +154,11 @@ class DirectRing(Ring):
 
 
 def convert(views: Weights, dtype: torch.dtype, tier: MemoryTier, keep: list[torch.Tensor]) -> Weights:
-    """Views in compute dtype `dtype`; converted copies are charged to `tier` and listed in `keep`."""
+    """Views in compute dtype `dtype` (integer tensors, quantized weights, as stored); converted copies are charged
+    to `tier` and listed in `keep`."""
     out = {}
     for short, view in views.items():
-        if view.dtype == dtype:
+        if view.dtype == dtype or not view.dtype.is_floating_point:
             out[short] = view
             continue
         converted = view.to(dtype)

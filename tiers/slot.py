@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiers.checkpoint import TORCH_DTYPES
+from tiers.checkpoint import TORCH_DTYPES, held_dtype
 from tiers.layout import GroupLayout
 
 DEVICE_ALIGN = 256  # bytes; what cudaMalloc guarantees, so packed tensors are as aligned as separate allocations
@@ -22,7 +22,7 @@ class SlotLayout:
     """Where each tensor of a group sits in its device buffer. Tied duplicates (one slot offset) share storage."""
 
     layout: GroupLayout
-    dtype: torch.dtype  # the compute dtype every tensor is stored in
+    dtype: torch.dtype  # the compute dtype every float tensor is stored in (integer tensors stay as stored)
     offsets: tuple[int, ...]  # bytes from the buffer's start, one per layout.tensors; multiples of DEVICE_ALIGN
     nbytes: int  # bytes the device buffer needs
     copy_bytes: int  # bytes one copy moves host -> device: each distinct tensor once, in its checkpoint dtype
@@ -30,10 +30,11 @@ class SlotLayout:
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each tensor as a typed view into `buf` ([>= nbytes] uint8 on the device)."""
-        return {
-            t.short: buf[off : off + _nbytes(t.shape, self.dtype)].view(self.dtype).reshape(t.shape)
-            for t, off in zip(self.layout.tensors, self.offsets, strict=True)
-        }
+        out = {}
+        for t, off in zip(self.layout.tensors, self.offsets, strict=True):
+            held = held_dtype(t.dtype, self.dtype)
+            out[t.short] = buf[off : off + _nbytes(t.shape, held)].view(held).reshape(t.shape)
+        return out
 
     def copies(
         self, src: torch.Tensor, dst: torch.Tensor, scratch: torch.Tensor | None
@@ -46,13 +47,13 @@ class SlotLayout:
                 continue
             done.add(off)
             raw = src[t.slot_offset : t.slot_offset + t.nbytes]
-            stored = TORCH_DTYPES[t.dtype][0]
-            if stored == self.dtype:
+            stored, held = TORCH_DTYPES[t.dtype][0], held_dtype(t.dtype, self.dtype)
+            if stored == held:
                 pairs.append((dst[off : off + t.nbytes], raw))
                 continue
             assert scratch is not None and scratch.numel() >= t.nbytes, "conversion needs a scratch buffer"
             pairs.append((scratch[: t.nbytes], raw))
-            typed = dst[off : off + _nbytes(t.shape, self.dtype)].view(self.dtype).reshape(t.shape)
+            typed = dst[off : off + _nbytes(t.shape, held)].view(held).reshape(t.shape)
             pairs.append((typed, scratch[: t.nbytes].view(stored).reshape(t.shape)))
         return pairs
 
@@ -63,9 +64,9 @@ def slot_layout(layout: GroupLayout, dtype: torch.dtype) -> SlotLayout:
     for t in layout.tensors:
         if t.slot_offset not in at:  # a tied duplicate reuses the first one's place
             at[t.slot_offset] = end
-            end += -(-_nbytes(t.shape, dtype) // DEVICE_ALIGN) * DEVICE_ALIGN
+            end += -(-_nbytes(t.shape, held_dtype(t.dtype, dtype)) // DEVICE_ALIGN) * DEVICE_ALIGN
             copy_bytes += t.nbytes
-            if TORCH_DTYPES[t.dtype][0] != dtype:
+            if TORCH_DTYPES[t.dtype][0] != held_dtype(t.dtype, dtype):
                 convert_bytes = max(convert_bytes, t.nbytes)
         offsets.append(at[t.slot_offset])
     return SlotLayout(layout, dtype, tuple(offsets), end, copy_bytes, convert_bytes)

@@ -20,7 +20,7 @@ import torch
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
-from tiers.checkpoint import TORCH_DTYPES
+from tiers.checkpoint import TORCH_DTYPES, held_dtype
 from tiers.io.backends import make_backend
 from tiers.io.base import ReadBackend, aligned_buffer
 from tiers.layout import GroupLayout, ModelLayout
@@ -58,13 +58,20 @@ def spill_layers(
     converting streams. Reused files are checked first; missing or bad ones are converted and written.
     """
     name = str(dtype).removeprefix("torch.")
-    needs = [i for i, g in enumerate(layout.layers) if any(TORCH_DTYPES[t.dtype][0] != dtype for t in g.tensors)]
+    needs = [
+        i
+        for i, g in enumerate(layout.layers)
+        if any(held_dtype(t.dtype, dtype) != TORCH_DTYPES[t.dtype][0] for t in g.tensors)
+    ]
     paths = sorted({r.path for g in (layout.embed, layout.head, *layout.layers) for r in g.runs})
     model_dir = paths[0].parent.resolve()
     digest = hashlib.blake2b(str(model_dir).encode(), digest_size=4).hexdigest()
     tier = SpillStore(offload_dir, capacity, namespace=f"{model_dir.name}-{name}-{digest}")
     planned = {
-        i: plan_file(f"layer{i}.bin", [(t.short, DTYPE_CODES[dtype], t.shape) for t in layout.layers[i].tensors])
+        i: plan_file(
+            f"layer{i}.bin",
+            [(t.short, DTYPE_CODES[held_dtype(t.dtype, dtype)], t.shape) for t in layout.layers[i].tensors],
+        )
         for i in needs
     }
     spill = _spilled_layers(layout, planned, tier.folder, plan) if needs else set()
@@ -125,8 +132,9 @@ def _spilled_layers(
 
 
 def _convert(group: GroupLayout, dtype: torch.dtype, backend: ReadBackend) -> dict[str, torch.Tensor]:
-    """A checkpoint group's tensors, read through `backend` and converted to `dtype`."""
+    """A checkpoint group's tensors, read through `backend`; floats converted to `dtype`, integers as stored."""
     buf = aligned_buffer(group.slot_bytes)
     for request in read(backend, group, buf):
         request.wait()
-    return {short: view.to(dtype) for short, view in group.views(buf).items()}
+    views = group.views(buf).items()
+    return {short: view.to(dtype) if view.dtype.is_floating_point else view.clone() for short, view in views}

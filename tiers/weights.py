@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.linear import pack_weight, packing_pays
+from kernels.quant_linear import SCALES_SUFFIX
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from tiers.copy import CopyEngine, make_copy_engine
@@ -120,7 +121,7 @@ class WeightStore:
         self._wait(read(self.backend, layout, buf))
         out = convert(layout.views(buf), self.dtype, tier, keep=[])
         base = buf.untyped_storage().data_ptr()
-        if prepack and any(t.dim() == 2 for t in out.values()):
+        if prepack and any(_packable(n, t) for n, t in out.items()):
             return _packed(out, buf, tier)
         if all(t.untyped_storage().data_ptr() != base for t in out.values()):
             tier.free(buf)  # every tensor was converted: the read buffer is garbage, and must not stay charged
@@ -201,15 +202,21 @@ def _packed(weights: Weights, buf: torch.Tensor, tier: MemoryTier) -> Weights:
     to `tier` in place of `buf` and of the converted copies (the same bytes: packing only reorders them)."""
     base = buf.untyped_storage().data_ptr()
     in_buf = {n for n, t in weights.items() if t.untyped_storage().data_ptr() == base}
-    out = {n: pack_weight(t) if t.dim() == 2 else t.clone() if n in in_buf else t for n, t in weights.items()}
+    out = {n: pack_weight(t) if _packable(n, t) else t.clone() if n in in_buf else t for n, t in weights.items()}
     for n, t in weights.items():
-        if n not in in_buf and t.dim() == 2:
+        if n not in in_buf and _packable(n, t):
             tier.free(t)  # a converted copy, charged on its own, now replaced
     tier.free(buf)
     for n, t in out.items():
-        if (n in in_buf or t.dim() == 2) and not tier.adopt(t):
+        if (n in in_buf or _packable(n, weights[n])) and not tier.adopt(t):
             raise OffloadError(
                 f"--{tier.name}-memory budget of {tier.capacity} bytes cannot hold {n} packed for the CPU "
                 f"({t.numel() * t.element_size()} bytes; {tier.used} already in use)"
             )
     return out
+
+
+def _packable(name: str, t: torch.Tensor) -> bool:
+    """A float weight matrix: what kernels.linear.pack_weight reorders (quantized weights and their scales keep the
+    layout their matmul reads)."""
+    return t.dim() == 2 and t.is_floating_point() and not name.endswith(SCALES_SUFFIX)

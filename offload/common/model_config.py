@@ -9,13 +9,17 @@ supported architecture keeps uniform.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from kernels.quant_linear import WeightQuant
 from offload.common.dtypes import DTYPES, canonical_dtype
 from offload.common.errors import OffloadError
+
+QUANT_METHOD = "offload"  # config.json's quantization_config.quant_method for checkpoints `offload convert` writes
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED = (*LLAMA_LIKE, "OPTForCausalLM")
@@ -74,6 +78,7 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     params: ParamCounts | None = None
+    quant: WeightQuant | None = None  # the linear weights' quantization (config.json's quantization_config)
 
     def __post_init__(self) -> None:
         for name in (
@@ -146,9 +151,31 @@ def parse_model_config(config: dict, source: str, name: str = "") -> ModelSpec:
     arch = archs[0]
     if arch not in SUPPORTED:
         raise OffloadError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
-    if arch == "OPTForCausalLM":
-        return _opt_spec(config, name, source)
-    return _llama_like_spec(config, arch, name, source)
+    spec = _opt_spec(config, name, source) if arch == "OPTForCausalLM" else _llama_like_spec(config, arch, name, source)
+    quant = _quant(config, source)
+    return spec if quant is None else dataclasses.replace(spec, quant=quant)
+
+
+def _quant(config: dict, source: str) -> WeightQuant | None:
+    """The weights' quantization: only this engine's own format (`offload convert`) runs."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise OffloadError(f"{source}: field 'quantization_config' must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != QUANT_METHOD:
+        raise OffloadError(
+            f"{source}: quantization_config.quant_method {method!r} is not run by this engine (it runs its own "
+            f"{QUANT_METHOD!r} checkpoints: `offload convert --model DIR --quant int4|int8 --out DIR` quantizes a "
+            "float checkpoint; the README's Quantized weights section says why GPTQ and AWQ files are not read)"
+        )
+    try:
+        return WeightQuant(bits=q["bits"], group_size=q["group_size"], layout=q["layout"])
+    except KeyError as exc:
+        raise OffloadError(f"{source}: quantization_config has no field {exc.args[0]!r}") from None
+    except ValueError as exc:
+        raise OffloadError(f"{source}: quantization_config: {exc}") from None
 
 
 def _llama_like_spec(config: dict, arch: str, name: str, source: str) -> ModelSpec:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kernels.linear import linear
 from kernels.paged_attention import paged_attention
+from kernels.quant_linear import SCALES_SUFFIX, quant_linear
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
 from offload.model.registry import LayerInput
@@ -73,15 +74,15 @@ class LlamaFamily:
         x = rms_norm(hidden, w["input_norm"], spec.rms_norm_eps)
         hidden = hidden + self._attention(spec, layer, w, x, inp)
         x = rms_norm(hidden, w["post_norm"], spec.rms_norm_eps)
-        gate = linear(x, w["gate_proj"], w.get("gate_bias"))
-        up = linear(x, w["up_proj"], w.get("up_bias"))
-        return hidden + linear(F.silu(gate) * up, w["down_proj"], w.get("down_bias"))
+        gate = project(spec, w, "gate_proj", x, "gate_bias")
+        up = project(spec, w, "up_proj", x, "up_bias")
+        return hidden + project(spec, w, "down_proj", F.silu(gate) * up, "down_bias")
 
     def _attention(self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput) -> torch.Tensor:
         tokens, d = x.shape[0], spec.head_dim
-        q = linear(x, w["q_proj"], w.get("q_bias")).view(tokens, spec.num_heads, d)
-        k = linear(x, w["k_proj"], w.get("k_bias")).view(tokens, spec.num_kv_heads, d)
-        v = linear(x, w["v_proj"], w.get("v_bias")).view(tokens, spec.num_kv_heads, d)
+        q = project(spec, w, "q_proj", x, "q_bias").view(tokens, spec.num_heads, d)
+        k = project(spec, w, "k_proj", x, "k_bias").view(tokens, spec.num_kv_heads, d)
+        v = project(spec, w, "v_proj", x, "v_bias").view(tokens, spec.num_kv_heads, d)
         if spec.qk_norm:
             q = rms_norm(q, w["q_norm"], spec.rms_norm_eps)
             k = rms_norm(k, w["k_norm"], spec.rms_norm_eps)
@@ -92,10 +93,18 @@ class LlamaFamily:
         at = inp.kv.device
         inp.kv.write(inp.batch.slot_mapping, k.to(at), v.to(at))
         out = paged_attention(q.to(at), inp.kv.k, inp.kv.v, inp.batch, d**-0.5, spec.window(layer)).to(x.device)
-        return linear(out.reshape(tokens, spec.q_size), w["o_proj"], w.get("o_bias"))
+        return project(spec, w, "o_proj", out.reshape(tokens, spec.q_size), "o_bias")
 
     def head(self, spec: ModelSpec, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(hidden, w["norm"], spec.rms_norm_eps), w["lm_head"])  # [tokens, vocab]
+
+
+def project(spec: ModelSpec, w: Weights, name: str, x: torch.Tensor, bias: str) -> torch.Tensor:
+    """x @ W.T + b for the layer's matrix `name`, quantized (codes and scales) or in the compute dtype."""
+    scales = w.get(name + SCALES_SUFFIX)
+    if scales is None:
+        return linear(x, w[name], w.get(bias))
+    return quant_linear(x, w[name], scales, spec.quant, w.get(bias))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,9 +12,10 @@ from typing import Protocol
 import torch
 
 from kernels.paged_attention import PagedBatch
+from kernels.quant_linear import SCALES_SUFFIX, WeightQuant
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
-from tiers.checkpoint import ModelTensors, TensorSpec
+from tiers.checkpoint import ModelTensors, TensorGroup, TensorSpec
 from tiers.kv import KVLayer
 from tiers.layout import Weights
 
@@ -68,8 +69,33 @@ def model_tensors(family: Family, spec: ModelSpec) -> ModelTensors:
     head = family.head_tensors(spec)
     if spec.tie_word_embeddings:
         head = {"norm": head["norm"]}
-    return ModelTensors(
-        embed=family.embed_tensors(spec),
-        head=head,
-        layers=tuple(family.layer_tensors(spec, i) for i in range(spec.num_layers)),
+    layers = tuple(family.layer_tensors(spec, i) for i in range(spec.num_layers))
+    if spec.quant is not None:
+        layers = tuple(quantized_tensors(group, spec.quant) for group in layers)
+    return ModelTensors(embed=family.embed_tensors(spec), head=head, layers=layers)
+
+
+def quantized_tensors(group: TensorGroup, quant: WeightQuant) -> TensorGroup:
+    """A layer's tensors as `offload convert` stores them under `quant`: each projection matrix ("*_proj", named
+    "<prefix>.weight") whose input width a group size divides becomes its codes ("<prefix>.qweight") and scales
+    ("<prefix>.scales", short name "<short>.scales"); norms, biases and the rest stay as they are."""
+    out: TensorGroup = {}
+    for short, t in group.items():
+        if not quantizable(short, t, quant):
+            out[short] = t
+            continue
+        prefix = t.name.removesuffix(".weight")
+        n, k = t.shape
+        out[short] = TensorSpec(prefix + ".qweight", quant.codes_shape(n, k), quant.code_dtype)
+        out[short + SCALES_SUFFIX] = TensorSpec(prefix + SCALES_SUFFIX, quant.scales_shape(n, k))
+    return out
+
+
+def quantizable(short: str, t: TensorSpec, quant: WeightQuant) -> bool:
+    """Whether `offload convert` quantizes this layer tensor: a projection matrix with a usable group size."""
+    return (
+        short.endswith("_proj")
+        and len(t.shape) == 2
+        and t.name.endswith(".weight")
+        and quant.group(t.shape[1]) is not None
     )

@@ -83,15 +83,18 @@ def search(
     ring_slots: int = RING_SLOTS,
     block_size: int = 16,
     kv_bits: Iterable[int] | None = None,
+    weight_bits: Iterable[int] | None = None,
 ) -> list[Prediction]:
     """Every candidate's prediction, best first: those that fit by throughput, then the rest by overflow.
 
     quantized: also 8- and 4-bit weights and KV cache, besides the compute dtype's own width.
     kv_bits: the KV cache widths to consider instead (the engine's --kv-dtype, when it is fixed).
+    weight_bits: the weight widths to consider instead (a checkpoint's, when it is quantized).
     """
     full = 8 * make_context(shape, hw, dtype, block_size).dtype_bytes
-    weight_bits = (full, 8, 4) if quantized else (full,)
-    kv_bits = tuple(kv_bits) if kv_bits is not None else weight_bits
+    widths = (full, 8, 4) if quantized else (full,)
+    kv_bits = tuple(kv_bits) if kv_bits is not None else widths
+    weight_bits = tuple(weight_bits) if weight_bits is not None else widths
     if batches is None:
         top = workload.requests or 4096
         batches = sorted({1 << i for i in range(13) if 1 << i <= top} | ({top} if workload.requests else set()))

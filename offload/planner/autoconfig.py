@@ -1,10 +1,10 @@
 """The batch the cost model picks: an EngineConfig sized for a workload on this machine.
 
 When the user fixes neither the batch nor the KV cache, the engine asks scheduler/cost.py which batch gives
-the highest predicted throughput within the device budget, among the policies this engine runs (16-bit
-weights, KV cache on the device), and sizes the KV cache, the step and the micro-batches to match: the KV
-cache holds the whole batch at its longest, every prompt is prefilled in one pass over the weights, and
-micro-batches are the size the cost model assumed.
+the highest predicted throughput within the device budget, among the policies this engine runs (the checkpoint's
+weight width, KV cache on the device), and sizes the KV cache, the step and the micro-batches to match: the KV cache
+holds the whole batch at its longest, every prompt is prefilled in one pass over the weights, and micro-batches are
+the size the cost model assumed.
 
 Under a cap on the whole process (`EngineConfig.memory`, on a CPU device, where the device tier is RAM) the device
 budget is the cap minus what the process holds when it plans and MEMORY_RESERVE; the engine's device tier then gets
@@ -80,6 +80,7 @@ def autoconfigure(
         ring_slots=config.ring_slots,
         block_size=config.block_size,
         kv_bits=(KV_BITS.get(config.kv_dtype, 8 * DTYPE_BYTES[dtype]),),
+        weight_bits=(spec.quant.bits if spec.quant is not None else 8 * DTYPE_BYTES[dtype],),
     )
     chosen = best(predictions, runnable_only=True)
     if chosen is None and config.memory is not None:

@@ -170,7 +170,7 @@ def report(
         lines.append(
             f"{i:>2} {_policy(p)} {p.tokens_per_second:>9.3g} {p.ttft_seconds:>8.3g}s "
             f"{_gb(p.memory['device']):>10} {_gb(p.memory['host']):>10}  {p.bound:<7} "
-            + ("yes" if not p.unsupported else "needs " + ", ".join(p.unsupported))
+            + _runs_here(p)
         )
     runnable = best(predictions, runnable_only=True)
     if runnable is not None and runnable is not winner:
@@ -181,6 +181,14 @@ def report(
     lines += ["", "why the others lose"]
     lines += _explain(winner, predictions)
     return "\n".join(lines)
+
+
+def _runs_here(p: Prediction) -> str:
+    if p.unsupported:
+        return "needs " + ", ".join(p.unsupported)
+    if p.candidate.weight_bits in (4, 8):
+        return f"yes, converted: offload convert --quant int{p.candidate.weight_bits}"
+    return "yes"
 
 
 def _explain(winner: Prediction, predictions: list[Prediction]) -> list[str]:

@@ -38,6 +38,11 @@ def use_triton(name: str, device: torch.device) -> bool:
     return triton
 
 
+def record(name: str, impl: str) -> None:
+    """Say that kernel `name` ran on `impl` ("torch") where no Triton choice applies (e.g. a CPU-only layout)."""
+    _picked[name] = impl
+
+
 def picked() -> dict[str, str]:
     """Kernel name -> the implementation that ran it last."""
     return dict(_picked)

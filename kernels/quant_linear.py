@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.dispatch import record
+
 SCALES_SUFFIX = ".scales"  # the short name of a quantized weight's scales: "<weight short name>.scales"
 BITS = (4, 8)
 LAYOUTS = ("cpu", "triton")
@@ -93,6 +95,7 @@ def quant_linear(
     if fmt.layout == "cpu":
         if x.device.type != "cpu":
             raise ValueError(f"weights in the cpu layout multiply on the CPU, not on {x.device}")
+        record("quant_matmul", "torch")
         if fmt.bits == 4:
             group = codes.shape[1] * 2 // scales.shape[0]
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, group, scales)

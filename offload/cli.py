@@ -244,6 +244,7 @@ def planned_config(args: argparse.Namespace, config, lengths: list[int], max_new
 
 
 def _summary(llm, completions) -> str:
+    from kernels import dispatch
     from offload.common.sizes import format_size
 
     s, pl = llm.stats, llm.placement
@@ -255,7 +256,7 @@ def _summary(llm, completions) -> str:
         f"time       {s.wall_seconds:.3f} s wall: prefill {s.prefill_seconds:.3f} s, decode {s.decode_seconds:.3f} s "
         f"in {s.steps} steps" + (f", {s.preemptions} preemptions" if s.preemptions else ""),
         f"speed      {s.tokens_per_second:.1f} tokens/s overall, {s.decode_tokens_per_second:.1f} tokens/s decoding",
-        f"weights    {pl.dtype}: {format_size(pl.weight_bytes)} resident on {pl.device}, "
+        f"weights    {_weights_format(llm)}: {format_size(pl.weight_bytes)} resident on {pl.device}, "
         f"{format_size(pl.host_weight_bytes)} in host RAM, {format_size(pl.streamed_bytes_per_pass)} streamed "
         f"from disk per step ({format_size(pl.checkpoint_bytes_read)} read in all)",
         f"memory     device peak {format_size(pl.device_peak)}"
@@ -275,7 +276,16 @@ def _summary(llm, completions) -> str:
             f"stalled on reads {s.stall_seconds:.3f} s, overlap efficiency {s.overlap_efficiency:.2f}"
         )
     lines.append(io)
+    if kernels := dispatch.summary():
+        lines.append(f"kernels    {kernels}")
     return "\n".join(lines)
+
+
+def _weights_format(llm) -> str:
+    quant = llm.spec.quant
+    if quant is None:
+        return llm.placement.dtype
+    return f"{llm.placement.dtype}, layer matrices int{quant.bits} ({quant.name})"
 
 
 def _prefix_line(llm, s) -> str:

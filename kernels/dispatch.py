@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from types import ModuleType
 
 import torch
 
@@ -29,6 +30,19 @@ def triton_missing() -> str | None:
     except ImportError:
         return "triton is not installed"
     return None
+
+
+def load_triton() -> tuple[ModuleType | None, ModuleType | None]:
+    """(triton, triton.language) where a Triton kernel can run: a CUDA device, or Triton's CPU interpreter
+    (TRITON_INTERPRET=1, which the tests set); else (None, None), so that the torch paths never import triton."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return None, None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None, None
+    return triton, tl
 
 
 def use_triton(name: str, device: torch.device) -> bool:

@@ -21,13 +21,10 @@ import os
 
 import torch
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import load_triton, use_triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch path runs without triton; the launcher says why it cannot
-    triton = tl = None
+# None where no Triton kernel can run (no CUDA device, no interpreter): the torch path runs, the launcher says why
+triton, tl = load_triton()
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HIDDEN = 1 << 16  # one program holds a whole row in registers: 64K float32 values is past any model's hidden
@@ -92,7 +89,7 @@ def rms_norm_residual(
     h = x + residual in x's dtype (x itself when there is no residual); normed is in
     torch.promote_types(weight.dtype, x.dtype). Rows must be contiguous (last stride 1); rows may be strided."""
     if triton is None:
-        raise RuntimeError("rms_norm_residual needs triton, which is not installed")
+        raise RuntimeError("rms_norm_residual needs triton and a CUDA device (or TRITON_INTERPRET=1: the interpreter)")
     _check(x, weight, residual)
     hidden = x.shape[-1]
     rows_x = _rows(x, "x")

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import load_triton, use_triton
 from kernels.rms_norm import DTYPES, interpreting, rounded
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch path runs without triton; the launcher says why it cannot
-    triton = tl = None
+# None where no Triton kernel can run (no CUDA device, no interpreter): the torch path runs, the launcher says why
+triton, tl = load_triton()
 
 HEADS_PER_PROGRAM = 16  # heads of one token rotated by one program: [16, head_dim] tiles, cos/sin read once
 
@@ -77,7 +74,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     q and k may be strided views (of a fused qkv projection, say) as long as head_dim is contiguous; all four
     tensors share one dtype and device, and D is even."""
     if triton is None:
-        raise RuntimeError("rotary needs triton, which is not installed")
+        raise RuntimeError("rotary needs triton and a CUDA device (or TRITON_INTERPRET=1 for its CPU interpreter)")
     _check(q, k, cos, sin)
     return _launch(q, cos, sin), _launch(k, cos, sin)
 

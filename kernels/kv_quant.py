@@ -18,17 +18,23 @@ Why float16 scales: they cost 2 bytes per group (int8 at group 32 stores 34 byte
 float32 scales), and their rounding (2^-11 relative) is far below a quantization step (int8: 1/254 of the range),
 so they add no error that matters. bfloat16 scales would be as small but round 8x coarser.
 
-`quantize_kv` / `dequantize_kv` are the launchers (shape and dtype checks); `quantize_kv_ref` / `dequantize_kv_ref`
-the pure-torch references. `QuantizedKV` holds one layer's K or V records and reads like the cache tensor paged
-attention gathers from (kernels/paged_attention.py), dequantizing only the blocks gathered.
+`quantize_kv` / `dequantize_kv` check shapes and dtypes and run the Triton kernels on a CUDA device
+(`quantize_kv_triton` / `dequantize_kv_triton`: the same records and values, bit for bit), the pure-torch references
+`quantize_kv_ref` / `dequantize_kv_ref` elsewhere. `QuantizedKV` holds one layer's K or V records and reads like the
+cache tensor paged attention gathers from (kernels/paged_attention.py), dequantizing only the blocks gathered.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from kernels.dispatch import use_triton
 
 QUANT_KINDS = ("int8", "int4", "fp8")
 GROUP_SIZES = (32, 64)  # values along head_dim sharing one scale
@@ -39,6 +45,8 @@ _CODE_MAX = {"int8": 127.0, "int4": 15.0, "fp8": FP8_MAX}
 # values dequantized at a time when gathering blocks: a float32 scratch of 2 MiB stays in cache, where dequantizing
 # 512 blocks (16 tokens, 8 heads, head_dim 128) at once took 2-4x longer on a 2-core VM
 DEQUANT_SLICE = 1 << 19
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton kernels read and write
+ROWS_PER_PROGRAM = 64  # records (token-head vectors) one Triton program quantizes or reads back, one group each
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +104,8 @@ def quantize_kv(x: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
     """x [..., head_dim] floating -> [..., record_bytes] uint8 records."""
     if not x.is_floating_point() or x.dim() < 1 or x.shape[-1] != fmt.head_dim:
         raise ValueError(f"{fmt.name} quantizes [..., {fmt.head_dim}] floats, got {tuple(x.shape)} {x.dtype}")
+    if x.dtype in KERNEL_DTYPES and use_triton("kv_quant", x.device):
+        return quantize_kv_triton(x, fmt)
     return quantize_kv_ref(x, fmt)
 
 
@@ -107,6 +117,8 @@ def dequantize_kv(records: torch.Tensor, fmt: KVQuantFormat, dtype: torch.dtype)
         )
     if not dtype.is_floating_point:
         raise ValueError(f"{fmt.name} dequantizes to a floating dtype, got {dtype}")
+    if dtype in KERNEL_DTYPES and use_triton("kv_quant", records.device):
+        return dequantize_kv_triton(records, fmt, dtype)
     return dequantize_kv_ref(records, fmt, dtype)
 
 
@@ -158,6 +170,62 @@ def dequantize_kv_ref(records: torch.Tensor, fmt: KVQuantFormat, dtype: torch.dt
     if fmt.kind == "int4":
         groups.add_(params[..., fmt.groups :, None])
     return x.to(dtype)
+
+
+def quantize_kv_triton(x: torch.Tensor, fmt: KVQuantFormat) -> torch.Tensor:
+    """x [..., head_dim] float16 / bfloat16 / float32 -> [..., record_bytes] uint8 records, by the Triton kernel: the
+    same bytes as quantize_kv_ref (every division is IEEE-rounded and rounding is half to even, as in torch)."""
+    if x.dtype not in KERNEL_DTYPES or x.dim() < 1 or x.shape[-1] != fmt.head_dim:
+        raise ValueError(
+            f"{fmt.name} kernel quantizes [..., {fmt.head_dim}] float16, bfloat16 or float32, "
+            f"got {tuple(x.shape)} {x.dtype}"
+        )
+    rows = x.reshape(-1, fmt.head_dim)  # [R, head_dim]
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.zeros(rows.shape[0], fmt.record_bytes, dtype=torch.uint8, device=x.device)  # zeros: the pad byte
+    if rows.shape[0]:
+        grid = (-(-rows.shape[0] // ROWS_PER_PROGRAM), fmt.groups)
+        kernel = _kv_kernels().quantize
+        kernel[grid](rows, out, out.view(torch.int16), rows.shape[0], rows.stride(0), **_kernel_format(fmt))
+    return out.view(*x.shape[:-1], fmt.record_bytes)
+
+
+def dequantize_kv_triton(records: torch.Tensor, fmt: KVQuantFormat, dtype: torch.dtype) -> torch.Tensor:
+    """records [..., record_bytes] uint8 -> [..., head_dim] in `dtype` (float16, bfloat16 or float32), by the Triton
+    kernel: the same values as dequantize_kv_ref."""
+    if records.dtype != torch.uint8 or records.dim() < 1 or records.shape[-1] != fmt.record_bytes:
+        raise ValueError(
+            f"{fmt.name} reads [..., {fmt.record_bytes}] uint8 records, got {tuple(records.shape)} {records.dtype}"
+        )
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{fmt.name} kernel dequantizes to float16, bfloat16 or float32, got {dtype}")
+    rows = records.reshape(-1, fmt.record_bytes).contiguous()  # [R, record_bytes]
+    out = torch.empty(rows.shape[0], fmt.head_dim, dtype=dtype, device=records.device)
+    if rows.shape[0]:
+        grid = (-(-rows.shape[0] // ROWS_PER_PROGRAM), fmt.groups)
+        # no fused multiply-add: code * scale + zero is rounded twice, as the reference rounds it
+        kernel = _kv_kernels().dequantize
+        # Triton's CPU interpreter truncates float32 to bfloat16, where the GPU (and torch) round to nearest even
+        round_bf16 = dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+        args = (rows, rows.view(torch.int16), out, rows.shape[0])
+        kernel[grid](*args, ROUND_BF16=round_bf16, enable_fp_fusion=False, **_kernel_format(fmt))
+    return out.view(*records.shape[:-1], fmt.head_dim)
+
+
+def _kernel_format(fmt: KVQuantFormat) -> dict[str, int]:
+    """The format as the kernels' constexpr arguments."""
+    pairs = -(-fmt.group // 2)  # (even, odd) element pairs of one group
+    return dict(
+        KIND=QUANT_KINDS.index(fmt.kind),
+        HEAD_DIM=fmt.head_dim,
+        GROUP=fmt.group,
+        GROUPS=fmt.groups,
+        PARAM_BYTES=fmt.param_bytes,
+        RECORD_BYTES=fmt.record_bytes,
+        PAIRS=1 << (pairs - 1).bit_length(),
+        BLOCK_R=ROWS_PER_PROGRAM,
+    )
 
 
 @functools.cache
@@ -222,3 +290,156 @@ class QuantizedKV:
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize x [tokens, kv_heads, head_dim] into cache `slots` [tokens] (block * block_size + offset)."""
         self.records.view(-1, *self.records.shape[2:])[slots] = quantize_kv(x, self.fmt)
+
+
+class _KVKernels(NamedTuple):
+    quantize: Callable
+    dequantize: Callable
+
+
+@functools.cache
+def _kv_kernels() -> _KVKernels:
+    """The @triton.jit kernels, defined on first use so that importing this module never imports triton.
+
+    One program handles BLOCK_R records and one group `g` of each, as a [BLOCK_R, PAIRS, 2] tile: element 2j + i of
+    the group at [:, j, i], so that int4's byte j gathers [:, j, 0] (low nibble) and [:, j, 1] (high nibble).
+    KIND is the index in QUANT_KINDS (0 int8, 1 int4, 2 fp8). Each record's float16 parameters are read and written
+    through an int16 view of the records (`par_ptr`; records are an even number of bytes).
+
+    The kernels repeat small pieces of code (rounding up to float16, twice) instead of calling @triton.jit helpers:
+    Triton's CPU interpreter resolves names through the module's globals, where helpers defined here are not.
+
+    fp8 codes are encoded and decoded on the bits of float32 rather than by a float8 conversion, so every device
+    (and the interpreter) gives the same codes as torch's conversion: round to nearest, ties to even. Integer
+    rounding is (t + 1.5 * 2^23) - 1.5 * 2^23, which for |t| < 2^22 leaves the nearest integer, ties to even, as
+    torch.round; divisions are IEEE-rounded (div_rn) as torch's are."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quantize_kernel(
+        x_ptr,  # [R, HEAD_DIM], unit stride along HEAD_DIM
+        rec_ptr,  # [R, RECORD_BYTES] uint8, zeroed
+        par_ptr,  # the same records as int16 [R, RECORD_BYTES // 2]
+        R,
+        stride_x,
+        KIND: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUPS: tl.constexpr,
+        PARAM_BYTES: tl.constexpr,
+        RECORD_BYTES: tl.constexpr,
+        PAIRS: tl.constexpr,  # a power of two >= ceil(GROUP / 2)
+        BLOCK_R: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        g = tl.program_id(1)
+        row_ok = rows < R
+        pair = tl.arange(0, PAIRS)[None, :, None]
+        nibble = tl.arange(0, 2)[None, None, :]
+        col = 2 * pair + nibble  # [1, PAIRS, 2] element of the group
+        has = col < GROUP
+        ok = row_ok[:, None, None] & has
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None, None] * stride_x + g * GROUP + col, mask=ok, other=0.0).to(tl.float32)
+        params = par_ptr + rows64 * (RECORD_BYTES // 2)  # [BLOCK_R]
+        if KIND == 1:
+            # zero: the float16 at or below the minimum, -(the float16 at or above -minimum)
+            t = -tl.min(tl.min(tl.where(has, x, float("inf")), 2), 1)
+            h = t.to(tl.float16)
+            bits = h.to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended: negative values have negative bits
+            # one float16 step up: +1 on the bits of a positive value, -1 on a negative one's, +-0 to 0x0001
+            up = tl.where((bits & 0x7FFF) == 0, 1, tl.where(bits >= 0, bits + 1, bits - 1))
+            h = tl.where(h.to(tl.float32) < t, up, bits).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            zero = -tl.minimum(tl.maximum(h, -65504.0), 65504.0)
+            tl.store(params + GROUPS + g, zero.to(tl.float16).to(tl.int16, bitcast=True), mask=row_ok)
+            t = tl.math.div_rn(tl.max(tl.max(tl.where(has, x, -float("inf")), 2), 1) - zero, 15.0)
+            x = x - zero[:, None, None]
+            low, high = 0.0, 15.0
+        else:
+            if KIND == 2:
+                low, high = -448.0, 448.0
+            else:
+                low, high = -127.0, 127.0
+            t = tl.math.div_rn(tl.max(tl.max(tl.abs(x), 2), 1), high)  # masked elements read 0
+        # scale: the float16 at or above t, as the zero above
+        h = t.to(tl.float16)
+        bits = h.to(tl.int16, bitcast=True).to(tl.int32)
+        up = tl.where((bits & 0x7FFF) == 0, 1, tl.where(bits >= 0, bits + 1, bits - 1))
+        h = tl.where(h.to(tl.float32) < t, up, bits).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        scale = tl.minimum(tl.maximum(h, -65504.0), 65504.0)
+        tl.store(params + g, scale.to(tl.float16).to(tl.int16, bitcast=True), mask=row_ok)
+        # an all-equal group has scale 0: divide by 1, as the reference does; clamping before rounding gives what
+        # rounding then clamping gives, the bounds being integers (or 448, an e4m3 value)
+        t = tl.math.div_rn(x, tl.where(scale == 0, 1.0, scale)[:, None, None])
+        t = tl.minimum(tl.maximum(t, low), high)
+        codes = rec_ptr + rows64[:, None, None] * RECORD_BYTES + PARAM_BYTES
+        if KIND == 2:
+            a = tl.abs(t)
+            bits = a.to(tl.int32, bitcast=True)
+            # normal: keep 3 mantissa bits, rounding the 20 dropped ones to nearest even, and rebias the exponent
+            # from 127 to 7 (a carry out of the mantissa rounds up into the exponent); below 2^-6, subnormal steps
+            # of 2^-9 (code 8 is 2^-6, the first normal)
+            normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+            code = tl.where(a < 0.015625, ((a * 512.0 + 12582912.0) - 12582912.0).to(tl.int32), normal)
+            code = code | (((t.to(tl.int32, bitcast=True) >> 31) & 1) << 7)  # the sign, of -0 too
+        else:
+            code = ((t + 12582912.0) - 12582912.0).to(tl.int32)
+        if KIND == 1:
+            # an odd group's last byte holds one code: its high nibble stays 0
+            byte = tl.sum(tl.where(has, code << (4 * nibble), 0), 2, keep_dims=True)  # [BLOCK_R, PAIRS, 1]
+            tl.store(codes + g * GROUP // 2 + pair, byte.to(tl.uint8), mask=row_ok[:, None, None] & (2 * pair < GROUP))
+        else:
+            tl.store(codes + g * GROUP + col, (code & 0xFF).to(tl.uint8), mask=ok)
+
+    @triton.jit
+    def dequantize_kernel(
+        rec_ptr,  # [R, RECORD_BYTES] uint8
+        par_ptr,  # the same records as int16 [R, RECORD_BYTES // 2]
+        out_ptr,  # [R, HEAD_DIM]
+        R,
+        KIND: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUPS: tl.constexpr,
+        PARAM_BYTES: tl.constexpr,
+        RECORD_BYTES: tl.constexpr,
+        PAIRS: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        ROUND_BF16: tl.constexpr,  # round float32 to bfloat16 on the bits, to nearest even
+    ):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        g = tl.program_id(1)
+        row_ok = rows[:, None, None] < R
+        pair = tl.arange(0, PAIRS)[None, :, None]
+        nibble = tl.arange(0, 2)[None, None, :]
+        col = 2 * pair + nibble  # [1, PAIRS, 2] element of the group
+        ok = row_ok & (col < GROUP)
+        rows64 = rows[:, None, None].to(tl.int64)
+        params = par_ptr + rows64 * (RECORD_BYTES // 2)  # [BLOCK_R, 1, 1]
+        scale = tl.load(params + g, mask=row_ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        codes = rec_ptr + rows64 * RECORD_BYTES + PARAM_BYTES
+        if KIND == 1:
+            byte = tl.load(codes + g * GROUP // 2 + pair, mask=row_ok & (2 * pair < GROUP), other=0)
+            code = (byte.to(tl.int32) >> (4 * nibble)) & 15  # [BLOCK_R, PAIRS, 2]
+            zero = tl.load(params + GROUPS + g, mask=row_ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            value = code.to(tl.float32) * scale + zero
+        else:
+            code = tl.load(codes + g * GROUP + col, mask=ok, other=0).to(tl.int32)
+            if KIND == 2:
+                exp, man = (code >> 3) & 15, code & 7
+                normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+                a = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2^-9
+                a = tl.where((code & 0x7F) == 0x7F, float("nan"), a)
+                q = tl.where((code & 0x80) != 0, -a, a)
+            else:  # bytes 128..255 are int8 codes -128..-1
+                q = tl.where(code > 127, code - 256, code).to(tl.float32)
+            value = q * scale
+        if ROUND_BF16:
+            bits = value.to(tl.int32, bitcast=True)
+            bits = tl.where(value != value, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))  # NaN stays NaN
+            value = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        out = out_ptr + rows64 * HEAD_DIM + g * GROUP + col
+        tl.store(out, value.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return _KVKernels(quantize_kernel, dequantize_kernel)

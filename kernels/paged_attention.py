@@ -8,16 +8,19 @@ its queries are the last query_lens[s] of its context_lens[s] positions, and att
 The cache is read only through `PagedCache`: a plain tensor, or a quantized layer (kernels/kv_quant.QuantizedKV)
 that dequantizes just the blocks gathered.
 
-`paged_attention_ref` is the pure-torch reference; `paged_attention` dispatches.
+`paged_attention_ref` is the pure-torch reference; `paged_attention` dispatches: the Triton kernels of
+kernels/paged_decode.py and kernels/paged_prefill.py on CUDA, the reference elsewhere.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from kernels.dispatch import use_triton
 
 GATHER_BYTES = 64 << 20  # bytes of K/V gathered at once for single-query (decode) sequences
 # padded share of the slots a decode group may gather: sorting by length and cutting groups there halves the
@@ -222,6 +225,32 @@ def _check(
             )
 
 
+class _TritonSplit(NamedTuple):
+    """The batch split between the Triton kernels, built once per batch and device and kept in `batch.memo`."""
+
+    decode_rows: torch.Tensor | None  # [n] int64 rows of the one-query sequences in q; None when that is every row
+    decode_tables: torch.Tensor  # [n, max_blocks] int32 their block tables
+    decode_lens: torch.Tensor  # [n] int32 their context lengths
+    max_decode_context: int  # the longest of them, so the decode launcher needs no device sync
+    prefill_seqs: tuple[int, ...]  # the sequences with any other number of queries
+
+
+def _triton_split(batch: PagedBatch, device: torch.device) -> _TritonSplit:
+    key = ("triton_split", device)
+    if key not in batch.memo:
+        starts = batch.query_start
+        decode = [s for s in range(batch.num_seqs) if starts[s + 1] - starts[s] == 1]
+        rows = torch.tensor([starts[s] for s in decode], dtype=torch.int64, device=device)
+        batch.memo[key] = _TritonSplit(
+            decode_rows=None if len(decode) == starts[-1] else rows,
+            decode_tables=batch.block_tables[decode].to(device, torch.int32).contiguous(),
+            decode_lens=torch.tensor([batch.context_lens[s] for s in decode], dtype=torch.int32, device=device),
+            max_decode_context=max((batch.context_lens[s] for s in decode), default=0),
+            prefill_seqs=tuple(s for s in range(batch.num_seqs) if starts[s + 1] - starts[s] > 1),
+        )
+    return batch.memo[key]
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor | PagedCache,
@@ -230,5 +259,35 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Attention over the paged cache; the Triton kernel takes over on CUDA once it lands."""
-    return paged_attention_ref(q, k_cache, v_cache, batch, scale, window)
+    """Attention over the paged cache, q [T, Hq, D] -> [T, Hq, D].
+
+    On CUDA with plain-tensor caches the Triton kernels run: one-query sequences through `paged_decode` (split
+    over partitions of the context), the others through `paged_prefill`, both reading the blocks in place.
+    Elsewhere, and for a quantized cache (kv_quant.QuantizedKV, which dequantizes only the blocks gathered), the
+    reference `paged_attention_ref` runs."""
+    plain = isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+    if not (plain and use_triton("paged_attention", q.device)):
+        return paged_attention_ref(q, k_cache, v_cache, batch, scale, window)
+    # imported here: they import triton, which only the Triton path needs
+    from kernels.paged_decode import paged_decode
+    from kernels.paged_prefill import paged_prefill
+
+    _check(q, k_cache, v_cache, batch)
+    split = _triton_split(batch, q.device)
+    rows = split.decode_rows
+    out = None if rows is None else torch.empty_like(q)
+    if len(split.decode_lens):
+        decoded = paged_decode(
+            q if rows is None else q[rows],
+            k_cache,
+            v_cache,
+            split.decode_tables,
+            split.decode_lens,
+            scale,
+            window,
+            max_context=split.max_decode_context,
+        )
+        if rows is None:  # every query is a decode token
+            return decoded
+        out[rows] = decoded
+    return paged_prefill(q, k_cache, v_cache, batch, scale, window, seqs=split.prefill_seqs, out=out)

@@ -1,0 +1,367 @@
+"""Decode attention (one query per sequence) over a paged KV cache, split over partitions of the context.
+
+Sequence s has one query, at position context_lens[s] - 1; it attends to the keys at positions [0, context_lens[s])
+(or only the last `window` of them), read in place from the cache blocks listed in its row of `block_tables`.
+
+One program handles one (sequence, KV head, context partition): the query heads sharing that KV head are the rows
+of one tile, so each K/V value is read once for all of them. Keys are visited in tiles of TILE_N positions, each
+position looked up in the block table, so the tile size does not depend on the cache's block size. With more than
+one partition each program writes its running max, sum and unnormalised output, and `_combine_kernel` merges the
+partitions of each (sequence, query head): one small launch per layer, where a torch reduction would take half a
+dozen (max, exp, two weighted sums, a division, a cast) and their float32 temporaries. With one partition the
+first kernel writes the output itself.
+
+`paged_decode` launches; `paged_decode_ref` is the same attention in plain torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+PARTITION_SIZE = 512  # context positions per partition when the caller does not choose
+TILE_N = 64  # key positions per tile, head dims up to 128; half that above, to bound registers
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634  # scores are scaled into base 2 so the kernels use exp2
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [S, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,
+    tables_ptr,  # [S, W] block ids
+    lens_ptr,  # [S] context lengths
+    out_ptr,  # [S, Hq, D], written when not SPLIT
+    part_m_ptr,  # [S, Hq, P] float32 running max (base 2), written when SPLIT
+    part_l_ptr,  # [S, Hq, P] float32 sum of exp2(score - max)
+    part_o_ptr,  # [S, Hq, P, D] float32 unnormalised output
+    scale_log2,  # softmax scale * log2(e)
+    window,  # a query at p sees keys in (p - window, p]; read only when HAS_WINDOW
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ts,
+    stride_os,
+    stride_oh,
+    num_parts,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two, at least 16
+    GROUP: tl.constexpr,  # query heads per KV head
+    G_PAD: tl.constexpr,  # GROUP rounded up to a power of two, at least 16 (the smallest dot tile)
+    BLOCK_SIZE: tl.constexpr,  # cache positions per block
+    TILE: tl.constexpr,
+    TILES_PER_PART: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,  # dot operands in float32 (Triton's interpreter gets bfloat16 dots wrong)
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+
+    ctx = tl.load(lens_ptr + seq).to(tl.int32)
+    lo = 0  # first visible key position
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    first_tile = lo // TILE + part * TILES_PER_PART
+    end_tile = tl.minimum(first_tile + TILES_PER_PART, tl.cdiv(ctx, TILE))
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, TILE)
+    heads = kv_head * GROUP + offs_g  # [G_PAD] query heads of this KV head
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [G_PAD, D_PAD]
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    k_head_ptr = k_ptr + kv_head * stride_kh
+    v_head_ptr = v_ptr + kv_head * stride_vh
+    table_row = tables_ptr + seq.to(tl.int64) * stride_ts
+    # every tile in [first_tile, end_tile) holds a visible key, so m_i is finite after the first one
+    for tile in range(first_tile, end_tile):
+        pos = tile * TILE + offs_n  # [TILE] key positions
+        in_ctx = pos < ctx
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = in_ctx[:, None] & d_mask[None, :]
+        # slots past the context may hold anything (NaN included): loaded as 0, never multiplied in
+        k = tl.load(
+            k_head_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kt + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [TILE, D_PAD]
+        v = tl.load(
+            v_head_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [G_PAD, TILE]
+        visible = in_ctx & (pos >= lo)
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    row = seq.to(tl.int64) * GROUP * tl.num_programs(1) + heads  # [G_PAD] (sequence, query head) rows
+    if SPLIT:
+        # an empty partition (a short sequence, or keys before the window) writes m=-inf, l=0, acc=0
+        tl.store(part_m_ptr + row * num_parts + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + row * num_parts + part, l_i, mask=g_mask)
+        o_ptrs = part_o_ptr + ((row * num_parts + part) * HEAD_DIM)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, acc, mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    part_m_ptr,  # [S, Hq, P] float32
+    part_l_ptr,  # [S, Hq, P] float32
+    part_o_ptr,  # [S, Hq, P, D] float32
+    out_ptr,  # [S, Hq, D]
+    stride_os,
+    stride_oh,
+    num_parts,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    P_PAD: tl.constexpr,  # num_parts rounded up to a power of two
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq.to(tl.int64) * tl.num_programs(1) + head
+    offs_p = tl.arange(0, P_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    p_mask = offs_p < num_parts
+    m = tl.load(part_m_ptr + row * num_parts + offs_p, mask=p_mask, other=float("-inf"))
+    sums = tl.load(part_l_ptr + row * num_parts + offs_p, mask=p_mask, other=0.0)
+    o = tl.load(
+        part_o_ptr + (row * num_parts + offs_p)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=p_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )  # [P_PAD, D_PAD]
+    m_max = tl.max(m, 0)  # finite: the partition holding the query's own position is never empty
+    w = tl.exp2(m - m_max)  # 0 for empty partitions
+    out = tl.sum(o * w[:, None], 0) / tl.sum(sums * w, 0)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise ValueError unless q [tokens, Hq, D] and the caches [num_blocks, block_size, Hkv, D] can be launched
+    on: matching shapes, one float dtype, one device, the last dimension of each contiguous."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q heads/dim {tuple(q.shape[1:])} do not match cache heads/dim {tuple(k_cache.shape[2:])}")
+    if q.shape[2] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {q.shape[2]} is over {MAX_HEAD_DIM}")
+    if q.dtype not in FLOAT_DTYPES or not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(
+            f"dtypes: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}; want one of {FLOAT_DTYPES}"
+        )
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    check_device(q.device, k_cache=k_cache, v_cache=v_cache)
+
+
+def check_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    """Raise ValueError unless every tensor is on `device`, a CUDA device or (under the interpreter) the CPU."""
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"q is on {device}: Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on a CPU")
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, q on {device}")
+
+
+def check_index(name: str, t: torch.Tensor, dims: int) -> None:
+    """Raise ValueError unless `t` is an int32/int64 tensor of `dims` dimensions, contiguous in its last one."""
+    if t.dtype not in INDEX_DTYPES or t.dim() != dims:
+        raise ValueError(f"{name} must be a {dims}-D int32 or int64 tensor, got {t.dim()}-D {t.dtype}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1 position, got {window}")
+
+
+def tile_for(head_dim: int) -> int:
+    return TILE_N if head_dim <= 128 else TILE_N // 2
+
+
+def dot_options(dtype: torch.dtype) -> tuple[bool, str]:
+    """(DOT_F32, DOT_PRECISION): float32 operands under the interpreter; on a GPU the cache's own dtype on the
+    tensor cores, and float32 caches multiplied exactly rather than in TF32."""
+    return interpreting(), "ieee" if dtype == torch.float32 or interpreting() else "tf32"
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    partition_size: int | None = None,
+    *,
+    max_context: int | None = None,
+) -> torch.Tensor:
+    """q [S, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D], block_tables [S, W] and context_lens [S]
+    (int32 or int64, each length at least 1: the query's own position is in the cache) -> [S, Hq, D] in q's dtype.
+
+    partition_size: context positions per program (a power of two, at least 16; PARTITION_SIZE by default); the
+    partition count follows from the longest context, `max_context` when the caller knows it (else read from
+    `context_lens`, one device sync)."""
+    check_operands(q, k_cache, v_cache)
+    check_index("block_tables", block_tables, 2)
+    check_index("context_lens", context_lens, 1)
+    check_device(q.device, block_tables=block_tables, context_lens=context_lens)
+    check_window(window)
+    num_seqs, q_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"{num_seqs} queries, block_tables {tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}"
+        )
+    partition_size = PARTITION_SIZE if partition_size is None else partition_size
+    if partition_size < 16 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two of at least 16, got {partition_size}")
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if max_context is None:
+        max_context = int(context_lens.max())
+
+    tile = min(tile_for(head_dim), partition_size)
+    tiles = triton.cdiv(max_context, tile)  # tiles a query's visible keys span, at most
+    if window is not None:
+        tiles = min(tiles, triton.cdiv(window - 1, tile) + 1)
+    tiles_per_part = partition_size // tile
+    num_parts = max(1, triton.cdiv(tiles, tiles_per_part))
+    group = q_heads // kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    dot_f32, precision = dot_options(q.dtype)
+    split = num_parts > 1
+    if split:
+        part_m = torch.empty(num_seqs, q_heads, num_parts, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_o = torch.empty(num_seqs, q_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_o = out  # not read: SPLIT is off
+    _decode_kernel[(num_seqs, kv_heads, num_parts)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        part_m,
+        part_l,
+        part_o,
+        scale * LOG2E,
+        window or 0,
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_parts,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        GROUP=group,
+        G_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        TILES_PER_PART=tiles_per_part,
+        HAS_WINDOW=window is not None,
+        SPLIT=split,
+        DOT_F32=dot_f32,
+        DOT_PRECISION=precision,
+    )
+    if split:
+        _combine_kernel[(num_seqs, q_heads)](
+            part_m,
+            part_l,
+            part_o,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_parts,
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            P_PAD=triton.next_power_of_2(num_parts),
+        )
+    return out
+
+
+def paged_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    partition_size: int | None = None,
+) -> torch.Tensor:
+    """What `paged_decode` computes, one sequence at a time in float32 (partition_size does not change it)."""
+    num_seqs, q_heads, _ = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    for s, ctx in enumerate(context_lens.tolist()):
+        lo = 0 if window is None else max(0, ctx - window)
+        blocks = block_tables[s, : math.ceil(ctx / block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[lo:ctx].float()  # [visible, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[lo:ctx].float()
+        k = k.repeat_interleave(q_heads // kv_heads, dim=1)  # [visible, Hq, D]
+        v = v.repeat_interleave(q_heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale  # [Hq, visible]
+        out[s] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from kernels.linear import linear
 from kernels.paged_attention import paged_attention
 from kernels.quant_linear import SCALES_SUFFIX, quant_linear
+from kernels.rms_norm import fused_rms_norm
+from kernels.rotary import apply_rotary
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
 from offload.model.registry import LayerInput
-from offload.model.rope import apply_rope
 from tiers.checkpoint import TensorSpec
 from tiers.layout import Weights
 
@@ -72,8 +73,8 @@ class LlamaFamily:
     def layer(self, spec: ModelSpec, layer: int, w: Weights, hidden: torch.Tensor, inp: LayerInput) -> torch.Tensor:
         # hidden: [tokens, hidden_size]
         x = rms_norm(hidden, w["input_norm"], spec.rms_norm_eps)
-        hidden = hidden + self._attention(spec, layer, w, x, inp)
-        x = rms_norm(hidden, w["post_norm"], spec.rms_norm_eps)
+        attention = self._attention(spec, layer, w, x, inp)
+        x, hidden = fused_rms_norm(attention, w["post_norm"], spec.rms_norm_eps, residual=hidden)  # the residual add
         gate = project(spec, w, "gate_proj", x, "gate_bias")
         up = project(spec, w, "up_proj", x, "up_bias")
         return hidden + project(spec, w, "down_proj", F.silu(gate) * up, "down_bias")
@@ -86,8 +87,7 @@ class LlamaFamily:
         if spec.qk_norm:
             q = rms_norm(q, w["q_norm"], spec.rms_norm_eps)
             k = rms_norm(k, w["k_norm"], spec.rms_norm_eps)
-        q = apply_rope(q, inp.cos, inp.sin)
-        k = apply_rope(k, inp.cos, inp.sin)
+        q, k = apply_rotary(q, k, inp.cos, inp.sin)
         # write this step's keys and values into their cache slots, then attend over the whole context, where the
         # cache lives (a host-resident cache on CUDA: the query goes to the CPU, the output comes back)
         at = inp.kv.device
@@ -108,10 +108,9 @@ def project(spec: ModelSpec, w: Weights, name: str, x: torch.Tensor, bias: str) 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Root-mean-square norm over the last dim, computed in float32 and cast back before the scale."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """Root-mean-square norm over the last dim, computed in float32 and cast back before the scale
+    (kernels/rms_norm.py: the Triton kernel on CUDA, the torch reference elsewhere)."""
+    return fused_rms_norm(x, weight, eps)[0]
 
 
 FAMILY = LlamaFamily()

@@ -102,10 +102,23 @@ def family_config(family: str, **overrides):
         return tf.Qwen2Config(**tiny, tie_word_embeddings=True)
     if family == "qwen3":  # q/k norm, head_dim decoupled from hidden_size / heads
         return tf.Qwen3Config(**tiny, head_dim=24, tie_word_embeddings=False)
+    moe = dict(num_experts_per_tok=2) | tiny
+    if family == "mixtral":  # 8 experts as wide as the MLP, top-2 renormalized
+        return tf.MixtralConfig(**dict(num_local_experts=8) | moe)
+    if family == "qwen2_moe":  # narrow experts plus a sigmoid-gated shared expert, qkv bias; layer 1 dense
+        return tf.Qwen2MoeConfig(
+            **dict(num_experts=6, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])
+            | moe
+        )
+    if family == "qwen3_moe":  # q/k norm, top-k renormalized; layer 0 dense
+        return tf.Qwen3MoeConfig(
+            **dict(num_experts=8, moe_intermediate_size=32, head_dim=24, norm_topk_prob=True, mlp_only_layers=[0]) | moe
+        )
     raise ValueError(family)
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: bos 1 and eos 2 as in TINY
 
 
@@ -148,7 +161,7 @@ def make_checkpoint(
     # wider weights than the default init make the logits decisive, so greedy paths do not hinge on ties
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and the [experts, out, in] stacks of a mixture's experts
                 p.normal_(0.0, 0.5 if "embed" in name else 0.15)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)

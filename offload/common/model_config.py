@@ -1,10 +1,11 @@
 """A model's shape, read once from its config.json: what the runtime builds and what the planner counts.
 
 `parse_model_config` is the one reader of config.json. It knows every architecture `offload plan` can price
-(the Llama family, Mixtral, OPT); which of them the engine can run is the model registry's business
+(the Llama family and its mixtures of experts, OPT); which of them the engine can run is the model registry's business
 (offload/model/registry.py), which checks a parsed spec before loading any weight. Parameter counts equal the
 parameters transformers creates for the config (tied weights counted once), per decoder layer, which every
-supported architecture keeps uniform.
+supported architecture keeps uniform: a mixture whose config makes some layers dense (Qwen-MoE's mlp_only_layers,
+decoder_sparse_step) is counted as if every layer were sparse, an upper bound (no published one does).
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from offload.common.errors import OffloadError
 
 QUANT_METHOD = "offload"  # config.json's quantization_config.quant_method for checkpoints `offload convert` writes
 
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_LIKE = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED = (*LLAMA_LIKE, "OPTForCausalLM")
 _REQUIRED = object()
 
@@ -55,7 +65,7 @@ class ModelSpec:
     architecture: str  # config.json's architectures[0]
     vocab_size: int
     hidden_size: int
-    intermediate_size: int  # the MLP width (one expert's, for a mixture)
+    intermediate_size: int  # the dense MLP width (Mixtral: also each expert's)
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -73,6 +83,10 @@ class ModelSpec:
     qk_norm: bool = False
     num_experts: int = 0  # routed experts per layer; 0 for a dense MLP
     experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # one routed expert's MLP width; 0: intermediate_size
+    shared_expert_size: int = 0  # the sigmoid-gated expert every token also runs (Qwen2-MoE); 0: none
+    norm_topk_prob: bool = True  # rescale each token's top-k routing probabilities to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of a mixture whose MLP is dense (intermediate_size wide)
     # per layer: attend only to the last `window` positions, or None for full causal attention
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
@@ -101,6 +115,11 @@ class ModelSpec:
             )
         if self.dtype not in DTYPES:
             raise OffloadError(f"config.json: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise OffloadError(
+                f"config.json: num_experts_per_tok ({self.experts_per_token}) must be between 1 and the "
+                f"number of experts ({self.num_experts})"
+            )
         if len(self.sliding_windows) not in (0, self.num_layers):
             raise OffloadError(f"config.json: {len(self.sliding_windows)} layer types for {self.num_layers} layers")
         if self.params is None:
@@ -113,6 +132,15 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def expert_size(self) -> int:
+        """One routed expert's MLP width."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (else a dense MLP of intermediate_size)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def total_params(self) -> int:
@@ -185,9 +213,12 @@ def _llama_like_spec(config: dict, arch: str, name: str, source: str) -> ModelSp
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise OffloadError(f"{source}: hidden_act {act!r} is not supported (the Llama family uses silu)")
-    qwen2, qwen3, mixtral = (arch == a for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"))
-    # transformers' Mistral has no attention biases whatever the config says; Qwen2 always has q/k/v biases
-    bias = _flag(config, "attention_bias", source, False) and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+    qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    # transformers' Mistral has no attention biases whatever the config says; Qwen2 always has q/k/v biases,
+    # Qwen2-MoE unless its qkv_bias says otherwise
+    attention_bias = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    bias = _flag(config, "attention_bias", source, False) and arch in attention_bias
+    qwen2_moe_bias = arch == "Qwen2MoeForCausalLM" and _flag(config, "qkv_bias", source, True)
     return ModelSpec(
         architecture=arch,
         name=name,
@@ -199,23 +230,49 @@ def _llama_like_spec(config: dict, arch: str, name: str, source: str) -> ModelSp
         # transformers' defaults: Llama falls back to full multi-head attention; the others' defaults are not
         # the published models' values, so their configs must say
         num_kv_heads=_int(config, "num_key_value_heads", source, heads if arch == "LlamaForCausalLM" else _REQUIRED),
-        # Qwen3Config's default head_dim is 128, not hidden_size / heads
-        head_dim=_int(config, "head_dim", source, 128 if qwen3 else hidden // heads),
+        # Qwen3Config's default head_dim is 128, not hidden_size / heads (Qwen3MoeConfig keeps hidden_size / heads)
+        head_dim=_int(config, "head_dim", source, 128 if arch == "Qwen3ForCausalLM" else hidden // heads),
         max_position=_int(config, "max_position_embeddings", source, 2048),
         rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
         rope=_rope(config, source),
         dtype=_dtype(config, source),
         hidden_act="silu",
         tie_word_embeddings=_flag(config, "tie_word_embeddings", source, False),
-        qkv_bias=qwen2 or bias,
+        qkv_bias=qwen2 or qwen2_moe_bias or bias,
         o_bias=bias,
         mlp_bias=_flag(config, "mlp_bias", source, False) and arch == "LlamaForCausalLM",
         qk_norm=qwen3,
-        num_experts=_int(config, "num_local_experts", source) if mixtral else 0,
-        experts_per_token=_int(config, "num_experts_per_tok", source) if mixtral else 0,
         sliding_windows=_sliding_windows(config, arch, layers),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_eos(config),
+        **_experts(config, arch, layers, source),
+    )
+
+
+def _experts(config: dict, arch: str, num_layers: int, source: str) -> dict:
+    """The ModelSpec fields of a mixture of experts (none for a dense architecture)."""
+    if arch == "MixtralForCausalLM":
+        return dict(
+            num_experts=_int(config, "num_local_experts", source),
+            experts_per_token=_int(config, "num_experts_per_tok", source),
+        )
+    if arch not in QWEN_MOE:
+        return {}
+    step = _int(config, "decoder_sparse_step", source, 1)
+    only = config.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise OffloadError(f"{source}: field 'mlp_only_layers' must be a list of layer indices, got {only!r}")
+    shared = _int(config, "shared_expert_intermediate_size", source) if arch == "Qwen2MoeForCausalLM" else 0
+    # published configs say num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts
+    experts = "num_experts" if config.get("num_local_experts") is None else "num_local_experts"
+    return dict(
+        num_experts=_int(config, experts, source),
+        experts_per_token=_int(config, "num_experts_per_tok", source),
+        moe_intermediate_size=_int(config, "moe_intermediate_size", source),
+        shared_expert_size=shared,
+        norm_topk_prob=_flag(config, "norm_topk_prob", source, False),
+        # transformers' rule: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step
+        dense_layers=tuple(i for i in range(num_layers) if i in only or (i + 1) % step),
     )
 
 
@@ -228,9 +285,11 @@ def _llama_like_params(s: ModelSpec) -> ParamCounts:
     mlp += 2 * s.intermediate_size + h if s.mlp_bias else 0
     norms = 2 * h  # input and post-attention RMSNorm
     if s.num_experts:
-        router = s.num_experts * h
-        layer = attention + norms + router + s.num_experts * mlp
-        active = attention + norms + router + s.experts_per_token * mlp
+        expert = 3 * h * s.expert_size
+        always = s.num_experts * h  # the router, and the shared expert with its gate where there is one
+        always += 3 * h * s.shared_expert_size + h if s.shared_expert_size else 0
+        layer = attention + norms + always + s.num_experts * expert
+        active = attention + norms + always + s.experts_per_token * expert
     else:
         layer = active = attention + norms + mlp
     head = h + (0 if s.tie_word_embeddings else s.vocab_size * h)  # final RMSNorm + lm_head
@@ -311,14 +370,18 @@ def _rope(config: dict, source: str) -> RopeSpec:
 
 def _sliding_windows(config: dict, architecture: str, num_layers: int) -> tuple[int | None, ...]:
     window = config.get("sliding_window")
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return (window,) * num_layers if window else ()
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture == "Qwen3MoeForCausalLM":  # every layer slides when the config says so
+        return (window,) * num_layers if config.get("use_sliding_window") and window else ()
+    if architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM"):
         if not config.get("use_sliding_window") or not window:
             return ()
         types = config.get("layer_types")
-        if types is None:
-            first = config.get("max_window_layers", num_layers)
+        first = config.get("max_window_layers", num_layers)
+        if types is None and architecture == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers
+            types = ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(num_layers)]
+        elif types is None:
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         return tuple(window if t == "sliding_attention" else None for t in types)
     return ()

@@ -22,8 +22,11 @@ from tiers.layout import Weights
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "offload.model.llama",
     "MistralForCausalLM": "offload.model.llama",
+    "MixtralForCausalLM": "offload.model.moe",
     "Qwen2ForCausalLM": "offload.model.llama",
+    "Qwen2MoeForCausalLM": "offload.model.moe",
     "Qwen3ForCausalLM": "offload.model.llama",
+    "Qwen3MoeForCausalLM": "offload.model.moe",
 }
 
 

@@ -53,11 +53,14 @@ MODELS = [
     "llama-3.1-70b",
     "llama-3.1-8b",
     "mistral-7b",
+    "mixtral-8x22b",
     "mixtral-8x7b",
     "opt-175b",
     "opt-30b",
     "qwen2.5-72b",
     "qwen2.5-7b",
+    "qwen3-235b-a22b",
+    "qwen3-30b-a3b",
     "tinyllama-1.1b",
 ]
 

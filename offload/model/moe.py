@@ -1,0 +1,143 @@
+"""Mixtures of experts on the Llama layer: Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE (q/k norm).
+
+Embedding, attention, norms and head are the Llama family's; a sparse layer's MLP is a router and
+`num_experts` SwiGLU experts, of which each token runs its top `experts_per_token`:
+
+    probs = softmax(router(x))                      float32, over every expert
+    weights, chosen = topk(probs, k)                rescaled to sum to 1 where norm_topk_prob
+    out = sum over chosen e of weights[e] * expert_e(x)
+
+Tokens are grouped by expert, so each selected expert runs once over the tokens that chose it, and an
+expert no token chose is never read: its weights come from `get_expert(e)`, looked up per selected
+expert. Qwen-MoE configs may keep some layers dense (mlp_only_layers, decoder_sparse_step); those
+layers hold the Llama MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant_linear import SCALES_SUFFIX
+from offload.common.model_config import ModelSpec
+from offload.model.llama import LlamaFamily, project, rms_norm
+from offload.model.registry import LayerInput
+from tiers.checkpoint import TensorSpec
+from tiers.layout import Weights
+
+EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
+# the checkpoint's names for an expert's gate, up and down matrices
+_MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# transformers' Mixtral keeps the routing weights in float32 and scales the experts' outputs in float32;
+# Qwen-MoE casts the weights to the compute dtype first (the same numbers in float32)
+_FLOAT32_ROUTING = ("MixtralForCausalLM",)
+
+
+class MoeFamily(LlamaFamily):
+    def layer_tensors(self, spec: ModelSpec, layer: int) -> dict[str, TensorSpec]:
+        t = super().layer_tensors(spec, layer)
+        if not spec.sparse(layer):
+            return t
+        for name in EXPERT_MATRICES:  # the dense MLP's
+            del t[name]
+        return t | moe_tensors(spec, layer)
+
+    def layer(self, spec: ModelSpec, layer: int, w: Weights, hidden: torch.Tensor, inp: LayerInput) -> torch.Tensor:
+        # hidden: [tokens, hidden_size]
+        x = rms_norm(hidden, w["input_norm"], spec.rms_norm_eps)
+        hidden = hidden + self._attention(spec, layer, w, x, inp)
+        x = rms_norm(hidden, w["post_norm"], spec.rms_norm_eps)
+        if not spec.sparse(layer):
+            return hidden + swiglu(spec, w, x)
+        return hidden + sparse_mlp(spec, w, x)
+
+
+def moe_tensors(spec: ModelSpec, layer: int) -> dict[str, TensorSpec]:
+    """A sparse layer's MLP: "router" [experts, hidden], "expert{e}.{gate,up,down}_proj" (named "*_proj" so
+    `offload convert` quantizes them), and Qwen2-MoE's "shared.*_proj" with its "shared_gate" [1, hidden]."""
+    h, i = spec.hidden_size, spec.expert_size
+    shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    if spec.architecture == "MixtralForCausalLM":
+        p = f"model.layers.{layer}.block_sparse_moe."
+        names = _MIXTRAL_NAMES
+    else:
+        p = f"model.layers.{layer}.mlp."
+        names = {m: m for m in EXPERT_MATRICES}
+    t = {"router": TensorSpec(p + "gate.weight", (spec.num_experts, h))}
+    for e in range(spec.num_experts):
+        for m, shape in shapes.items():
+            t[f"expert{e}.{m}"] = TensorSpec(p + f"experts.{e}.{names[m]}.weight", shape)
+    if spec.shared_expert_size:
+        s = spec.shared_expert_size
+        for m, shape in {"gate_proj": (s, h), "up_proj": (s, h), "down_proj": (h, s)}.items():
+            t[f"shared.{m}"] = TensorSpec(p + f"shared_expert.{m}.weight", shape)
+        t["shared_gate"] = TensorSpec(p + "shared_expert_gate.weight", (1, h))
+    return t
+
+
+def sparse_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """The mixture's output for x [tokens, hidden] from one sparse layer's weights `w` -> [tokens, hidden]."""
+    out = experts_forward(
+        spec,
+        x,
+        project(spec, w, "router", x, "router_bias"),
+        lambda e: sub_weights(w, f"expert{e}."),
+        routing_dtype=torch.float32 if spec.architecture in _FLOAT32_ROUTING else x.dtype,
+    )
+    if spec.shared_expert_size:
+        gate = torch.sigmoid(project(spec, w, "shared_gate", x, "shared_gate_bias"))  # [tokens, 1]
+        out = out + gate * swiglu(spec, sub_weights(w, "shared."), x)
+    return out
+
+
+def experts_forward(
+    spec: ModelSpec,
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    get_expert: Callable[[int], Weights],
+    routing_dtype: torch.dtype,
+) -> torch.Tensor:
+    """sum over each token's top-k experts of routing weight * expert(x), as x's dtype.
+
+    x: [tokens, hidden]; router_logits: [tokens, experts]; get_expert(e): expert e's "gate_proj", "up_proj",
+    "down_proj" (and their scales when quantized), called once for each expert some token chose, in
+    ascending order. The routing weights are cast to `routing_dtype` before they scale the experts' outputs.
+    """
+    k = spec.experts_per_token
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, chosen = torch.topk(probs, k, dim=-1)  # [tokens, k] each
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(routing_dtype).flatten()  # [tokens * k]
+    # the (token, slot) pairs sorted by expert: row r of the flattened [tokens, k] is token r // k
+    order = torch.argsort(chosen.flatten(), stable=True)
+    experts, counts = torch.unique_consecutive(chosen.flatten()[order], return_counts=True)
+    out = torch.zeros_like(x)
+    for e, rows in zip(experts.tolist(), order.split(counts.tolist()), strict=True):
+        tokens = rows // k  # distinct: a token picks an expert at most once
+        y = swiglu(spec, get_expert(e), x[tokens]) * weights[rows, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for x [tokens, hidden] and w's "gate_proj", "up_proj", "down_proj"."""
+    gate = project(spec, w, "gate_proj", x, "gate_bias")
+    up = project(spec, w, "up_proj", x, "up_bias")
+    return project(spec, w, "down_proj", F.silu(gate) * up, "down_bias")
+
+
+def sub_weights(w: Weights, prefix: str) -> Weights:
+    """The SwiGLU matrices (and their scales) stored in `w` under `prefix`, by their bare names."""
+    out = {}
+    for m in EXPERT_MATRICES:
+        out[m] = w[prefix + m]
+        scales = w.get(prefix + m + SCALES_SUFFIX)
+        if scales is not None:
+            out[m + SCALES_SUFFIX] = scales
+    return out
+
+
+FAMILY = MoeFamily()

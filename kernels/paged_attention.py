@@ -14,35 +14,20 @@ kernels/paged_decode.py and kernels/paged_prefill.py on CUDA, the reference else
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import use_triton
+from kernels.paged_batch import PagedBatch
 
 GATHER_BYTES = 64 << 20  # bytes of K/V gathered at once for single-query (decode) sequences
 # padded share of the slots a decode group may gather: sorting by length and cutting groups there halves the
 # bytes moved for mixed lengths (at 32 sequences of 100..600 tokens, one group padded to the longest took 1.7x
 # the time of groups cut at a quarter)
 PADDING_SHARE = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class PagedBatch:
-    """Where each sequence of a micro-batch sits in the packed queries and in the KV cache."""
-
-    query_start: tuple[int, ...]  # [S + 1] offsets of each sequence's queries in the packed tokens
-    context_lens: tuple[int, ...]  # [S] tokens in the cache after this step's writes
-    block_tables: torch.Tensor  # [S, max_blocks] int64 block ids, padded with 0
-    slot_mapping: torch.Tensor  # [T] int64 cache slot (block * block_size + offset) of each new token
-    # what the attention derives from the batch once and reuses in every layer of the step
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens)
 
 
 class PagedCache(Protocol):

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import PagedBatch
+from kernels.paged_batch import PagedBatch
 from kernels.paged_decode import LOG2E, check_device, check_operands, check_window, dot_options, tile_for
 
 BLOCK_M = 64  # tile rows: queries times query heads per KV head

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import PagedBatch
+from kernels.paged_batch import PagedBatch
 from offload.common.model_config import ModelSpec
 from offload.model.registry import Family, LayerInput
 from offload.model.rope import cos_sin, inverse_frequencies

@@ -124,7 +124,8 @@ def measure_attention(
     ((context tokens, bytes/s), ...) of one decode query for each of `decode_seqs` sequences over a cache of that
     length (the K and V bytes of the context per second). FLOPs as the cost model counts them: 2 x (QK + PV) over
     half of the square."""
-    from kernels.paged_attention import PagedBatch, paged_attention
+    from kernels.paged_attention import paged_attention
+    from kernels.paged_batch import PagedBatch
 
     heads, kv_heads, _ = layer_shape(hidden, head_dim)
     gen = torch.Generator().manual_seed(0)
@@ -164,7 +165,7 @@ def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0
     K/V head, MLP 704) over 16 cached tokens: about what any layer costs however small, its calls' dispatch rather
     than bytes or FLOPs (on this project's 2-core VMs a [1, 64] x [64, 64] product took 7 us, [1, 256] x [256, 256]
     28 us, and such a layer 0.6 ms)."""
-    from kernels.paged_attention import PagedBatch
+    from kernels.paged_batch import PagedBatch
     from offload.common.model_config import parse_model_config
     from offload.model.llama import FAMILY
     from offload.model.registry import LayerInput

@@ -20,8 +20,8 @@ so they add no error that matters. bfloat16 scales would be as small but round 8
 
 `quantize_kv` / `dequantize_kv` check shapes and dtypes and run the Triton kernels on a CUDA device
 (`quantize_kv_triton` / `dequantize_kv_triton`: the same records and values, bit for bit), the pure-torch references
-`quantize_kv_ref` / `dequantize_kv_ref` elsewhere. `QuantizedKV` holds one layer's K or V records and reads like the
-cache tensor paged attention gathers from (kernels/paged_attention.py), dequantizing only the blocks gathered.
+`quantize_kv_ref` / `dequantize_kv_ref` elsewhere. tiers/kv.py's `QuantizedKV` holds one layer's records and reads
+like the cache tensor paged attention gathers from, dequantizing only the blocks gathered.
 """
 
 from __future__ import annotations
@@ -42,9 +42,6 @@ GROUP_SIZE = 32
 HALF_MAX = torch.finfo(torch.float16).max  # 65504
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _CODE_MAX = {"int8": 127.0, "int4": 15.0, "fp8": FP8_MAX}
-# values dequantized at a time when gathering blocks: a float32 scratch of 2 MiB stays in cache, where dequantizing
-# 512 blocks (16 tokens, 8 heads, head_dim 128) at once took 2-4x longer on a 2-core VM
-DEQUANT_SLICE = 1 << 19
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton kernels read and write
 ROWS_PER_PROGRAM = 64  # records (token-head vectors) one Triton program quantizes or reads back, one group each
 
@@ -240,56 +237,6 @@ def _round_half(t: torch.Tensor, up: bool) -> torch.Tensor:
     off = h.float() < t if up else h.float() > t
     toward = torch.full_like(h, float("inf") if up else float("-inf"))
     return torch.where(off, torch.nextafter(h, toward), h).clamp(-HALF_MAX, HALF_MAX)
-
-
-@dataclass(frozen=True, slots=True)
-class QuantizedKV:
-    """One layer's K or V, quantized: `records` [num_blocks, block_size, kv_heads, record_bytes] uint8.
-
-    Paged attention reads it like the cache tensor it stands for, [num_blocks, block_size, kv_heads, head_dim] in
-    `dtype` (`shape`, `dtype`, `element_size`, `index_select` along blocks); only the blocks gathered are
-    dequantized, never the whole cache."""
-
-    records: torch.Tensor
-    fmt: KVQuantFormat
-    dtype: torch.dtype  # the compute dtype reads return
-
-    def __post_init__(self) -> None:
-        if self.records.dim() != 4 or self.records.shape[3] != self.fmt.record_bytes:
-            raise ValueError(
-                f"{self.fmt.name} records must be [blocks, block_size, kv_heads, {self.fmt.record_bytes}], "
-                f"got {tuple(self.records.shape)}"
-            )
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((*self.records.shape[:3], self.fmt.head_dim))
-
-    @property
-    def device(self) -> torch.device:
-        return self.records.device
-
-    def dim(self) -> int:
-        return 4
-
-    def element_size(self) -> int:
-        """Bytes of one value as read (dequantized), not as stored."""
-        return self.dtype.itemsize
-
-    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
-        """Blocks `index` [n], dequantized: [n, block_size, kv_heads, head_dim] in `dtype`."""
-        if dim != 0:
-            raise ValueError(f"a quantized KV cache is gathered along blocks (dim 0), not dim {dim}")
-        out = torch.empty((len(index), *self.shape[1:]), dtype=self.dtype, device=self.device)
-        step = max(1, DEQUANT_SLICE // self.shape[1:].numel())  # blocks per slice
-        for start in range(0, len(index), step):
-            records = self.records.index_select(0, index[start : start + step])
-            out[start : start + step] = dequantize_kv(records, self.fmt, self.dtype)
-        return out
-
-    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Quantize x [tokens, kv_heads, head_dim] into cache `slots` [tokens] (block * block_size + offset)."""
-        self.records.view(-1, *self.records.shape[2:])[slots] = quantize_kv(x, self.fmt)
 
 
 class _KVKernels(NamedTuple):

@@ -11,7 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_quant import GROUP_SIZE, QUANT_KINDS, KVQuantFormat, QuantizedKV
+from kernels.kv_quant import GROUP_SIZE, QUANT_KINDS, KVQuantFormat, dequantize_kv, quantize_kv
+
+# values dequantized at a time when gathering blocks: a float32 scratch of 2 MiB stays in cache, where dequantizing
+# 512 blocks (16 tokens, 8 heads, head_dim 128) at once took 2-4x longer on a 2-core VM
+DEQUANT_SLICE = 1 << 19
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,3 +144,53 @@ def _quant_format(kv_dtype: str, dtype: torch.dtype, head_dim: int, group_size: 
             f"{', '.join(QUANT_KINDS)}"
         )
     return KVQuantFormat(kv_dtype, head_dim, group_size)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedKV:
+    """One layer's K or V, quantized: `records` [num_blocks, block_size, kv_heads, record_bytes] uint8.
+
+    Paged attention reads it like the cache tensor it stands for, [num_blocks, block_size, kv_heads, head_dim] in
+    `dtype` (`shape`, `dtype`, `element_size`, `index_select` along blocks); only the blocks gathered are
+    dequantized, never the whole cache."""
+
+    records: torch.Tensor
+    fmt: KVQuantFormat
+    dtype: torch.dtype  # the compute dtype reads return
+
+    def __post_init__(self) -> None:
+        if self.records.dim() != 4 or self.records.shape[3] != self.fmt.record_bytes:
+            raise ValueError(
+                f"{self.fmt.name} records must be [blocks, block_size, kv_heads, {self.fmt.record_bytes}], "
+                f"got {tuple(self.records.shape)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.records.shape[:3], self.fmt.head_dim))
+
+    @property
+    def device(self) -> torch.device:
+        return self.records.device
+
+    def dim(self) -> int:
+        return 4
+
+    def element_size(self) -> int:
+        """Bytes of one value as read (dequantized), not as stored."""
+        return self.dtype.itemsize
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        """Blocks `index` [n], dequantized: [n, block_size, kv_heads, head_dim] in `dtype`."""
+        if dim != 0:
+            raise ValueError(f"a quantized KV cache is gathered along blocks (dim 0), not dim {dim}")
+        out = torch.empty((len(index), *self.shape[1:]), dtype=self.dtype, device=self.device)
+        step = max(1, DEQUANT_SLICE // self.shape[1:].numel())  # blocks per slice
+        for start in range(0, len(index), step):
+            records = self.records.index_select(0, index[start : start + step])
+            out[start : start + step] = dequantize_kv(records, self.fmt, self.dtype)
+        return out
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize x [tokens, kv_heads, head_dim] into cache `slots` [tokens] (block * block_size + offset)."""
+        self.records.view(-1, *self.records.shape[2:])[slots] = quantize_kv(x, self.fmt)

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-import kernels.kv_quant as kq
-from kernels.kv_quant import KVQuantFormat, QuantizedKV, dequantize_kv, quantize_kv
+import tiers.kv as kv_module
+from kernels.kv_quant import KVQuantFormat, dequantize_kv, quantize_kv
 from kernels.paged_attention import PagedBatch, paged_attention_ref
+from tiers.kv import QuantizedKV
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 KINDS = ["int8", "int4", pytest.param("fp8", marks=pytest.mark.skipif(not HAS_FP8, reason="torch lacks float8"))]
@@ -252,7 +253,7 @@ def test_quantized_layer_reads_what_was_written(kind: str) -> None:
 
 @pytest.mark.parametrize("slice_values", [1, 3 * 4 * 2 * 24, 1 << 30])  # a block at a time, 3 at a time, all at once
 def test_gathering_in_slices_equals_dequantizing_the_whole_cache(monkeypatch, slice_values: int) -> None:
-    monkeypatch.setattr(kq, "DEQUANT_SLICE", slice_values)
+    monkeypatch.setattr(kv_module, "DEQUANT_SLICE", slice_values)
     fmt = KVQuantFormat("int4", 24)
     gen = torch.Generator().manual_seed(2)
     cache = QuantizedKV(quantize_kv(torch.randn(9, 4, 2, 24, generator=gen), fmt), fmt, torch.float32)
@@ -306,7 +307,7 @@ def test_paged_attention_reads_a_quantized_cache_as_its_dequantized_tensor(
         gathered.append(records.shape[0])
         return dequantize_kv(records, fmt, out_dtype)
 
-    monkeypatch.setattr(kq, "dequantize_kv", counting)
+    monkeypatch.setattr(kv_module, "dequantize_kv", counting)
     out = paged_attention_ref(q, k, v, batch, 0.2, None)
     assert torch.equal(out, expected)
     assert out.isfinite().all()

@@ -128,7 +128,7 @@ def agreement(prompts, ref_tokens, quant_tokens, ref_logits) -> dict:
 
 
 def evaluate(name: str, model_dir: Path, prompts: list[list[int]], formats, work: Path, new_tokens: int) -> dict:
-    from kernels.quant_linear import WeightQuant
+    from offload.common.quant import WeightQuant
     from offload.convert import convert
 
     ref_tokens, scored, ref_logits = run_model(model_dir, prompts, new_tokens)

@@ -53,7 +53,7 @@ def format_dir(base: Path, name: str, work_dir: Path) -> tuple[Path, float | Non
     """The checkpoint of format `name`, converted from `base` once; returns it and the conversion's seconds."""
     if FORMATS[name] is None:
         return base, None
-    from kernels.quant_linear import WeightQuant
+    from offload.common.quant import WeightQuant
     from offload.convert import convert
 
     quant = WeightQuant(*FORMATS[name])

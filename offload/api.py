@@ -189,8 +189,7 @@ class LLM:
         self.model_dir = Path(model).expanduser() if model is not None else ensure_demo_model()
         self.spec, self.family = load_spec(self.model_dir)
         self.device = resolve_device(config.device)
-        if self.spec.quant is not None:
-            check_runnable(self.model_dir, self.spec.quant, self.device)
+        check_runnable(self.model_dir, self.spec, self.device)  # a quantized checkpoint this device can multiply
         self.dtype = getattr(torch, self.spec.dtype if config.dtype == "auto" else config.dtype)
         self.eos_ids = _eos_ids(self.model_dir, self.spec)
         self.device_tier = DeviceTier(config.device_memory, self.device)

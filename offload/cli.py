@@ -567,7 +567,7 @@ def _convert(args: argparse.Namespace) -> None:
 
     import torch
 
-    from kernels.quant_linear import WeightQuant
+    from offload.common.quant import WeightQuant
     from offload.common.sizes import format_size
     from offload.convert import convert
 

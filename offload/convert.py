@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.quant_linear import WeightQuant, cpu_pack_probe, to_cpu_layout
+from kernels.quant_linear import cpu_pack_probe, to_cpu_layout
 from offload.common.errors import OffloadError
-from offload.common.model_config import QUANT_METHOD, read_config
+from offload.common.model_config import ModelSpec, read_config
+from offload.common.quant import QUANT_METHOD, WeightQuant
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors, quantizable
 from tiers.checkpoint import INDEX_FILE, TORCH_DTYPES, Checkpoint, weights_fingerprint
@@ -257,9 +258,13 @@ def read_manifest(model_dir: Path) -> dict:
     return manifest
 
 
-def check_runnable(model_dir: Path, quant: WeightQuant, device: torch.device) -> None:
+def check_runnable(model_dir: Path, spec: ModelSpec, device: torch.device) -> None:
     """Refuse a converted checkpoint that cannot run here, before any weight is read: missing or truncated files,
-    the cpu layout on another device, or int4 codes packed by a torch whose CPU packing differs from this one's."""
+    the cpu layout on another device, or int4 codes packed by a torch whose CPU packing differs from this one's.
+    A float checkpoint passes."""
+    quant = spec.quant
+    if quant is None:
+        return
     manifest = read_manifest(model_dir)
     for name, entry in manifest["files"].items():
         path = model_dir / name

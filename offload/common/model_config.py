@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from kernels.quant_linear import WeightQuant
-from offload.common.dtypes import DTYPES, canonical_dtype
+from offload.common.config_fields import REQUIRED, eos, flag, integer, model_dtype
+from offload.common.dtypes import DTYPES
 from offload.common.errors import OffloadError
-
-QUANT_METHOD = "offload"  # config.json's quantization_config.quant_method for checkpoints `offload convert` writes
+from offload.common.quant import WeightQuant, parse_quant
 
 LLAMA_LIKE = (
     "LlamaForCausalLM",
@@ -33,7 +32,6 @@ LLAMA_LIKE = (
 )
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED = (*LLAMA_LIKE, "OPTForCausalLM")
-_REQUIRED = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,36 +178,14 @@ def parse_model_config(config: dict, source: str, name: str = "") -> ModelSpec:
     if arch not in SUPPORTED:
         raise OffloadError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
     spec = _opt_spec(config, name, source) if arch == "OPTForCausalLM" else _llama_like_spec(config, arch, name, source)
-    quant = _quant(config, source)
+    quant = parse_quant(config, source)
     return spec if quant is None else dataclasses.replace(spec, quant=quant)
 
 
-def _quant(config: dict, source: str) -> WeightQuant | None:
-    """The weights' quantization: only this engine's own format (`offload convert`) runs."""
-    q = config.get("quantization_config")
-    if q is None:
-        return None
-    if not isinstance(q, dict):
-        raise OffloadError(f"{source}: field 'quantization_config' must be an object, got {q!r}")
-    method = q.get("quant_method")
-    if method != QUANT_METHOD:
-        raise OffloadError(
-            f"{source}: quantization_config.quant_method {method!r} is not run by this engine (it runs its own "
-            f"{QUANT_METHOD!r} checkpoints: `offload convert --model DIR --quant int4|int8 --out DIR` quantizes a "
-            "float checkpoint; the README's Quantized weights section says why GPTQ and AWQ files are not read)"
-        )
-    try:
-        return WeightQuant(bits=q["bits"], group_size=q["group_size"], layout=q["layout"])
-    except KeyError as exc:
-        raise OffloadError(f"{source}: quantization_config has no field {exc.args[0]!r}") from None
-    except ValueError as exc:
-        raise OffloadError(f"{source}: quantization_config: {exc}") from None
-
-
 def _llama_like_spec(config: dict, arch: str, name: str, source: str) -> ModelSpec:
-    hidden = _int(config, "hidden_size", source)
-    heads = _int(config, "num_attention_heads", source)
-    layers = _int(config, "num_hidden_layers", source)
+    hidden = integer(config, "hidden_size", source)
+    heads = integer(config, "num_attention_heads", source)
+    layers = integer(config, "num_hidden_layers", source)
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise OffloadError(f"{source}: hidden_act {act!r} is not supported (the Llama family uses silu)")
@@ -217,34 +193,34 @@ def _llama_like_spec(config: dict, arch: str, name: str, source: str) -> ModelSp
     # transformers' Mistral has no attention biases whatever the config says; Qwen2 always has q/k/v biases,
     # Qwen2-MoE unless its qkv_bias says otherwise
     attention_bias = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-    bias = _flag(config, "attention_bias", source, False) and arch in attention_bias
-    qwen2_moe_bias = arch == "Qwen2MoeForCausalLM" and _flag(config, "qkv_bias", source, True)
+    bias = flag(config, "attention_bias", source, False) and arch in attention_bias
+    qwen2_moe_bias = arch == "Qwen2MoeForCausalLM" and flag(config, "qkv_bias", source, True)
     return ModelSpec(
         architecture=arch,
         name=name,
-        vocab_size=_int(config, "vocab_size", source),
+        vocab_size=integer(config, "vocab_size", source),
         hidden_size=hidden,
-        intermediate_size=_int(config, "intermediate_size", source),
+        intermediate_size=integer(config, "intermediate_size", source),
         num_layers=layers,
         num_heads=heads,
         # transformers' defaults: Llama falls back to full multi-head attention; the others' defaults are not
         # the published models' values, so their configs must say
-        num_kv_heads=_int(config, "num_key_value_heads", source, heads if arch == "LlamaForCausalLM" else _REQUIRED),
+        num_kv_heads=integer(config, "num_key_value_heads", source, heads if arch == "LlamaForCausalLM" else REQUIRED),
         # Qwen3Config's default head_dim is 128, not hidden_size / heads (Qwen3MoeConfig keeps hidden_size / heads)
-        head_dim=_int(config, "head_dim", source, 128 if arch == "Qwen3ForCausalLM" else hidden // heads),
-        max_position=_int(config, "max_position_embeddings", source, 2048),
+        head_dim=integer(config, "head_dim", source, 128 if arch == "Qwen3ForCausalLM" else hidden // heads),
+        max_position=integer(config, "max_position_embeddings", source, 2048),
         rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
         rope=_rope(config, source),
-        dtype=_dtype(config, source),
+        dtype=model_dtype(config, source),
         hidden_act="silu",
-        tie_word_embeddings=_flag(config, "tie_word_embeddings", source, False),
+        tie_word_embeddings=flag(config, "tie_word_embeddings", source, False),
         qkv_bias=qwen2 or qwen2_moe_bias or bias,
         o_bias=bias,
-        mlp_bias=_flag(config, "mlp_bias", source, False) and arch == "LlamaForCausalLM",
+        mlp_bias=flag(config, "mlp_bias", source, False) and arch == "LlamaForCausalLM",
         qk_norm=qwen3,
         sliding_windows=_sliding_windows(config, arch, layers),
         bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=_eos(config),
+        eos_token_ids=eos(config),
         **_experts(config, arch, layers, source),
     )
 
@@ -253,24 +229,24 @@ def _experts(config: dict, arch: str, num_layers: int, source: str) -> dict:
     """The ModelSpec fields of a mixture of experts (none for a dense architecture)."""
     if arch == "MixtralForCausalLM":
         return dict(
-            num_experts=_int(config, "num_local_experts", source),
-            experts_per_token=_int(config, "num_experts_per_tok", source),
+            num_experts=integer(config, "num_local_experts", source),
+            experts_per_token=integer(config, "num_experts_per_tok", source),
         )
     if arch not in QWEN_MOE:
         return {}
-    step = _int(config, "decoder_sparse_step", source, 1)
+    step = integer(config, "decoder_sparse_step", source, 1)
     only = config.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise OffloadError(f"{source}: field 'mlp_only_layers' must be a list of layer indices, got {only!r}")
-    shared = _int(config, "shared_expert_intermediate_size", source) if arch == "Qwen2MoeForCausalLM" else 0
+    shared = integer(config, "shared_expert_intermediate_size", source) if arch == "Qwen2MoeForCausalLM" else 0
     # published configs say num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts
     experts = "num_experts" if config.get("num_local_experts") is None else "num_local_experts"
     return dict(
-        num_experts=_int(config, experts, source),
-        experts_per_token=_int(config, "num_experts_per_tok", source),
-        moe_intermediate_size=_int(config, "moe_intermediate_size", source),
+        num_experts=integer(config, experts, source),
+        experts_per_token=integer(config, "num_experts_per_tok", source),
+        moe_intermediate_size=integer(config, "moe_intermediate_size", source),
         shared_expert_size=shared,
-        norm_topk_prob=_flag(config, "norm_topk_prob", source, False),
+        norm_topk_prob=flag(config, "norm_topk_prob", source, False),
         # transformers' rule: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step
         dense_layers=tuple(i for i in range(num_layers) if i in only or (i + 1) % step),
     )
@@ -298,19 +274,19 @@ def _llama_like_params(s: ModelSpec) -> ParamCounts:
 
 def _opt_spec(config: dict, name: str, source: str) -> ModelSpec:
     """Post-2022 OPT: LayerNorms with bias, biased projections, learned positions, optional embedding projection."""
-    h = _int(config, "hidden_size", source)
-    ffn = _int(config, "ffn_dim", source)
-    heads = _int(config, "num_attention_heads", source)
-    vocab = _int(config, "vocab_size", source)
-    max_position = _int(config, "max_position_embeddings", source)
-    proj = _int(config, "word_embed_proj_dim", source, h)
-    bias = _flag(config, "enable_bias", source, True)
-    norm = 2 * h if _flag(config, "layer_norm_elementwise_affine", source, True) else 0  # weight + bias
-    final_norm = _flag(config, "do_layer_norm_before", source, True) and not _flag(
+    h = integer(config, "hidden_size", source)
+    ffn = integer(config, "ffn_dim", source)
+    heads = integer(config, "num_attention_heads", source)
+    vocab = integer(config, "vocab_size", source)
+    max_position = integer(config, "max_position_embeddings", source)
+    proj = integer(config, "word_embed_proj_dim", source, h)
+    bias = flag(config, "enable_bias", source, True)
+    norm = 2 * h if flag(config, "layer_norm_elementwise_affine", source, True) else 0  # weight + bias
+    final_norm = flag(config, "do_layer_norm_before", source, True) and not flag(
         config, "_remove_final_layer_norm", source, False
     )
     project = proj * h if proj != h else 0  # project_in (embeddings) and project_out (head), no bias
-    tied = _flag(config, "tie_word_embeddings", source, True)
+    tied = flag(config, "tie_word_embeddings", source, True)
     layer = 4 * h * h + 2 * h * ffn + 2 * norm  # q, k, v, out_proj, fc1, fc2, two LayerNorms
     layer += 4 * h + ffn + h if bias else 0
     params = ParamCounts(
@@ -326,21 +302,21 @@ def _opt_spec(config: dict, name: str, source: str) -> ModelSpec:
         vocab_size=vocab,
         hidden_size=h,
         intermediate_size=ffn,
-        num_layers=_int(config, "num_hidden_layers", source),
+        num_layers=integer(config, "num_hidden_layers", source),
         num_heads=heads,
         num_kv_heads=heads,
         head_dim=h // heads,
         max_position=max_position,
         rms_norm_eps=1e-5,  # LayerNorm's epsilon
         rope=None,
-        dtype=_dtype(config, source),
+        dtype=model_dtype(config, source),
         hidden_act=str(config.get("activation_function", "relu")),
         tie_word_embeddings=tied,
         qkv_bias=bias,
         o_bias=bias,
         mlp_bias=bias,
         bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=_eos(config),
+        eos_token_ids=eos(config),
         params=params,
     )
 
@@ -385,43 +361,3 @@ def _sliding_windows(config: dict, architecture: str, num_layers: int) -> tuple[
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         return tuple(window if t == "sliding_attention" else None for t in types)
     return ()
-
-
-def _eos(config: dict) -> tuple[int, ...]:
-    eos = config.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (eos,)
-
-
-def _int(config: dict, key: str, source: str, default: object = _REQUIRED) -> int:
-    """A positive integer field; null counts as absent, as transformers' configs treat it."""
-    value = config.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise OffloadError(f"{source}: missing field {key!r}")
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise OffloadError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _flag(config: dict, key: str, source: str, default: bool) -> bool:
-    value = config.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise OffloadError(f"{source}: field {key!r} must be true or false, got {value!r}")
-    return value
-
-
-def _dtype(config: dict, source: str) -> str:
-    """The checkpoint's dtype; a config that names none holds float32 weights, as transformers reads it."""
-    key = "dtype" if config.get("dtype") is not None else "torch_dtype"  # transformers 5 writes "dtype"
-    value = config.get(key)
-    if value is None:
-        return "float32"
-    dtype = canonical_dtype(value)
-    if dtype is None:
-        raise OffloadError(f"{source}: field {key!r} is {value!r}, not one of {', '.join(DTYPES)}")
-    return dtype

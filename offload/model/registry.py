@@ -11,10 +11,11 @@ from typing import Protocol
 
 import torch
 
-from kernels.paged_attention import PagedBatch
-from kernels.quant_linear import SCALES_SUFFIX, WeightQuant
+from kernels.paged_batch import PagedBatch
+from kernels.quant_linear import SCALES_SUFFIX
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
+from offload.common.quant import WeightQuant
 from tiers.checkpoint import ModelTensors, TensorGroup, TensorSpec
 from tiers.kv import KVLayer
 from tiers.layout import Weights

@@ -169,8 +169,7 @@ def report(
     for i, p in enumerate(fitting[:top], 1):
         lines.append(
             f"{i:>2} {_policy(p)} {p.tokens_per_second:>9.3g} {p.ttft_seconds:>8.3g}s "
-            f"{_gb(p.memory['device']):>10} {_gb(p.memory['host']):>10}  {p.bound:<7} "
-            + _runs_here(p)
+            f"{_gb(p.memory['device']):>10} {_gb(p.memory['host']):>10}  {p.bound:<7} " + _runs_here(p)
         )
     runnable = best(predictions, runnable_only=True)
     if runnable is not None and runnable is not winner:

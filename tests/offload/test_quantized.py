@@ -16,13 +16,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_checkpoint
-from kernels.quant_linear import WeightQuant
 from kernels.quant_matmul import dequantize
 from offload import convert as convert_module
 from offload.api import LLM
 from offload.cli import main
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
+from offload.common.quant import WeightQuant
 from offload.convert import ALIGN, MANIFEST, convert, verify
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
@@ -38,7 +38,7 @@ FORMATS = [
     WeightQuant(8, 0, "cpu"),
     WeightQuant(8, 32, "triton"),
 ]
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], list(range(3, 80))]  # the long one: a prefill-sized product
 KV_BYTES = 1 << 22
 SHAPE = dict(hidden_size=64, intermediate_size=128)  # every projection takes 32-multiple inputs: all are quantized
 

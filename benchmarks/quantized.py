@@ -86,6 +86,8 @@ def run_worker(name: str, model_dir: Path, args: argparse.Namespace, resident: b
     print(f"  {label} done in {time.perf_counter() - start:.0f} s", flush=True)
     if not out.exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        print(f"  {label} failed: {tail[0]}", flush=True)
+        (args.work_dir / f"quantized-{name}{'-resident' if resident else ''}.log").write_text(proc.stdout + proc.stderr)
         return EngineResult(engine=name, status=f"failed: {tail[0]}"[:300])
     result = EngineResult(**json.loads(out.read_text()))
     result.engine = name
@@ -240,6 +242,7 @@ def _row(
         "token_agreement_with_bf16": sum(same) / len(same) if same else 0.0,
         "spread": walls,
         "resident_wall_seconds": [r.wall_seconds for r in resident if r.status == "ok"],
+        "resident_failures": [r.status for r in resident if r.status != "ok"],
     }
 
 

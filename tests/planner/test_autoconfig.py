@@ -199,3 +199,21 @@ def test_cli_memory_plans_like_device_memory(model_dir, held, capsys, monkeypatc
     )
     assert main([*argv, "--memory", cap, "--device-memory", "700000"]) == 2
     assert "are exclusive" in capsys.readouterr().err
+
+
+def test_a_quantized_checkpoint_is_planned_at_its_own_width(model_dir, tmp_path):
+    """An int4 checkpoint: the cost model prices 4-bit layers (smaller: a larger batch fits the same budget)."""
+    from offload.common.quant import WeightQuant
+    from offload.convert import convert
+
+    out = tmp_path / "int4"
+    convert(model_dir, out, WeightQuant(4, 32, "cpu"))
+    base = EngineConfig(device_memory=800_000, dtype="float32")
+    _, dense = autoconfigure(model_dir, base, [8] * 64, 4, slow_disk_cpu())
+    config, quantized = autoconfigure(out, base, [8] * 64, 4, slow_disk_cpu())
+    assert dense.candidate.weight_bits == 32 and quantized.candidate.weight_bits == 4
+    assert not quantized.unsupported
+    assert quantized.memory["device"] <= 800_000
+    with LLM(out, config) as llm:
+        out_ids = llm.generate_ids([[5 + i] * 8 for i in range(4)], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        assert all(len(c.token_ids) == 4 for c in out_ids)

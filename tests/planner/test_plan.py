@@ -99,3 +99,12 @@ def test_nothing_fits_says_by_how_much(capsys):
     )
     assert code == 0
     assert "nothing fits" in out and "over by" in out
+
+
+def test_quantized_candidates_name_the_conversion_that_runs_them(capsys):
+    argv = ["plan", "--model", "llama-3.1-8b", "--hardware", "t4-16gb", "--quantize", "--top", "8"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    rows = [line for line in out.splitlines() if " w4/" in line or " w8/" in line]
+    assert rows and all("yes, converted: offload convert --quant int" in line for line in rows)
+    assert all(line.split(" w")[1][0] == line.split("--quant int")[1][0] for line in rows)  # w4 -> int4, w8 -> int8

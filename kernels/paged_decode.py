@@ -32,6 +32,39 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
+def load_kv_tile(
+    k_head_ptr,
+    v_head_ptr,
+    table_row,  # the sequence's row of the block table
+    tile,
+    ctx,
+    offs_n,  # [TILE] arange
+    offs_d,  # [D_PAD] arange
+    d_mask,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Key positions [tile * TILE, (tile + 1) * TILE) and their K and V ([TILE, D_PAD] each), read in place through
+    the block table. Slots past the context may hold anything (NaN included): they load as 0, never multiplied in."""
+    pos = tile * TILE + offs_n
+    in_ctx = pos < ctx
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    kv_mask = in_ctx[:, None] & d_mask[None, :]
+    k = tl.load(k_head_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kt + offs_d[None, :], kv_mask, 0.0)
+    v = tl.load(v_head_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :], kv_mask, 0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return pos, in_ctx, k, v
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,  # [S, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -102,25 +135,10 @@ def _decode_kernel(
     table_row = tables_ptr + seq.to(tl.int64) * stride_ts
     # every tile in [first_tile, end_tile) holds a visible key, so m_i is finite after the first one
     for tile in range(first_tile, end_tile):
-        pos = tile * TILE + offs_n  # [TILE] key positions
-        in_ctx = pos < ctx
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        kv_mask = in_ctx[:, None] & d_mask[None, :]
-        # slots past the context may hold anything (NaN included): loaded as 0, never multiplied in
-        k = tl.load(
-            k_head_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kt + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [TILE, D_PAD]
-        v = tl.load(
-            v_head_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        pos, in_ctx, k, v = load_kv_tile(
+            k_head_ptr, v_head_ptr, table_row, tile, ctx, offs_n, offs_d, d_mask,
+            stride_kb, stride_kt, stride_vb, stride_vt, TILE, BLOCK_SIZE, DOT_F32,
+        )  # fmt: skip
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [G_PAD, TILE]
         visible = in_ctx & (pos >= lo)
         scores = tl.where(visible[None, :], scores, float("-inf"))

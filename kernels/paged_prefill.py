@@ -22,7 +22,15 @@ import triton
 import triton.language as tl
 
 from kernels.paged_batch import PagedBatch
-from kernels.paged_decode import LOG2E, check_device, check_operands, check_window, dot_options, tile_for
+from kernels.paged_decode import (
+    LOG2E,
+    check_device,
+    check_operands,
+    check_window,
+    dot_options,
+    load_kv_tile,
+    tile_for,
+)
 
 BLOCK_M = 64  # tile rows: queries times query heads per KV head
 
@@ -100,25 +108,10 @@ def _prefill_kernel(
         v_head_ptr = v_ptr + kv_head * stride_vh
         table_row = tables_ptr + seq.to(tl.int64) * stride_ts
         for tile in range(lo // TILE, tl.cdiv(hi, TILE)):
-            pos = tile * TILE + offs_n  # [TILE] key positions
-            in_ctx = pos < ctx
-            block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-            offset = pos % BLOCK_SIZE
-            kv_mask = in_ctx[:, None] & d_mask[None, :]
-            # slots past the context may hold anything (NaN included): loaded as 0, never multiplied in
-            k = tl.load(
-                k_head_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kt + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )  # [TILE, D_PAD]
-            v = tl.load(
-                v_head_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if DOT_F32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            pos, _, k, v = load_kv_tile(
+                k_head_ptr, v_head_ptr, table_row, tile, ctx, offs_n, offs_d, d_mask,
+                stride_kb, stride_kt, stride_vb, stride_vt, TILE, BLOCK_SIZE, DOT_F32,
+            )  # fmt: skip
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, TILE]
             visible = pos[None, :] <= q_pos[:, None]  # causal; implies pos < ctx
             if HAS_WINDOW:

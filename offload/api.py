@@ -16,9 +16,10 @@ from offload.common.model_config import ModelSpec
 from offload.convert import check_runnable
 from offload.core import Delta, EngineCore
 from offload.model.engine import Engine
+from offload.model.expert_streaming import expert_cache, layer_experts, model_layouts
 from offload.model.loader import load_spec
-from offload.model.registry import model_tensors
 from offload.planner.profiles import saved_read_rates
+from offload.run_stats import KV_COUNTERS, RunStats
 from scheduler.batcher import BatchLimits
 from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from tiers.checkpoint import Checkpoint
@@ -28,7 +29,7 @@ from tiers.io.backends import choose_backend, make_backend
 from tiers.io.buffered import BufferedReader
 from tiers.kv import KVCache
 from tiers.kv_pool import kv_key, make_kv_pool
-from tiers.layout import ModelLayout, model_layout
+from tiers.layout import ModelLayout
 from tiers.placement import place_weights
 from tiers.spill import SpillStats, spill_layers
 from tiers.weights import WeightStore
@@ -41,70 +42,6 @@ class Completion:
     token_ids: tuple[int, ...]
     prompt_tokens: int
     finish_reason: str  # "stop" (eos or a stop string) or "length"
-
-
-_KV_COUNTERS = ("prefill_tokens", "prefix_hit_tokens", "prefix_lookup_tokens", "kv_bytes_down", "kv_bytes_up")
-
-
-@dataclass(frozen=True, slots=True)
-class RunStats:
-    """What the last `generate` call did, and how fast."""
-
-    requests: int
-    prompt_tokens: int
-    generated_tokens: int
-    # a step that computed any prefill tokens counts as prefill, a mixed one too (it costs about what a
-    # decode step costs plus its prompt tokens), so that decode_* measure decode-only steps cleanly
-    prefill_seconds: float
-    decode_seconds: float  # decode-only steps
-    decode_tokens: int  # tokens sampled by decode-only steps
-    steps: int
-    preemptions: int
-    peak_kv_blocks: int
-    bytes_read: int  # weight bytes read from storage during the run
-    read_seconds: float  # wall time with at least one weight read in flight
-    stall_seconds: float  # time the engine waited for weight reads
-    # the whole generate call, start to return: scheduling, steps, sampling, stop checks (what a caller waits)
-    wall_seconds: float
-    prefill_tokens: int = 0  # known tokens computed (prompt tokens not found in the prefix cache, recomputation)
-    prefix_hit_tokens: int = 0  # prompt tokens whose keys and values came from cached blocks
-    prefix_lookup_tokens: int = 0  # prompt tokens looked up (admissions; a re-admission after preemption too)
-    kv_bytes_down: int = 0  # KV bytes moved to host RAM or disk
-    kv_bytes_up: int = 0  # KV bytes brought back to the device
-    moved_down: int = 0  # running sequences whose KV moved to host RAM instead of being preempted
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
-
-    @property
-    def step_seconds(self) -> float:
-        """Time inside steps (the engine's pass and sampling); wall_seconds minus this is the loop around them."""
-        return self.prefill_seconds + self.decode_seconds
-
-    @property
-    def compute_seconds(self) -> float:
-        """Wall time not spent waiting for reads."""
-        return max(self.wall_seconds - self.stall_seconds, 0.0)
-
-    @property
-    def read_gbps(self) -> float:
-        return self.bytes_read / max(self.read_seconds, 1e-9) / 1e9
-
-    @property
-    def overlap_efficiency(self) -> float:
-        """max(io, compute) / wall: 1.0 when reads hide entirely behind compute or the reverse."""
-        return max(self.read_seconds, self.compute_seconds) / max(self.wall_seconds, 1e-9)
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Generated tokens over the whole call's wall time (prefill included)."""
-        return self.generated_tokens / max(self.wall_seconds, 1e-9)
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Tokens per second of decode-only steps."""
-        return self.decode_tokens / max(self.decode_seconds, 1e-9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,16 +133,19 @@ class LLM:
         self.host_tier = HostTier(config.host_memory or None)  # 0: no budget, so no layer in host RAM (see HostTier)
         self.kv = self._make_kv_cache()
         with BufferedReader() as reader:  # headers only; tensor data goes through the NVMe backend
-            layout = model_layout(Checkpoint(self.model_dir, reader), model_tensors(self.family, self.spec))
+            checkpoint = Checkpoint(self.model_dir, reader)
+            layout, experts = model_layouts(checkpoint, self.family, self.spec, config.expert_cache_memory > 0)
         # what reads the checkpoint, and why: "auto" by the rates `offload probe` saved here, if it ran
         self.io_backend = choose_backend(config.io_backend, saved_read_rates() if config.io_backend == "auto" else None)
+        self.backend = make_backend(self.io_backend.name)
+        # routed experts stream through a cache of their own, taken from the device budget before layers are placed
+        self.experts = expert_cache(experts, self.backend, self.device_tier, self.dtype, config.expert_cache_memory)
         self.spill: SpillStats | None = None  # streamed layers converted once into --offload-dir
         if config.offload_dir is not None:
             layout, self.spill = spill_layers(
                 layout, self._place, self.dtype, config.offload_dir, config.disk_memory, self.io_backend.name
             )
         self.policy = self._place(layout)
-        self.backend = make_backend(self.io_backend.name)
         self.weights = WeightStore(layout, self.backend, self.policy, self.device_tier, self.host_tier, self.dtype)
         self.kv_key = kv_key(self.model_dir, self.spec, self.dtype, self.kv)
         self.tables, self.host_tables, self.kv_tiers = make_kv_pool(config, self.kv, self.kv_key, self.spec)
@@ -213,7 +153,8 @@ class LLM:
         kv_blocks = max(self.kv.num_blocks, self.host_tables.pool.num_blocks if self.host_tables else 0)
         self.max_model_len = min(self.spec.max_position, kv_blocks * config.block_size)
         host_kv = self.kv_tiers.host_kv if self.host_tables is not None else None
-        self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype, host_kv)
+        experts = layer_experts(self.experts, self.spec)
+        self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype, host_kv, experts)
         limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, self.max_model_len)
         tokenizer = (lambda: self.tokenizer) if has_tokenizer(self.model_dir) else None
         self.core = EngineCore(
@@ -250,6 +191,8 @@ class LLM:
     def close(self) -> None:
         """Let reads in flight land, write the KV blocks queued for disk, close the files. Not usable afterwards."""
         self.weights.close()
+        if self.experts is not None:
+            self.experts.close()
         self.backend.close()
         if self.kv_tiers is not None:
             self.kv_tiers.close()
@@ -339,7 +282,7 @@ class LLM:
         if len(per_prompt) != len(prompt_ids):
             raise OffloadError(f"{len(per_prompt)} sampling params for {len(prompt_ids)} prompts")
         checked = [self._check_ids(list(ids), i) for i, ids in enumerate(prompt_ids)]  # all, before any runs
-        before = self.core.counters()
+        before, experts_before = self.core.counters(), self.experts.stats if self.experts else None
         self.core.peak_kv_blocks = self.tables.num_used
         rids = [
             self.core.add_request(ids, p, stream_text=False, index=i)
@@ -374,7 +317,8 @@ class LLM:
             stall_seconds=after.stall_seconds - before.stall_seconds,
             wall_seconds=time.perf_counter() - called,
             moved_down=after.moved_down - before.moved_down,
-            **{f: getattr(after, f) - getattr(before, f) for f in _KV_COUNTERS},
+            experts=self.experts.stats - experts_before if self.experts else None,
+            **{f: getattr(after, f) - getattr(before, f) for f in KV_COUNTERS},
         )
         return completions
 

@@ -81,6 +81,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "(default 0)",
     )
     p.add_argument(
+        "--expert-cache-memory",
+        default="0",
+        metavar="SIZE",
+        help="part of the device budget for a mixture's routed experts, read only when the router chooses them and "
+        "cached by selection frequency; the rest of each layer is placed like a dense layer (default 0: off, "
+        "whole layers stream; CPU device only)",
+    )
+    p.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="compute every prompt in full instead of reusing the KV blocks of prefixes seen before",
@@ -150,6 +158,7 @@ def engine_config(args: argparse.Namespace):
         prefix_cache=not args.no_prefix_cache,
         kv_host_memory=parse_size(args.kv_host_memory, "--kv-host-memory"),
         kv_disk_memory=parse_size(args.kv_disk_memory, "--kv-disk-memory"),
+        expert_cache_memory=parse_size(args.expert_cache_memory, "--expert-cache-memory"),
     )
     fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
     if config.memory is not None and fixed:
@@ -268,6 +277,13 @@ def _summary(llm, completions) -> str:
     ]
     if pl.spill is not None:
         lines.append(f"spill      {_spill_line(pl.spill, llm.policy.layer_tiers)}")
+    if s.experts is not None:
+        x = s.experts
+        lines.append(
+            f"experts    {x.hits} hits, {x.misses} misses ({x.hit_rate:.0%} hit rate), {format_size(x.bytes_read)} "
+            f"read; prefetch {x.prefetch_used} of {x.prefetches} used ({x.prefetch_accuracy:.0%} accuracy); "
+            f"{format_size(int(s.bytes_per_token))} of weights read per generated token"
+        )
     io = f"i/o        backend {llm.io_backend.name} ({llm.io_backend.why})"
     if s.bytes_read:
         io += (
@@ -337,6 +353,14 @@ def _placement_table(llm) -> str:
         rows.append(f"{i:>6}  {format_size(layout.tensor_bytes):>10}  {tier}")
     counts = Counter(llm.policy.layer_tiers)
     rows.append(", ".join(f"{n} {t}" for t, n in counts.items()) + f"; ring of {llm.policy.ring_slots} slots")
+    if llm.experts is not None:
+        per_layer = Counter(layer for layer, _ in llm.experts.layouts)
+        n = sorted(set(per_layer.values()))
+        rows.append(
+            f"experts: {'/'.join(map(str, n))} per sparse layer in {len(per_layer)} layers, streamed through a cache "
+            f"of {llm.experts.slots} experts ({format_size(llm.experts.budget)} budget, "
+            f"{format_size(llm.experts.slot_cost)} each)"
+        )
     return "\n".join(rows)
 
 

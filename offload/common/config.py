@@ -95,6 +95,10 @@ class EngineConfig:
     kv_host_memory: int = 0  # host RAM for KV blocks demoted from the device part (kept for reuse); 0 = none
     # local disk, in offload_dir, for KV blocks demoted from host RAM; they persist, so later runs start warm; 0 = none
     kv_disk_memory: int = 0
+    # bytes of the device budget for a mixture's routed experts, cached by (layer, expert) and read when the router
+    # chooses them (tiers/experts.py); the rest of each sparse layer is placed like a dense layer. 0 = off: whole
+    # layers are placed and streamed
+    expert_cache_memory: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -122,6 +126,7 @@ class EngineConfig:
             ("memory", self.memory),
             ("kv_host_memory", self.kv_host_memory),
             ("kv_disk_memory", self.kv_disk_memory),
+            ("expert_cache_memory", self.expert_cache_memory),
         ):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise OffloadError(f"{name} must be a non-negative number of bytes, got {value!r}")

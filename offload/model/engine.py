@@ -8,7 +8,7 @@ import torch
 
 from kernels.paged_batch import PagedBatch
 from offload.common.model_config import ModelSpec
-from offload.model.registry import Family, LayerInput
+from offload.model.registry import ExpertSource, Family, LayerInput
 from offload.model.rope import cos_sin, inverse_frequencies
 from scheduler.plan import MicroBatch, StepPlan
 from tiers.kv import KVCache
@@ -42,9 +42,12 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         host_kv: KVCache | None = None,
+        experts: dict[int, ExpertSource] | None = None,
     ) -> None:
         """`host_kv`: the host part of the KV pool, for micro-batches of sequences whose KV lives in host RAM (their
-        attention runs where it lives, on the CPU: the query moves, not the cache)."""
+        attention runs where it lives, on the CPU: the query moves, not the cache). `experts`: each sparse layer's
+        routed experts when they stream apart from the layer's weights (offload/model/expert_streaming.py)."""
+        self.experts = experts or {}
         self.spec, self.family, self.weights, self.kv = spec, family, weights, kv
         self.caches = {"device": kv} | ({"host": host_kv} if host_kv is not None else {})
         self.device, self.dtype = device, dtype
@@ -58,7 +61,7 @@ class Engine:
             w = self.weights.acquire(layer)
             kvs = {tier: cache.layer(layer) for tier, cache in self.caches.items()}
             for i, p in enumerate(prepared):
-                inp = LayerInput(p.cos, p.sin, p.batch, kvs[p.kv_tier])
+                inp = LayerInput(p.cos, p.sin, p.batch, kvs[p.kv_tier], self.experts.get(layer))
                 hidden[i] = self.family.layer(self.spec, layer, w, hidden[i], inp)
             self.weights.release(layer)
         rows = torch.cat([h[p.logit_rows] for h, p in zip(hidden, prepared, strict=True)])

@@ -8,9 +8,10 @@ Embedding, attention, norms and head are the Llama family's; a sparse layer's ML
     out = sum over chosen e of weights[e] * expert_e(x)
 
 Tokens are grouped by expert, so each selected expert runs once over the tokens that chose it, and an
-expert no token chose is never read: its weights come from `get_expert(e)`, looked up per selected
-expert. Qwen-MoE configs may keep some layers dense (mlp_only_layers, decoder_sparse_step); those
-layers hold the Llama MLP.
+expert no token chose is never read: the router runs first, then the selected experts' weights are fetched
+together (from the layer's weights, or, with expert streaming, from the ExpertSource in LayerInput, whose
+reads of all the misses are then issued at once), then the experts run. Qwen-MoE configs may keep some layers
+dense (mlp_only_layers, decoder_sparse_step); those layers hold the Llama MLP.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from kernels.quant_linear import SCALES_SUFFIX
 from offload.common.model_config import ModelSpec
 from offload.model.llama import LlamaFamily, project, rms_norm
-from offload.model.registry import LayerInput
+from offload.model.registry import ExpertSource, LayerInput
 from tiers.checkpoint import TensorSpec
 from tiers.layout import Weights
 
@@ -51,7 +52,7 @@ class MoeFamily(LlamaFamily):
         x = rms_norm(hidden, w["post_norm"], spec.rms_norm_eps)
         if not spec.sparse(layer):
             return hidden + swiglu(spec, w, x)
-        return hidden + sparse_mlp(spec, w, x)
+        return hidden + sparse_mlp(spec, w, x, inp.experts)
 
 
 def moe_tensors(spec: ModelSpec, layer: int) -> dict[str, TensorSpec]:
@@ -77,14 +78,20 @@ def moe_tensors(spec: ModelSpec, layer: int) -> dict[str, TensorSpec]:
     return t
 
 
-def sparse_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    """The mixture's output for x [tokens, hidden] from one sparse layer's weights `w` -> [tokens, hidden]."""
+def sparse_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor, experts: ExpertSource | None = None) -> torch.Tensor:
+    """The mixture's output for x [tokens, hidden] from one sparse layer's weights `w` -> [tokens, hidden]; its
+    routed experts come from `experts` when given, else from `w`."""
+    if experts is None:
+        fetch, per_fetch = (lambda chosen: {e: sub_weights(w, f"expert{e}.") for e in chosen}), spec.num_experts
+    else:
+        fetch, per_fetch = experts.fetch, experts.capacity
     out = experts_forward(
         spec,
         x,
         project(spec, w, "router", x, "router_bias"),
-        lambda e: sub_weights(w, f"expert{e}."),
+        fetch,
         routing_dtype=torch.float32 if spec.architecture in _FLOAT32_ROUTING else x.dtype,
+        per_fetch=per_fetch,
     )
     if spec.shared_expert_size:
         gate = torch.sigmoid(project(spec, w, "shared_gate", x, "shared_gate_bias"))  # [tokens, 1]
@@ -96,14 +103,17 @@ def experts_forward(
     spec: ModelSpec,
     x: torch.Tensor,
     router_logits: torch.Tensor,
-    get_expert: Callable[[int], Weights],
+    fetch: Callable[[list[int]], dict[int, Weights]],
     routing_dtype: torch.dtype,
+    per_fetch: int | None = None,
 ) -> torch.Tensor:
     """sum over each token's top-k experts of routing weight * expert(x), as x's dtype.
 
-    x: [tokens, hidden]; router_logits: [tokens, experts]; get_expert(e): expert e's "gate_proj", "up_proj",
-    "down_proj" (and their scales when quantized), called once for each expert some token chose, in
-    ascending order. The routing weights are cast to `routing_dtype` before they scale the experts' outputs.
+    x: [tokens, hidden]; router_logits: [tokens, experts]; fetch(experts): each listed expert's "gate_proj",
+    "up_proj", "down_proj" (and their scales when quantized). Every expert some token chose is fetched once, in
+    ascending order, all in one call, or in calls of at most `per_fetch` experts (None: no limit), each batch run
+    before the next is fetched. The routing weights are cast to `routing_dtype` before they scale the experts'
+    outputs.
     """
     k = spec.experts_per_token
     probs = torch.softmax(router_logits.float(), dim=-1)
@@ -114,11 +124,16 @@ def experts_forward(
     # the (token, slot) pairs sorted by expert: row r of the flattened [tokens, k] is token r // k
     order = torch.argsort(chosen.flatten(), stable=True)
     experts, counts = torch.unique_consecutive(chosen.flatten()[order], return_counts=True)
+    chosen_experts, groups = experts.tolist(), order.split(counts.tolist())
+    size = per_fetch or len(chosen_experts)
     out = torch.zeros_like(x)
-    for e, rows in zip(experts.tolist(), order.split(counts.tolist()), strict=True):
-        tokens = rows // k  # distinct: a token picks an expert at most once
-        y = swiglu(spec, get_expert(e), x[tokens]) * weights[rows, None]
-        out.index_add_(0, tokens, y.to(out.dtype))
+    for start in range(0, len(chosen_experts), size):
+        batch = chosen_experts[start : start + size]
+        fetched = fetch(batch)
+        for e, rows in zip(batch, groups[start : start + size], strict=True):
+            tokens = rows // k  # distinct: a token picks an expert at most once
+            y = swiglu(spec, fetched[e], x[tokens]) * weights[rows, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
 

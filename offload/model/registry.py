@@ -31,14 +31,28 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 
+class ExpertSource(Protocol):
+    """One sparse layer's routed experts, kept outside the layer's weights (expert streaming)."""
+
+    @property
+    def capacity(self) -> int:
+        """The most experts one fetch may ask for."""
+
+    def fetch(self, experts: list[int]) -> dict[int, Weights]:
+        """Expert e's "gate_proj", "up_proj", "down_proj" (and their scales) for each e of `experts` (ascending),
+        usable until the next fetch."""
+
+
 @dataclass(slots=True)
 class LayerInput:
-    """What every layer of one micro-batch shares: rotary tables, the paged-cache view, the layer's KV."""
+    """What every layer of one micro-batch shares: rotary tables, the paged-cache view, the layer's KV, and a
+    sparse layer's experts when they stream apart from its weights."""
 
     cos: torch.Tensor  # [tokens, head_dim]
     sin: torch.Tensor  # [tokens, head_dim]
     batch: PagedBatch
     kv: KVLayer  # this layer's cache: read by the attention, written with the micro-batch's new keys and values
+    experts: ExpertSource | None = None  # None: the experts are in the layer's weights ("expert{e}.*")
 
 
 class Family(Protocol):

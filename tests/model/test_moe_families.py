@@ -157,7 +157,8 @@ def test_quantized_experts_compute_what_their_dequantized_values_do(tmp_path):
 
 
 def test_experts_forward_reads_only_the_chosen_experts():
-    """Each chosen expert is looked up once, in ascending order; the result is the per-token weighted sum."""
+    """The chosen experts are fetched once each, together, in ascending order; the result is the per-token weighted
+    sum."""
     spec = parse_model_config(
         {
             "architectures": ["Qwen3MoeForCausalLM"],
@@ -187,12 +188,15 @@ def test_experts_forward_reads_only_the_chosen_experts():
         logits[t, a], logits[t, b] = 2.0, 1.0
     asked = []
 
-    def get_expert(e: int):
-        asked.append(e)
-        return experts[e]
+    def fetch(chosen: list[int]):
+        asked.append(chosen)
+        return {e: experts[e] for e in chosen}
 
-    out = experts_forward(spec, x, logits, get_expert, torch.float32)
-    assert asked == [0, 3, 5]
+    out = experts_forward(spec, x, logits, fetch, torch.float32)
+    assert asked == [[0, 3, 5]]
+    asked.clear()
+    torch.testing.assert_close(experts_forward(spec, x, logits, fetch, torch.float32, per_fetch=2), out)
+    assert asked == [[0, 3], [5]]  # a cache of two slots: fetched in batches, each run before the next
     w_first = torch.tensor(2.0).exp() / (torch.tensor(2.0).exp() + torch.tensor(1.0).exp())  # renormalized top-2
     for t, (a, b) in enumerate(choice):
         want = sum(

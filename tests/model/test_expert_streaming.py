@@ -1,0 +1,141 @@
+"""Expert streaming (--expert-cache-memory): routed experts read only when chosen, through a budgeted cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_checkpoint
+from offload.api import LLM
+from offload.cli import _placement_table, _summary
+from offload.common.config import EngineConfig, SamplingParams
+from offload.common.errors import OffloadError
+from offload.common.quant import WeightQuant
+from offload.convert import convert
+from offload.model.expert_streaming import expert_cache, model_layouts
+from offload.model.loader import load_spec
+from tiers.checkpoint import Checkpoint
+from tiers.device import DeviceTier
+from tiers.io.buffered import BufferedReader
+from tiers.placement import group_cost
+
+KV_BYTES = 1 << 22
+PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [[1] + torch.randint(3, 259, (n - 1,), generator=g).tolist() for n in (7, 15)]
+
+
+def _sizes(model: Path) -> tuple[int, int, int, list[int]]:
+    """(one expert's cache cost, all experts' read bytes, the embedding's and head's device cost, each layer's
+    without its experts)."""
+    spec, family = load_spec(model)
+    with BufferedReader() as reader:
+        layout, experts = model_layouts(Checkpoint(model, reader), family, spec, split=True)
+    tier = DeviceTier(None, torch.device("cpu"))
+    fixed = group_cost(layout.embed, torch.float32, tier) + group_cost(layout.head, torch.float32, tier)
+    slot = max(tier.footprint(g.slot_bytes) for g in experts.values())
+    layers = [group_cost(g, torch.float32, tier) for g in layout.layers]
+    return slot, sum(g.read_bytes for g in experts.values()), fixed, layers
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def checkpoint(request, tmp_path_factory):
+    """(model dir, the resident run's tokens), fp32."""
+    path = tmp_path_factory.mktemp(request.param)
+    make_checkpoint(path, request.param)
+    with LLM(path, EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES)) as llm:
+        return path, [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
+
+
+def _config(**fields) -> EngineConfig:
+    return EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES, io_backend="pread", **fields)
+
+
+def test_streamed_experts_give_the_resident_tokens_reading_only_chosen_experts(checkpoint):
+    path, resident = checkpoint
+    slot, expert_bytes, _, _ = _sizes(path)
+    with LLM(path, _config(expert_cache_memory=3 * slot)) as llm:  # fewer than a prefill chooses: fetched in batches
+        assert llm.experts.slots == 3
+        got = [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
+        s = llm.stats
+    assert got == resident
+    x = s.experts
+    assert x.misses > 0 and x.hits + x.misses > 0
+    assert 0 < x.bytes_read < expert_bytes * s.steps  # unchosen experts are never read
+    assert s.bytes_read >= x.bytes_read and s.bytes_per_token == s.bytes_read / s.generated_tokens
+    assert x.prefetches > 0 and x.prefetch_used <= x.prefetches  # the next sparse layer's likely experts
+
+
+def test_a_cache_holding_every_expert_reads_each_once(checkpoint):
+    path, resident = checkpoint
+    slot, expert_bytes, _, _ = _sizes(path)
+    spec, _ = load_spec(path)
+    experts = sum(spec.sparse(i) for i in range(spec.num_layers)) * spec.num_experts
+    with LLM(path, _config(expert_cache_memory=experts * slot)) as llm:
+        assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
+        x = llm.stats.experts
+        assert x.bytes_read <= expert_bytes  # nothing is evicted, so nothing is read twice
+        assert x.misses + x.prefetches == len(llm.experts.cached())
+        assert "experts    " in _summary(llm, [])
+        assert f"cache of {experts} experts" in _placement_table(llm)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])  # Qwen2-MoE: its shared expert stays in the layer
+def test_dense_parts_stream_too_and_the_device_budget_holds(family, tmp_path):
+    make_checkpoint(tmp_path, family)
+    with LLM(tmp_path, EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES)) as llm:
+        resident = [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
+    slot, _, fixed, layers = _sizes(tmp_path)
+    budget = KV_BYTES + fixed + 2 * max(layers) + min(layers) // 2 + 2 * slot  # a two-slot ring: layers stream
+    with LLM(tmp_path, _config(device_memory=budget, expert_cache_memory=2 * slot)) as llm:
+        assert "nvme" in llm.policy.layer_tiers
+        assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
+        llm.device_tier.check_integrity()
+        assert llm.device_tier.peak <= budget
+
+
+def test_a_cache_smaller_than_one_expert_names_the_flag(checkpoint):
+    path, _ = checkpoint
+    slot, *_ = _sizes(path)
+    with pytest.raises(OffloadError, match=f"--expert-cache-memory of {slot - 1} bytes holds no expert"):
+        LLM(path, _config(expert_cache_memory=slot - 1))
+
+
+def test_a_dense_model_has_no_experts_to_stream(tiny_llama):
+    with pytest.raises(OffloadError, match="--expert-cache-memory streams a mixture's experts"):
+        LLM(tiny_llama, _config(expert_cache_memory=1 << 20))
+
+
+def test_quantized_experts_stream_with_their_scales(tmp_path):
+    """int8 experts ("*.qweight" codes and "*.scales") stream as a group each and compute the resident tokens."""
+    make_checkpoint(tmp_path / "float", "qwen2_moe")
+    convert(tmp_path / "float", tmp_path / "int8", WeightQuant(8, 0, "cpu"))
+    model = tmp_path / "int8"
+    with LLM(model, EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES)) as llm:
+        resident = [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
+    with LLM(model, _config(expert_cache_memory=1 << 20)) as llm:
+        assert sorted(llm.experts.layouts[(0, 0)].views(torch.zeros(1 << 20, dtype=torch.uint8))) == [
+            "down_proj",
+            "down_proj.scales",
+            "gate_proj",
+            "gate_proj.scales",
+            "up_proj",
+            "up_proj.scales",
+        ]
+        assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
+        assert llm.stats.experts.misses > 0
+
+
+def test_expert_streaming_on_cuda_is_refused_clearly(checkpoint):
+    path, _ = checkpoint
+    spec, family = load_spec(path)
+    with BufferedReader() as reader:
+        _, experts = model_layouts(Checkpoint(path, reader), family, spec, split=True)
+    tier = DeviceTier(1 << 30, torch.device("cuda"))  # no memory is touched before the refusal
+    with pytest.raises(OffloadError, match="--expert-cache-memory on CUDA"):
+        expert_cache(experts, None, tier, torch.float32, 1 << 20)

@@ -1,0 +1,137 @@
+"""ExpertCache: exact hits, misses, eviction order (least frequently, then least recently selected) and prefetch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from offload.common.errors import OffloadError
+from tiers.checkpoint import Checkpoint
+from tiers.device import DeviceTier
+from tiers.experts import ExpertCache
+from tiers.io.backends import make_backend
+from tiers.io.buffered import BufferedReader
+from tiers.layout import group_layout
+
+LAYERS, EXPERTS = 2, 4
+SHAPES = {"gate_proj": (8, 128), "up_proj": (8, 128), "down_proj": (128, 8)}  # 4 KiB each in float32
+
+
+def _value(layer: int, expert: int, m: str, dtype: torch.dtype) -> torch.Tensor:
+    base = 100 * layer + 10 * expert + list(SHAPES).index(m)
+    return (torch.arange(1024, dtype=torch.float32).reshape(SHAPES[m]) / 1024 + base).to(dtype)
+
+
+def _layouts(path: Path, dtype: torch.dtype = torch.float32):
+    tensors = {
+        f"layers.{i}.experts.{e}.{m}": _value(i, e, m, dtype)
+        for i in range(LAYERS)
+        for e in range(EXPERTS)
+        for m in SHAPES
+    }
+    save_file(tensors, path / "model.safetensors")
+    with BufferedReader() as reader:
+        ckpt = Checkpoint(path, reader)
+        return {
+            (i, e): group_layout({m: ckpt.extent(f"layers.{i}.experts.{e}.{m}") for m in SHAPES})
+            for i in range(LAYERS)
+            for e in range(EXPERTS)
+        }
+
+
+@pytest.fixture
+def make_cache(tmp_path):
+    backend = make_backend("pread", threads=2)
+    layouts = _layouts(tmp_path)
+    slot = DeviceTier(None, torch.device("cpu")).footprint(max(g.slot_bytes for g in layouts.values()))
+
+    def make(slots: int, spare: int = 0) -> ExpertCache:
+        tier = DeviceTier(slots * slot + spare, torch.device("cpu"))
+        return ExpertCache(layouts, backend, tier, slots * slot + spare, torch.float32)
+
+    yield make
+    backend.close()
+
+
+def _check(cache: ExpertCache, layer: int, got: dict) -> None:
+    for e, w in got.items():
+        for m in SHAPES:
+            torch.testing.assert_close(w[m], _value(layer, e, m, torch.float32), rtol=0, atol=0)
+
+
+def test_eviction_is_least_frequently_then_least_recently_selected(make_cache):
+    cache = make_cache(3)
+    assert cache.slots == 3
+    _check(cache, 0, cache.fetch(0, [0, 1]))  # misses 0, 1
+    _check(cache, 0, cache.fetch(0, [1, 2]))  # hit 1, miss 2; selected: 0 once, 1 twice, 2 once
+    assert cache.cached() == [(0, 0), (0, 1), (0, 2)]
+    _check(cache, 0, cache.fetch(0, [3]))  # 0 and 2 were selected once; 0 less recently: evicted
+    assert cache.cached() == [(0, 1), (0, 2), (0, 3)]
+    _check(cache, 0, cache.fetch(0, [0, 3]))  # 2 (once) goes before 1 (twice)
+    assert cache.cached() == [(0, 0), (0, 1), (0, 3)]
+    _check(cache, 0, cache.fetch(0, [0, 1, 2]))  # 3 is the only expert this call does not ask for
+    assert cache.cached() == [(0, 0), (0, 1), (0, 2)]
+    stats = cache.stats
+    assert (stats.hits, stats.misses) == (4, 6)
+    assert stats.bytes_read == sum(cache.layouts[(0, e)].read_bytes for e in (0, 1, 2, 3, 0, 2))
+    assert stats.prefetches == stats.prefetch_used == 0
+    cache.tier.check_integrity()
+    assert cache.tier.peak <= cache.tier.capacity
+
+
+def test_a_fetch_never_evicts_what_it_returns(make_cache):
+    cache = make_cache(2)
+    first = cache.fetch(1, [0, 1])
+    _check(cache, 1, first)
+    with pytest.raises(ValueError, match="3 experts from a cache of 2 slots"):
+        cache.fetch(1, [0, 1, 2])
+
+
+def test_prefetch_uses_free_slots_or_less_selected_ones_and_counts_accuracy(make_cache):
+    cache = make_cache(3)
+    cache.fetch(0, [0, 1])
+    cache.fetch(0, [0, 1])
+    assert cache.predict(0, 3) == [0, 1]  # never-selected experts are not predicted
+    cache.prefetch(1, [2, 3])  # (1, 2) takes the free slot; (1, 3), selected never, evicts nothing
+    assert cache.cached() == [(0, 0), (0, 1), (1, 2)]
+    assert cache.stats.prefetches == 1 and cache.stats.bytes_read == 3 * cache.layouts[(0, 0)].read_bytes
+    _check(cache, 1, cache.fetch(1, [2]))  # waits for the prefetch's reads
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.prefetch_used) == (3, 2, 1)
+    assert cache.stats.prefetch_accuracy == 1.0
+    cache.fetch(1, [2])
+    assert cache.stats.prefetch_used == 1  # a prefetch is used once
+
+
+def test_an_evicted_prefetch_is_not_counted_as_used(make_cache):
+    cache = make_cache(1)
+    cache.prefetch(0, [3])
+    _check(cache, 1, cache.fetch(1, [1]))  # evicts the prefetch (waiting for its read first)
+    assert cache.cached() == [(1, 1)]
+    cache.prefetch(1, [0])  # (1, 1) is what the last fetch returned: never evicted by a prefetch
+    assert cache.cached() == [(1, 1)]
+    assert (cache.stats.prefetches, cache.stats.prefetch_used, cache.stats.prefetch_accuracy) == (1, 0, 0.0)
+    cache.close()
+
+
+def test_a_budget_below_one_expert_names_the_flag(make_cache, tmp_path):
+    with pytest.raises(OffloadError, match="--expert-cache-memory of 4096 bytes holds no expert"):
+        make_cache(0, spare=4096)
+
+
+def test_experts_stored_in_another_dtype_are_converted_inside_the_budget(tmp_path):
+    layouts = _layouts(tmp_path, torch.bfloat16)
+    backend = make_backend("pread", threads=2)
+    probe = ExpertCache(layouts, backend, DeviceTier(None, torch.device("cpu")), 1 << 30, torch.float32)
+    tier = DeviceTier(2 * probe.slot_cost, torch.device("cpu"))
+    cache = ExpertCache(layouts, backend, tier, 2 * probe.slot_cost, torch.float32)
+    for e in range(EXPERTS):
+        w = cache.fetch(0, [e])[e]
+        for m in SHAPES:
+            assert w[m].dtype == torch.float32
+            torch.testing.assert_close(w[m], _value(0, e, m, torch.bfloat16).float(), rtol=0, atol=0)
+    tier.check_integrity()
+    assert tier.peak == tier.used <= tier.capacity
+    backend.close()

@@ -1,0 +1,262 @@
+"""Experts of mixture-of-experts layers, cached on the device by (layer, expert) and read on a miss.
+
+With expert streaming a sparse layer's dense part (attention, norms, router, shared expert) is placed and streamed
+like any layer by the WeightStore; its routed experts live here. Each expert is one GroupLayout of its three
+matrices (and their scales when quantized), read from the checkpoint in few aligned runs into one of `slots`
+equal buffers taken from the device tier once, so the cache never holds more than its own budget, and the device
+tier's budget is never exceeded either. Tensors stored in another float dtype are converted into a second buffer
+of the slot, taken with it.
+
+Eviction is least-frequently-used, ties broken by least recent use. Frequency is an expert's selection count over
+the whole run (kept after it is evicted), the same count the prefetcher ranks by. The layer-major step visits the
+layers in a cycle, and a recency order over a cycle longer than the cache evicts exactly the expert needed next
+(LRU misses on every access); routers favour the same experts step after step, so the experts selected most
+often are the ones worth keeping.
+
+Invariants: an expert a `fetch` returns is never evicted by that call, nor by a `prefetch` before the next fetch
+(compute may still read it); a buffer takes a new read only once the reads into it have landed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, fields
+
+import torch
+
+from offload.common.errors import OffloadError
+from tiers.checkpoint import TORCH_DTYPES
+from tiers.io.base import ReadBackend, ReadRequest
+from tiers.layout import GroupLayout, Weights
+from tiers.memory import MemoryTier
+from tiers.ring import read
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertStats:
+    hits: int = 0  # experts a fetch found cached or already being read (by a prefetch)
+    misses: int = 0  # experts a fetch had to read
+    bytes_read: int = 0  # bytes read from storage for experts (misses and prefetches)
+    prefetches: int = 0  # expert reads started by prefetch
+    prefetch_used: int = 0  # of those, the ones a fetch asked for before they were evicted
+    stall_seconds: float = 0.0  # time a fetch waited for expert reads
+
+    def __sub__(self, other: ExpertStats) -> ExpertStats:
+        return ExpertStats(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.hits + self.misses, 1)
+
+    @property
+    def prefetch_accuracy(self) -> float:
+        return self.prefetch_used / max(self.prefetches, 1)
+
+
+@dataclass(slots=True)
+class _Entry:
+    slot: int  # index of its buffer
+    requests: list[ReadRequest]  # reads in flight; empty once landed
+    weights: Weights | None  # set once landed
+    prefetched: bool  # read by prefetch, not asked for by a fetch since
+    last_use: int  # the fetch call that last asked for it (recency)
+
+
+class ExpertCache:
+    """Every routed expert of the model, `slots` of them on the device at a time (see the module docstring).
+
+    layouts: (layer, expert) -> the expert's read plan, tensors named "gate_proj", "up_proj", "down_proj" (and
+    "*.scales"); budget: bytes of the device tier this cache may take (its buffers are all taken here).
+    """
+
+    def __init__(
+        self,
+        layouts: dict[Key, GroupLayout],
+        backend: ReadBackend,
+        tier: MemoryTier,
+        budget: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.layouts, self.backend, self.tier, self.dtype, self.budget = layouts, backend, tier, dtype, budget
+        read_bytes = max(g.slot_bytes for g in layouts.values())
+        convert_bytes = max(_convert_bytes(g, dtype) for g in layouts.values())
+        self.slot_cost = tier.footprint(read_bytes) + (tier.footprint(convert_bytes) if convert_bytes else 0)  # bytes
+        self.slots = budget // self.slot_cost
+        if self.slots == 0:
+            raise OffloadError(
+                f"--expert-cache-memory of {budget} bytes holds no expert (one expert takes {self.slot_cost} bytes)"
+            )
+        what = "the expert cache (--expert-cache-memory)"
+        self._bufs = [_take(tier, read_bytes, what) for _ in range(self.slots)]
+        self._scratch = [_take(tier, convert_bytes, what) if convert_bytes else None for _ in range(self.slots)]
+        self._free = list(range(self.slots - 1, -1, -1))  # slot indices; pop() takes the lowest
+        self._entries: dict[Key, _Entry] = {}
+        self._experts: dict[int, list[int]] = {}  # layer -> its experts, ascending
+        for layer, e in sorted(layouts):
+            self._experts.setdefault(layer, []).append(e)
+        self.selections: Counter[Key] = Counter()  # fetches that asked for each expert, over the whole run
+        self._calls = 0  # fetch calls so far
+        self._pinned: set[Key] = set()  # what the last fetch returned
+        self._stats = dict.fromkeys((f.name for f in fields(ExpertStats)), 0)
+        self._stats["stall_seconds"] = 0.0
+
+    @property
+    def stats(self) -> ExpertStats:
+        return ExpertStats(**self._stats)
+
+    def cached(self) -> list[Key]:
+        """The experts in the cache (landed or being read), in key order."""
+        return sorted(self._entries)
+
+    def fetch(self, layer: int, experts: list[int]) -> dict[int, Weights]:
+        """The weights of `experts` of `layer` (at most `slots` of them), usable until the next fetch. The misses'
+        reads are all started before any is waited for."""
+        if len(experts) > self.slots:
+            raise ValueError(f"fetch of {len(experts)} experts from a cache of {self.slots} slots")
+        self._calls += 1
+        keys = [(layer, e) for e in experts]
+        self._pinned = set(keys)
+        self.selections.update(keys)
+        for k in keys:
+            entry = self._entries.get(k)
+            if entry is None:
+                self._stats["misses"] += 1
+                self._start(k, self._slot(self._pinned, None), prefetched=False)
+            else:
+                self._stats["hits"] += 1
+                self._stats["prefetch_used"] += entry.prefetched
+                entry.prefetched = False
+        out = {}
+        for e, k in zip(experts, keys, strict=True):
+            entry = self._entries[k]
+            entry.last_use = self._calls
+            out[e] = self._land(k, entry)
+        return out
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """Start reading those of `experts` of `layer` not cached, without waiting. Each takes a free slot, or the
+        slot of an expert selected less often than it; one that finds neither is skipped."""
+        for e in experts:
+            k = (layer, e)
+            if k in self._entries:
+                continue
+            slot = self._slot(self._pinned, self.selections[k])
+            if slot is None:
+                continue
+            self._start(k, slot, prefetched=True)
+            self._stats["prefetches"] += 1
+
+    def predict(self, layer: int, n: int) -> list[int]:
+        """The (at most n) experts of `layer` selected most often so far, most often first (ties: lower number);
+        never-selected experts are not predicted."""
+        ranked = sorted(self._experts.get(layer, []), key=lambda e: (-self.selections[(layer, e)], e))
+        return [e for e in ranked[:n] if self.selections[(layer, e)]]
+
+    def close(self) -> None:
+        """Wait for reads in flight (their buffers must outlive them)."""
+        for entry in self._entries.values():
+            for r in entry.requests:
+                r.wait()
+            entry.requests = []
+
+    # ---- internals ---------------------------------------------------------------------------------
+
+    def _slot(self, keep: set[Key], below: int | None) -> int | None:
+        """A free slot, else the slot of the least frequently (then least recently) selected expert outside `keep`,
+        evicted; with `below`, only one selected fewer than `below` times. None when there is none."""
+        if self._free:
+            return self._free.pop()
+        candidates = [k for k in self._entries if k not in keep]
+        if not candidates:
+            return None
+        victim = min(candidates, key=lambda k: (self.selections[k], self._entries[k].last_use, k))
+        if below is not None and self.selections[victim] >= below:
+            return None
+        entry = self._entries.pop(victim)
+        for r in entry.requests:  # a prefetch still landing in the buffer
+            r.wait()
+        return entry.slot
+
+    def _start(self, key: Key, slot: int, prefetched: bool) -> None:
+        layout = self.layouts[key]
+        self._entries[key] = _Entry(slot, read(self.backend, layout, self._bufs[slot]), None, prefetched, self._calls)
+        self._stats["bytes_read"] += layout.read_bytes
+
+    def _land(self, key: Key, entry: _Entry) -> Weights:
+        if entry.weights is None:
+            start = time.perf_counter()
+            for r in entry.requests:
+                r.wait()
+            self._stats["stall_seconds"] += time.perf_counter() - start
+            entry.requests = []
+            views = self.layouts[key].views(self._bufs[entry.slot])
+            entry.weights = _converted(views, self.dtype, self._scratch[entry.slot])
+        return entry.weights
+
+
+def _take(tier: MemoryTier, nbytes: int, what: str) -> torch.Tensor:
+    buf = tier.allocate(nbytes)
+    if buf is None:
+        raise OffloadError(
+            f"--{tier.name}-memory budget of {tier.capacity} bytes cannot hold {what} ({tier.footprint(nbytes)} bytes "
+            f"a buffer; {tier.used} already in use): lower --expert-cache-memory or raise --{tier.name}-memory"
+        )
+    return buf
+
+
+_CONVERT_ALIGN = 64  # bytes; each converted tensor starts at a multiple of this in the slot's scratch buffer
+
+
+def _needs_convert(code: str, dtype: torch.dtype) -> bool:
+    stored = TORCH_DTYPES[code][0]
+    return stored.is_floating_point and stored != dtype
+
+
+def _convert_bytes(layout: GroupLayout, dtype: torch.dtype) -> int:
+    """Bytes of scratch the tensors of `layout` stored in another float dtype take converted to `dtype`."""
+    converted = [t.nbytes // TORCH_DTYPES[t.dtype][1] * dtype.itemsize for t in layout.tensors]
+    return sum(_rounded(n) for n, t in zip(converted, layout.tensors, strict=True) if _needs_convert(t.dtype, dtype))
+
+
+def _rounded(nbytes: int) -> int:
+    return -(-nbytes // _CONVERT_ALIGN) * _CONVERT_ALIGN
+
+
+def _converted(views: Weights, dtype: torch.dtype, scratch: torch.Tensor | None) -> Weights:
+    """`views` with float tensors of another dtype copied, converted to `dtype`, into `scratch`."""
+    out, offset = {}, 0
+    for name, view in views.items():
+        if not view.dtype.is_floating_point or view.dtype == dtype:
+            out[name] = view
+            continue
+        nbytes = view.numel() * dtype.itemsize
+        target = scratch[offset : offset + nbytes].view(dtype).reshape(view.shape)
+        out[name] = target.copy_(view)
+        offset += _rounded(nbytes)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class LayerExperts:
+    """One sparse layer's experts, as the model family fetches them; each fetch then prefetches `ahead` experts of
+    `next_layer` (the next sparse layer, in the engine's cyclic order) predicted by selection frequency, so their
+    reads overlap this layer's compute."""
+
+    cache: ExpertCache
+    layer: int
+    next_layer: int
+    ahead: int  # experts to prefetch; 0: none
+
+    @property
+    def capacity(self) -> int:
+        """The most experts one fetch may ask for."""
+        return self.cache.slots
+
+    def fetch(self, experts: list[int]) -> dict[int, Weights]:
+        out = self.cache.fetch(self.layer, experts)
+        if self.ahead:
+            self.cache.prefetch(self.next_layer, self.cache.predict(self.next_layer, self.ahead))
+        return out

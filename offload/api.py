@@ -299,6 +299,8 @@ class LLM:
                 self.core.abort(rid)
             self.core.step()
             raise
+        if self.experts is not None:
+            self.experts.settle()  # prefetches in flight are counted where they were started
         after = self.core.counters()
         prompts = prompts or [None] * len(rids)
         completions = [_completion(p, ids, outputs[rid]) for p, ids, rid in zip(prompts, checked, rids, strict=True)]

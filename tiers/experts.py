@@ -155,12 +155,16 @@ class ExpertCache:
         ranked = sorted(self._experts.get(layer, []), key=lambda e: (-self.selections[(layer, e)], e))
         return [e for e in ranked[:n] if self.selections[(layer, e)]]
 
-    def close(self) -> None:
-        """Wait for reads in flight (their buffers must outlive them)."""
+    def settle(self) -> None:
+        """Wait for reads in flight (prefetches), so that the backend's byte counters include them."""
         for entry in self._entries.values():
             for r in entry.requests:
                 r.wait()
             entry.requests = []
+
+    def close(self) -> None:
+        """Wait for reads in flight (their buffers must outlive them)."""
+        self.settle()
 
     # ---- internals ---------------------------------------------------------------------------------
 

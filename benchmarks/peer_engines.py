@@ -13,7 +13,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -268,6 +268,7 @@ def generate_ours(model_dir: Path, config: EngineConfig, workload: Workload) -> 
             "preemptions": stats.preemptions,
             "micro_batch_tokens": config.micro_batch_tokens,
             "layer_tiers": list(tiers),
+            "experts": asdict(stats.experts) if stats.experts is not None else None,
         },
     )
 

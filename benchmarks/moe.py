@@ -1,0 +1,225 @@
+"""Mixture-of-experts streaming: by expert (with the expert cache) against by whole layer against Accelerate.
+
+    python benchmarks/moe.py [--work-dir ~/.cache/offload/bench] [--batches 1,8] [--new-tokens 32] [--quick]
+
+The checkpoint is benchmarks/moe_checkpoint.py's synthetic Mixtral (random bf16 weights, 8 experts, top-2, about
+3 GB); the weight budget is a quarter of its bytes (the KV cache comes on top). Each engine runs greedy generation
+of --new-tokens tokens for prompts of 32 random token ids, at each batch of --batches, in its own process after the
+page cache is dropped (Accelerate's checkpoint and offload folder are evicted before every forward pass, that
+eviction's time left out of its wall time, as in benchmarks/offload_vs_peers.py):
+
+  experts     this engine, --expert-cache-memory: the dense part of every layer resident, the rest of the budget
+              an expert cache; only the experts the router chooses are read
+  layers      this engine streaming whole layers (every expert of a layer read on every pass)
+  accelerate  transformers + Accelerate, device_map="auto" with max_memory={"cpu": budget} and an offload folder
+
+Reported per engine and batch: tokens/s, bytes read from storage per generated token (/proc/self/io), and the
+physical limit of the run: its own bytes at the best cold O_DIRECT read rate of the checkpoint, or (for this
+engine's runs) its time with every weight resident, whichever is larger. Prints a table and the goals and writes
+benchmarks/results/moe.json with the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from bench_common import machine, timestamp, write_report
+from moe_checkpoint import QUICK_SHAPE, SHAPE, ensure_mixtral
+from offload_vs_peers import raw_bandwidth
+from peer_engines import EngineResult, Workload, drop_page_cache, files_under, generate_ours, ours_config, rss_bytes
+
+RESULTS = Path(__file__).parent / "results" / "moe.json"
+ENGINES = ("experts", "layers", "accelerate")
+GOALS = {"bytes_fraction": 0.40, "speedup_vs_layers": 2.0, "speedup_vs_accelerate": 6.0}  # at batch 1
+MARGIN = 16  # a 16th of the budget (at most 16 MiB) is left beside the resident dense parts and the expert cache
+
+
+def checkpoint_bytes(model_dir: Path) -> tuple[int, int]:
+    """(bytes of the routed experts' tensors, bytes of every other tensor) from the safetensors headers."""
+    from tiers.checkpoint import Checkpoint
+    from tiers.io.buffered import BufferedReader
+
+    with BufferedReader() as reader:
+        extents = Checkpoint(model_dir, reader).extents.values()
+    experts = sum(e.nbytes for e in extents if ".experts." in e.name)
+    return experts, sum(e.nbytes for e in extents) - experts
+
+
+def run_engine(name: str, model_dir: Path, budget: int | None, workload: Workload, scratch: Path) -> EngineResult:
+    """One engine in this process (the worker side)."""
+    if name == "accelerate":
+        from peer_engines import run_accelerate
+
+        return run_accelerate(model_dir, budget, workload, scratch)
+    config = ours_config(model_dir, budget, workload)
+    if name == "experts":
+        from offload.model.loader import load_spec
+
+        spec, _ = load_spec(model_dir)
+        experts, dense = checkpoint_bytes(model_dir)
+        per_expert = experts // (spec.num_layers * spec.num_experts)
+        margin = min(budget // MARGIN, 16 << 20)
+        cache = max(budget - dense - margin, per_expert)  # dense parts resident, the rest caches experts
+        config = replace(config, expert_cache_memory=cache)
+    baseline = rss_bytes()
+    result = generate_ours(model_dir, config, workload)
+    result.engine, result.baseline_rss_bytes = name, baseline
+    result.extra["expert_cache_memory"] = config.expert_cache_memory
+    return result
+
+
+def run_worker(name: str, model_dir: Path, args: argparse.Namespace, batch: int, budget: int | None) -> EngineResult:
+    """Drop the page cache, run one engine in a fresh interpreter, read back its result."""
+    out = args.work_dir / f"result-moe-{name}.json"
+    out.unlink(missing_ok=True)
+    method = drop_page_cache(files_under(model_dir, args.work_dir / "accelerate_offload"))
+    workload = Workload(prompts=batch, prompt_tokens=32, new_tokens=args.new_tokens)
+    cmd = [sys.executable, __file__, "--worker", name, "--model", str(model_dir), "--result", str(out)]
+    cmd += ["--work-dir", str(args.work_dir), "--workload", json.dumps(asdict(workload))]
+    cmd += ["--budget-bytes", str(budget)] if budget is not None else []
+    label = f"{name} at batch {batch}"
+    print(f"running {label} (page cache: {method}) ...", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    print(f"  {label} done in {time.perf_counter() - start:.0f} s", flush=True)
+    if not out.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        print(f"  {label} failed: {tail[0]}", flush=True)
+        (args.work_dir / f"moe-{name}-{batch}.log").write_text(proc.stdout + proc.stderr)
+        return EngineResult(engine=name, status=f"failed: {tail[0]}"[:300])
+    return EngineResult(**json.loads(out.read_text()))
+
+
+def row(r: EngineResult, limit_gbps: float, resident: EngineResult | None) -> dict:
+    """`resident`: this engine's run with every weight resident (its compute); None for a peer, whose limit is then
+    its bytes at the raw read rate only."""
+    if r.status != "ok":
+        return {"status": r.status}
+    io = r.storage_bytes_read / (limit_gbps * 1e9)
+    compute = resident.wall_seconds if resident is not None and resident.status == "ok" else 0.0
+    limit = max(io, compute)
+    out = {
+        "status": "ok",
+        "tokens_per_second": r.tokens_per_second,
+        "wall_seconds": r.wall_seconds,
+        "generated_tokens": r.generated_tokens,
+        "storage_bytes_read": r.storage_bytes_read,
+        "bytes_per_token": r.storage_bytes_read / max(r.generated_tokens, 1),
+        "limit_seconds": limit,
+        "limit_binds": "disk" if io >= compute else "compute",
+        "x_limit": r.wall_seconds / limit if limit else None,
+        "peak_rss_bytes": r.peak_rss_bytes,
+        "baseline_rss_bytes": r.baseline_rss_bytes,
+        "layers_streamed": r.layers_streamed,
+        "token_ids": r.token_ids,
+    }
+    experts = r.extra.get("experts")
+    if experts:
+        out["experts"] = experts
+    out["expert_cache_memory"] = r.extra.get("expert_cache_memory")
+    return out
+
+
+def table(rows: dict[str, dict[int, dict]]) -> str:
+    head = f"{'engine':<11} {'batch':>5} {'tok/s':>8} {'MB read/token':>13} {'limit tok/s':>11} {'x limit':>7} "
+    head += f"{'binds':>7}"
+    lines = [head, "-" * len(head)]
+    for name, by_batch in rows.items():
+        for batch, r in by_batch.items():
+            if r["status"] != "ok":
+                lines.append(f"{name:<11} {batch:>5} {r['status']}")
+                continue
+            lim = r["generated_tokens"] / r["limit_seconds"] if r["limit_seconds"] else float("nan")
+            lines.append(
+                f"{name:<11} {batch:>5} {r['tokens_per_second']:>8.2f} {r['bytes_per_token'] / 1e6:>13.0f} "
+                f"{lim:>11.2f} {r['x_limit']:>6.2f}x {r['limit_binds']:>7}"
+            )
+    return "\n".join(lines)
+
+
+def main_run(args: argparse.Namespace) -> dict:
+    shape = QUICK_SHAPE if args.quick else SHAPE
+    model_dir = ensure_mixtral(args.work_dir, shape)
+    files = sorted(model_dir.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in files)
+    budget = total // (2 if args.quick else 4)  # a tiny model's embedding and head alone take a quarter
+    raw = raw_bandwidth(files)
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    engines = [e for e in ENGINES if e in args.engines.split(",")]
+    rows: dict[str, dict[int, dict]] = {e: {} for e in engines}
+    for batch in batches:
+        resident = run_worker("layers", model_dir, args, batch, None)  # every weight resident: the compute half
+        for name in engines:
+            if name == "accelerate" and batch not in (1, batches[0]):
+                continue
+            result = run_worker(name, model_dir, args, batch, budget)
+            rows[name][batch] = row(result, max(raw["runs_gbps"]), resident if name != "accelerate" else None)
+    print()
+    print(table(rows))
+    print()
+    goal_rows = []
+    one = {name: rows[name].get(1, {}) for name in engines}
+    if all(r.get("status") == "ok" for r in one.values()):
+        ex, la, ac = (one.get(n, {}) for n in ENGINES)
+        measured = {
+            "bytes_fraction": ex["bytes_per_token"] / la["bytes_per_token"],
+            "speedup_vs_layers": ex["tokens_per_second"] / la["tokens_per_second"],
+            "speedup_vs_accelerate": ex["tokens_per_second"] / ac["tokens_per_second"] if ac else None,
+        }
+        for goal, target in GOALS.items():
+            value = measured[goal]
+            if value is None:
+                continue
+            met = value <= target if goal == "bytes_fraction" else value >= target
+            verdict = "met" if met else "not met"
+            goal_rows.append({"goal": goal, "target": target, "measured": value, "verdict": verdict})
+            print(f"{'met' if met else 'NOT MET':<7} {goal} at batch 1: {value:.2f} (target {target})")
+    for r in (x for by_batch in rows.values() for x in by_batch.values()):
+        if r.get("x_limit") is not None and r["x_limit"] < 1:
+            print("a run was faster than its physical limit: the limit is wrong")
+    report = {
+        "benchmark": "moe",
+        "date": timestamp(),
+        "machine": machine(args.work_dir),
+        "checkpoint": {"dir": str(model_dir), **shape, "bytes": total},
+        "budget_bytes": budget,
+        "raw_read": raw,
+        "new_tokens": args.new_tokens,
+        "results": {name: {str(b): r for b, r in by_batch.items()} for name, by_batch in rows.items()},
+        "goals": goal_rows,
+    }
+    write_report(args.out, report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench"))
+    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (Accelerate: the first only)")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="a subset of experts,layers,accelerate")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="a tiny Mixtral (a smoke test)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.work_dir = args.work_dir.expanduser()
+    if args.worker:
+        workload = Workload(**json.loads(args.workload))
+        result = run_engine(args.worker, args.model, args.budget_bytes, workload, args.work_dir)
+        args.result.write_text(json.dumps(asdict(result)))
+        return None
+    return main_run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -73,23 +73,26 @@ def machine(work_dir: Path) -> dict[str, str | int | None]:
     return host() | {"ram_bytes": ram_bytes(), "work_dir": str(work_dir.resolve())} | storage(work_dir)
 
 
-def ensure_checkpoint(model_dir: Path, shape: Mapping[str, int]) -> Path:
-    """A random-weight bf16 Llama in Hugging Face layout (safetensors) at `model_dir`, written once and reused.
+def ensure_checkpoint(model_dir: Path, shape: Mapping[str, int], family: str = "llama") -> Path:
+    """A random-weight bf16 Llama (or, `family` "mixtral", Mixtral) in Hugging Face layout (safetensors) at
+    `model_dir`, written once and reused.
 
-    `shape` holds LlamaConfig fields (hidden_size, num_hidden_layers, vocab_size, ...); the weights are seeded,
+    `shape` holds the config's fields (hidden_size, num_hidden_layers, vocab_size, ...); the weights are seeded,
     the head is untied, bos and eos are ids 1 and 2. The directory's name must change with the shape.
     """
     if (model_dir / "config.json").exists() and any(model_dir.glob("*.safetensors")):
         return model_dir
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(**shape, dtype="bfloat16", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    name = {"llama": "Llama", "mixtral": "Mixtral"}[family]
+    config_class, model_class = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+    config = config_class(**shape, dtype="bfloat16", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # never materialise a float32 copy of the weights
     try:
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     finally:
         torch.set_default_dtype(default)
     model_dir.parent.mkdir(parents=True, exist_ok=True)

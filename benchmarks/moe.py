@@ -23,16 +23,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench_common import machine, timestamp, write_report
 from moe_checkpoint import QUICK_SHAPE, SHAPE, ensure_mixtral
 from offload_vs_peers import raw_bandwidth
-from peer_engines import EngineResult, Workload, drop_page_cache, files_under, generate_ours, ours_config, rss_bytes
+from peer_engines import (
+    EngineResult,
+    Workload,
+    drop_page_cache,
+    files_under,
+    generate_ours,
+    ours_config,
+    rss_bytes,
+    run_isolated,
+)
 
 RESULTS = Path(__file__).parent / "results" / "moe.json"
 ENGINES = ("experts", "layers", "accelerate")
@@ -77,23 +84,13 @@ def run_engine(name: str, model_dir: Path, budget: int | None, workload: Workloa
 def run_worker(name: str, model_dir: Path, args: argparse.Namespace, batch: int, budget: int | None) -> EngineResult:
     """Drop the page cache, run one engine in a fresh interpreter, read back its result."""
     out = args.work_dir / f"result-moe-{name}.json"
-    out.unlink(missing_ok=True)
     method = drop_page_cache(files_under(model_dir, args.work_dir / "accelerate_offload"))
     workload = Workload(prompts=batch, prompt_tokens=32, new_tokens=args.new_tokens)
     cmd = [sys.executable, __file__, "--worker", name, "--model", str(model_dir), "--result", str(out)]
     cmd += ["--work-dir", str(args.work_dir), "--workload", json.dumps(asdict(workload))]
     cmd += ["--budget-bytes", str(budget)] if budget is not None else []
-    label = f"{name} at batch {batch}"
-    print(f"running {label} (page cache: {method}) ...", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    print(f"  {label} done in {time.perf_counter() - start:.0f} s", flush=True)
-    if not out.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        print(f"  {label} failed: {tail[0]}", flush=True)
-        (args.work_dir / f"moe-{name}-{batch}.log").write_text(proc.stdout + proc.stderr)
-        return EngineResult(engine=name, status=f"failed: {tail[0]}"[:300])
-    return EngineResult(**json.loads(out.read_text()))
+    log = args.work_dir / f"moe-{name}-{batch}.log"
+    return run_isolated(name, f"{name} at batch {batch}", cmd, out, log, method)
 
 
 def best_read_rate(raw: dict, runs: list[EngineResult]) -> float:

@@ -13,6 +13,8 @@ import argparse
 from collections.abc import Mapping
 from pathlib import Path
 
+from bench_common import ensure_checkpoint
+
 SHAPE = {  # 16 layers of 8 experts of 3 x 1024 x 3584: 2.82 GB of experts, 3.0 GB in all
     "hidden_size": 1024,
     "intermediate_size": 3584,
@@ -31,28 +33,9 @@ def ensure_mixtral(work_dir: Path, shape: Mapping[str, int] = SHAPE, tokenizer: 
     """A random-weight bf16 Mixtral of `shape` in Hugging Face layout under `work_dir`, written once and reused;
     with `tokenizer`, the demo model's tokenizer beside it (built first if missing), for text prompts."""
     name = "mixtral-" + "-".join(f"{shape[k]}" for k in ("num_hidden_layers", "hidden_size", "num_local_experts"))
-    model_dir = work_dir / f"{name}-bf16"
-    if (model_dir / "config.json").exists() and any(model_dir.glob("*.safetensors")):
-        if tokenizer:
-            _add_tokenizer(model_dir)
-        return model_dir
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(**shape, dtype="bfloat16", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # never materialise a float32 copy of the weights
-    try:
-        model = MixtralForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    tmp = model_dir.with_name(model_dir.name + ".tmp")
-    model.save_pretrained(tmp)
+    model_dir = ensure_checkpoint(work_dir / f"{name}-bf16", shape, family="mixtral")
     if tokenizer:
-        _add_tokenizer(tmp)
-    tmp.rename(model_dir)
+        _add_tokenizer(model_dir)
     return model_dir
 
 

@@ -9,8 +9,10 @@ does with O_DIRECT) left out of every engine's time.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import subprocess
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
@@ -136,6 +138,25 @@ def peak_rss_bytes() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_isolated(name: str, label: str, cmd: list[str], out: Path, log: Path, method: str) -> EngineResult:
+    """Run `cmd` (a worker writing an EngineResult as JSON to `out`) in a fresh interpreter and read the result back;
+    a worker that wrote none is a failed result, its output kept in `log`. `method`: how the page cache was dropped."""
+    out.unlink(missing_ok=True)
+    print(f"running {label} (page cache: {method}) ...", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    print(f"  {label} done in {time.perf_counter() - start:.0f} s", flush=True)
+    if not out.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        print(f"  {label} failed: {tail[0]}", flush=True)
+        log.write_text(proc.stdout + proc.stderr)
+        return EngineResult(engine=name, status=f"failed: {tail[0]}"[:300])
+    result = EngineResult(**json.loads(out.read_text()))
+    result.engine = name
+    result.extra["page_cache"] = method
+    return result
 
 
 # ---- the engines -----------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -28,7 +27,16 @@ from pathlib import Path
 
 from bench_common import ensure_checkpoint, machine, timestamp, write_report
 from offload_vs_peers import fastest_passes, median_run, physical_limit, rounds, spread, streamed_read
-from peer_engines import SHAPE, EngineResult, Workload, drop_page_cache, files_under, peers_checkpoint, run_ours
+from peer_engines import (
+    SHAPE,
+    EngineResult,
+    Workload,
+    drop_page_cache,
+    files_under,
+    peers_checkpoint,
+    run_isolated,
+    run_ours,
+)
 
 RESULTS = Path(__file__).parent / "results" / "quantized.json"
 WORKLOAD = Workload(prompts=8, prompt_tokens=32, new_tokens=64)
@@ -74,25 +82,13 @@ def worker_main(args: argparse.Namespace) -> None:
 def run_worker(name: str, model_dir: Path, args: argparse.Namespace, resident: bool) -> EngineResult:
     """Drop the page cache, run one format in a fresh interpreter, read back its result."""
     out = args.work_dir / f"result-quantized-{name}.json"
-    out.unlink(missing_ok=True)
     method = drop_page_cache(files_under(model_dir))
     cmd = [sys.executable, __file__, "--worker", "--model", str(model_dir), "--result", str(out)]
     cmd += ["--work-dir", str(args.work_dir), "--budget", args.budget, "--layers", str(args.layers)]
     cmd += ["--workload", json.dumps(asdict(args.workload))] + (["--resident"] if resident else [])
     label = f"{name} ({'all resident' if resident else 'streamed'})"
-    print(f"running {label} (page cache: {method}) ...", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    print(f"  {label} done in {time.perf_counter() - start:.0f} s", flush=True)
-    if not out.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        print(f"  {label} failed: {tail[0]}", flush=True)
-        (args.work_dir / f"quantized-{name}{'-resident' if resident else ''}.log").write_text(proc.stdout + proc.stderr)
-        return EngineResult(engine=name, status=f"failed: {tail[0]}"[:300])
-    result = EngineResult(**json.loads(out.read_text()))
-    result.engine = name
-    result.extra["page_cache"] = method
-    return result
+    log = args.work_dir / f"quantized-{name}{'-resident' if resident else ''}.log"
+    return run_isolated(name, label, cmd, out, log, method)
 
 
 def limit_of(name: str, model_dir: Path, streamed: list[EngineResult], resident: list[EngineResult]) -> dict:

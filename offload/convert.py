@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from kernels.quant_linear import cpu_pack_probe, to_cpu_layout
+from kernels.quant_linear import SCALES_SUFFIX, cpu_pack_probe, to_cpu_layout
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec, read_config
 from offload.common.quant import QUANT_METHOD, WeightQuant
 from offload.model.loader import load_spec
-from offload.model.registry import model_tensors, quantizable
-from tiers.checkpoint import INDEX_FILE, TORCH_DTYPES, Checkpoint, weights_fingerprint
+from offload.model.registry import model_tensors, quantized_tensors
+from tiers.checkpoint import INDEX_FILE, TORCH_DTYPES, Checkpoint, ModelTensors, TensorSpec, weights_fingerprint
 from tiers.io.buffered import BufferedReader
 
 MANIFEST = "offload-quant.json"
@@ -48,7 +48,7 @@ class Planned:
     """One output tensor: where it comes from and how it is made."""
 
     name: str  # in the output checkpoint
-    source: str  # the source tensor it is made from
+    source: TensorSpec  # the source tensor it is made from
     dtype: str  # safetensors code of what is written
     shape: tuple[int, ...]
     part: str  # "copy" | "codes" | "scales"
@@ -79,24 +79,14 @@ def convert(model_dir: Path, out: Path, quant: WeightQuant) -> ConvertStats:
     if out.exists():
         raise OffloadError(f"--out {out}: already exists (choose a new directory; nothing is overwritten)")
     store_dtype = getattr(torch, spec.dtype)  # scales and float tensors keep the model's declared dtype
-    tensors = model_tensors(family, spec)
-    plan: list[Planned] = []
-    for group, quantize_it in ((tensors.embed, False), *((g, True) for g in tensors.layers), (tensors.head, False)):
-        for short, t in group.items():
-            if quantize_it and quantizable(short, t, quant):
-                prefix = t.name.removesuffix(".weight")
-                n, k = t.shape
-                plan.append(Planned(prefix + ".qweight", t.name, quant.code_dtype, quant.codes_shape(n, k), "codes"))
-                plan.append(Planned(prefix + ".scales", t.name, CODES[store_dtype], quant.scales_shape(n, k), "scales"))
-            else:
-                plan.append(Planned(t.name, t.name, CODES[store_dtype], t.shape, "copy"))
+    plan = _plan(model_tensors(family, spec), quant, CODES[store_dtype])
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         with BufferedReader() as reader:
             source = Checkpoint(model_dir, reader)
             for p in plan:
-                source.check(p.source, tuple(_source_shape(tensors, p.source)))
+                source.check(p.source.name, p.source.shape)
             shards = _shards(plan)
             files, crcs, read_bytes = {}, {}, 0
             for i, shard in enumerate(shards):
@@ -133,12 +123,19 @@ def convert(model_dir: Path, out: Path, quant: WeightQuant) -> ConvertStats:
     )
 
 
-def _source_shape(tensors, name: str) -> tuple[int, ...]:
-    for group in (tensors.embed, tensors.head, *tensors.layers):
-        for t in group.values():
-            if t.name == name:
-                return t.shape
-    raise KeyError(name)
+def _plan(tensors: ModelTensors, quant: WeightQuant, float_code: str) -> list[Planned]:
+    """Every output tensor, in checkpoint order: the layers' tensors as the engine reads a `quant` checkpoint
+    (offload.model.registry.quantized_tensors names them), the embedding and head copied."""
+    plan = [Planned(t.name, t, float_code, t.shape, "copy") for t in tensors.embed.values()]
+    for group in tensors.layers:
+        for short, t in quantized_tensors(group, quant).items():
+            if short.endswith(SCALES_SUFFIX):
+                plan.append(Planned(t.name, group[short.removesuffix(SCALES_SUFFIX)], float_code, t.shape, "scales"))
+            elif t.name != group[short].name:
+                plan.append(Planned(t.name, group[short], t.dtype, t.shape, "codes"))
+            else:
+                plan.append(Planned(t.name, t, float_code, t.shape, "copy"))
+    return plan + [Planned(t.name, t, float_code, t.shape, "copy") for t in tensors.head.values()]
 
 
 def _shards(plan: list[Planned]) -> list[list[Planned]]:
@@ -181,12 +178,12 @@ def _write_shard(
         digest.update(header)
         start = len(header)
         for p, offset in zip(shard, offsets, strict=True):
-            if p.source not in made:  # codes and scales come from one read and one quantization
-                ext = source.extent(p.source)
+            if p.source.name not in made:  # codes and scales come from one read and one quantization
+                ext = source.extent(p.source.name)
                 w = source.read(ext)
                 read_bytes += ext.nbytes
-                made = {p.source: _make(w, quant, store_dtype, quantized=p.part != "copy")}
-            data = made[p.source][p.part].contiguous()
+                made = {p.source.name: _make(w, quant, store_dtype, quantized=p.part != "copy")}
+            data = made[p.source.name][p.part].contiguous()
             assert data.dtype == TORCH_DTYPES[p.dtype][0] and tuple(data.shape) == p.shape, (p, data.shape)
             raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
             pad = start + offset - f.tell()

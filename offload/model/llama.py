@@ -75,9 +75,10 @@ class LlamaFamily:
         x = rms_norm(hidden, w["input_norm"], spec.rms_norm_eps)
         attention = self._attention(spec, layer, w, x, inp)
         x, hidden = fused_rms_norm(attention, w["post_norm"], spec.rms_norm_eps, residual=hidden)  # the residual add
-        gate = project(spec, w, "gate_proj", x, "gate_bias")
-        up = project(spec, w, "up_proj", x, "up_bias")
-        return hidden + project(spec, w, "down_proj", F.silu(gate) * up, "down_bias")
+        return hidden + self._mlp(spec, layer, w, x, inp)
+
+    def _mlp(self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput) -> torch.Tensor:
+        return swiglu(spec, w, x)
 
     def _attention(self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput) -> torch.Tensor:
         tokens, d = x.shape[0], spec.head_dim
@@ -97,6 +98,13 @@ class LlamaFamily:
 
     def head(self, spec: ModelSpec, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(hidden, w["norm"], spec.rms_norm_eps), w["lm_head"])  # [tokens, vocab]
+
+
+def swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for x [tokens, hidden] and w's "gate_proj", "up_proj", "down_proj" (and biases)."""
+    gate = project(spec, w, "gate_proj", x, "gate_bias")
+    up = project(spec, w, "up_proj", x, "up_bias")
+    return project(spec, w, "down_proj", F.silu(gate) * up, "down_bias")
 
 
 def project(spec: ModelSpec, w: Weights, name: str, x: torch.Tensor, bias: str) -> torch.Tensor:

@@ -19,11 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from kernels.quant_linear import SCALES_SUFFIX
 from offload.common.model_config import ModelSpec
-from offload.model.llama import LlamaFamily, project, rms_norm
+from offload.model.llama import LlamaFamily, project, swiglu
 from offload.model.registry import ExpertSource, LayerInput
 from tiers.checkpoint import TensorSpec
 from tiers.layout import Weights
@@ -45,14 +44,9 @@ class MoeFamily(LlamaFamily):
             del t[name]
         return t | moe_tensors(spec, layer)
 
-    def layer(self, spec: ModelSpec, layer: int, w: Weights, hidden: torch.Tensor, inp: LayerInput) -> torch.Tensor:
-        # hidden: [tokens, hidden_size]
-        x = rms_norm(hidden, w["input_norm"], spec.rms_norm_eps)
-        hidden = hidden + self._attention(spec, layer, w, x, inp)
-        x = rms_norm(hidden, w["post_norm"], spec.rms_norm_eps)
-        if not spec.sparse(layer):
-            return hidden + swiglu(spec, w, x)
-        return hidden + sparse_mlp(spec, w, x, inp.experts)
+    def _mlp(self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput) -> torch.Tensor:
+        # the Llama layer around it: norms, attention, residuals
+        return sparse_mlp(spec, w, x, inp.experts) if spec.sparse(layer) else swiglu(spec, w, x)
 
 
 def moe_tensors(spec: ModelSpec, layer: int) -> dict[str, TensorSpec]:
@@ -135,13 +129,6 @@ def experts_forward(
             y = swiglu(spec, fetched[e], x[tokens]) * weights[rows, None]
             out.index_add_(0, tokens, y.to(out.dtype))
     return out
-
-
-def swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) for x [tokens, hidden] and w's "gate_proj", "up_proj", "down_proj"."""
-    gate = project(spec, w, "gate_proj", x, "gate_bias")
-    up = project(spec, w, "up_proj", x, "up_bias")
-    return project(spec, w, "down_proj", F.silu(gate) * up, "down_bias")
 
 
 def sub_weights(w: Weights, prefix: str) -> Weights:

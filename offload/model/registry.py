@@ -99,7 +99,7 @@ def quantized_tensors(group: TensorGroup, quant: WeightQuant) -> TensorGroup:
     ("<prefix>.scales", short name "<short>.scales"); norms, biases and the rest stay as they are."""
     out: TensorGroup = {}
     for short, t in group.items():
-        if not quantizable(short, t, quant):
+        if not _quantizable(short, t, quant):
             out[short] = t
             continue
         prefix = t.name.removesuffix(".weight")
@@ -109,7 +109,7 @@ def quantized_tensors(group: TensorGroup, quant: WeightQuant) -> TensorGroup:
     return out
 
 
-def quantizable(short: str, t: TensorSpec, quant: WeightQuant) -> bool:
+def _quantizable(short: str, t: TensorSpec, quant: WeightQuant) -> bool:
     """Whether `offload convert` quantizes this layer tensor: a projection matrix with a usable group size."""
     return (
         short.endswith("_proj")

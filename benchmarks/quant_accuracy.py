@@ -79,13 +79,19 @@ def weight_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
 
-def run_model(model_dir: Path, prompts: list[list[int]], new_tokens: int, scored: list[list[int]] | None = None):
+def run_model(
+    model_dir: Path,
+    prompts: list[list[int]],
+    new_tokens: int,
+    scored: list[list[int]] | None = None,
+    dtype: str = "bfloat16",
+):
     """Greedy tokens [prompt][new_tokens] for `prompts`, and the logits [len, vocab] of each of `scored` (the prompts
-    plus this run's own tokens when None), both in bf16 by the engine."""
+    plus this run's own tokens when None), both computed by the engine in `dtype`."""
     from offload.api import LLM
     from offload.common.config import EngineConfig, SamplingParams
 
-    config = EngineConfig(dtype="bfloat16", kv_cache_bytes=64 << 20, prefix_cache=False)
+    config = EngineConfig(dtype=dtype, kv_cache_bytes=64 << 20, prefix_cache=False)
     with LLM(model_dir, config) as llm:
         out = llm.generate_ids(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
         tokens = [list(c.token_ids) for c in out]
@@ -148,9 +154,15 @@ def evaluate(name: str, model_dir: Path, prompts: list[list[int]], formats, work
             "bytes_ratio": stats.bytes_written / source_bytes,
             "wall_s": time.perf_counter() - start,
         }
+    # the same weights in float32 arithmetic: how far bf16's own rounding moves logits and greedy tokens
+    f32_tokens, _, f32_logits = run_model(model_dir, prompts, new_tokens, scored, dtype="float32")
     return {
         "model_dir": str(model_dir),
         "prompt_lengths": [len(p) for p in prompts],
+        "float32_arithmetic": {
+            "logits": logit_error(ref_logits, f32_logits),
+            "greedy": agreement(prompts, ref_tokens, f32_tokens, ref_logits),
+        },
         "ref_scores_pick_ref_tokens": self_agreement(prompts, ref_tokens, ref_logits),
         "formats": results,
     }
@@ -213,14 +225,14 @@ def table(report: dict) -> str:
         f"{'prefix agree':>12} {'identical':>9} {'min margin':>10} {'quantized':>9} {'bytes':>6}"
     ]
     for model, r in report["models"].items():
-        for fmt, f in r["formats"].items():
+        for fmt, f in {**r["formats"], "float32 arithmetic": r["float32_arithmetic"]}.items():
             lg, gr = f["logits"], f["greedy"]
             margin = "-" if gr["min_divergence_margin"] is None else f"{gr['min_divergence_margin']:.3f}"
             lines.append(
                 f"{model:<8} {fmt:<18} {lg['max_abs']:>8.4f} {lg['mean_abs']:>9.5f} {lg['max_rel']:>8.4f} "
                 f"{lg['mean_rel']:>9.5f} {gr['prefix_agreement']:>12.1%} "
-                f"{gr['identical_prompts']:>5}/{n_prompts[model]:<3} {margin:>10} {f['tensors_quantized']:>9} "
-                f"{f['bytes_ratio']:>6.2f}"
+                f"{gr['identical_prompts']:>5}/{n_prompts[model]:<3} {margin:>10} {f.get('tensors_quantized', 0):>9} "
+                f"{f.get('bytes_ratio', 1.0):>6.2f}"
             )
     lines += [
         "",
@@ -228,6 +240,7 @@ def table(report: dict) -> str:
         "greedy tokens; std: the bf16 logits'",
         "min margin: the smallest bf16 top-2 logit margin where the greedy tokens diverge (0: an exact bf16 tie)",
         "quantized: projection matrices stored as codes; bytes: weight files converted / source",
+        "float32 arithmetic: the unquantized weights computed in float32 against bf16 (bf16 rounding's own effect)",
         "bf16 scores whose argmax is the bf16 greedy token: "
         + ", ".join(f"{m} {r['ref_scores_pick_ref_tokens']:.1%}" for m, r in report["models"].items()),
     ]

@@ -31,4 +31,7 @@ def test_a_small_run_measures_int8_closer_than_int4(tmp_path):
         assert f["tensors_quantized"] == 3 * 7  # q, k, v, o, gate, up, down in each of TINY's 3 layers
         assert f["bytes_ratio"] == f["weight_bytes"] / f["source_weight_bytes"]
     assert int4["weight_bytes"] < int8["weight_bytes"]
+    f32 = model["float32_arithmetic"]  # the same weights computed in float32: bf16 rounding's own effect
+    assert f32["logits"]["mean_abs"] > 0 and f32["logits"]["positions"] == int8["logits"]["positions"]
+    assert 0 <= f32["greedy"]["prefix_agreement"] <= 1
     assert 0 < model["ref_scores_pick_ref_tokens"] <= 1

@@ -1,6 +1,7 @@
 """Mixture-of-experts streaming: by expert (with the expert cache) against by whole layer against Accelerate.
 
-    python benchmarks/moe.py [--work-dir ~/.cache/offload/bench] [--batches 1,8] [--new-tokens 32] [--quick]
+    python benchmarks/moe.py [--work-dir ~/.cache/offload/bench] [--batches 1,8] [--new-tokens 32] [--repeats 2]
+                             [--quick]
 
 The checkpoint is benchmarks/moe_checkpoint.py's synthetic Mixtral (random bf16 weights, 8 experts, top-2, about
 3 GB); the weight budget is a quarter of its bytes (the KV cache comes on top). Each engine runs greedy generation
@@ -9,13 +10,17 @@ page cache is dropped (Accelerate's checkpoint and offload folder are evicted be
 eviction's time left out of its wall time, as in benchmarks/offload_vs_peers.py):
 
   experts     this engine, --expert-cache-memory: the dense part of every layer resident, the rest of the budget
-              an expert cache; only the experts the router chooses are read
+              an expert cache; only the experts the router chooses are read; the next layer's experts are
+              prefetched by selection frequency (the default)
+  experts-router  the same with --expert-prefetch router: the next layer's router guesses its experts
   layers      this engine streaming whole layers (every expert of a layer read on every pass)
   accelerate  transformers + Accelerate, device_map="auto" with max_memory={"cpu": budget} and an offload folder
 
-Reported per engine and batch: tokens/s, bytes read from storage per generated token (/proc/self/io), and the
-physical limit of the run: its own bytes at the best cold O_DIRECT read rate of the checkpoint, or (for this
-engine's runs) its time with every weight resident, whichever is larger. Prints a table and the goals and writes
+Every engine runs --repeats rounds, in the same order each round; the row of each engine and batch is its median
+round by tokens/s, with the min and max beside it. Reported per engine and batch: tokens/s, bytes read from storage
+per generated token (/proc/self/io), and the physical limit of the run: its own bytes at the best read rate
+measured (see best_read_rate), or (for this engine's runs) its time with every weight resident, whichever is
+larger. Prints a table and the goals and writes
 benchmarks/results/moe.json with the machine it ran on.
 """
 
@@ -42,7 +47,7 @@ from peer_engines import (
 )
 
 RESULTS = Path(__file__).parent / "results" / "moe.json"
-ENGINES = ("experts", "layers", "accelerate")
+ENGINES = ("experts", "experts-router", "layers", "accelerate")
 GOALS = {"bytes_fraction": 0.40, "speedup_vs_layers": 2.0, "speedup_vs_accelerate": 6.0}  # at batch 1
 MARGIN = 16  # a 16th of the budget (at most 16 MiB) is left beside the resident dense parts and the expert cache
 
@@ -65,7 +70,7 @@ def run_engine(name: str, model_dir: Path, budget: int | None, workload: Workloa
 
         return run_accelerate(model_dir, budget, workload, scratch)
     config = ours_config(model_dir, budget, workload)
-    if name == "experts":
+    if name.startswith("experts"):
         from offload.model.loader import load_spec
 
         spec, _ = load_spec(model_dir)
@@ -73,11 +78,13 @@ def run_engine(name: str, model_dir: Path, budget: int | None, workload: Workloa
         per_expert = experts // (spec.num_layers * spec.num_experts)
         margin = min(budget // MARGIN, 16 << 20)
         cache = max(budget - dense - margin, per_expert)  # dense parts resident, the rest caches experts
-        config = replace(config, expert_cache_memory=cache)
+        prefetch = "router" if name == "experts-router" else "frequency"
+        config = replace(config, expert_cache_memory=cache, expert_prefetch=prefetch)
     baseline = rss_bytes()
     result = generate_ours(model_dir, config, workload)
     result.engine, result.baseline_rss_bytes = name, baseline
     result.extra["expert_cache_memory"] = config.expert_cache_memory
+    result.extra["expert_prefetch"] = config.expert_prefetch
     return result
 
 
@@ -106,9 +113,20 @@ def best_read_rate(raw: dict, runs: list[EngineResult]) -> float:
     return max(rates)
 
 
-def row(r: EngineResult, limit_gbps: float, resident: EngineResult | None) -> dict:
+def median_round(rounds: list[EngineResult]) -> tuple[EngineResult, list[float]]:
+    """The round of median tokens/s (the lower middle of an even count) and every round's tokens/s; a failed round
+    makes the row that failure."""
+    failed = [r for r in rounds if r.status != "ok"]
+    if failed:
+        return failed[0], []
+    ranked = sorted(rounds, key=lambda r: r.tokens_per_second)
+    return ranked[(len(ranked) - 1) // 2], [r.tokens_per_second for r in rounds]
+
+
+def row(rounds: list[EngineResult], limit_gbps: float, resident: EngineResult | None) -> dict:
     """`resident`: this engine's run with every weight resident (its compute); None for a peer, whose limit is then
     its bytes at the raw read rate only."""
+    r, per_round = median_round(rounds)
     if r.status != "ok":
         return {"status": r.status}
     io = r.storage_bytes_read / (limit_gbps * 1e9)
@@ -117,6 +135,7 @@ def row(r: EngineResult, limit_gbps: float, resident: EngineResult | None) -> di
     out = {
         "status": "ok",
         "tokens_per_second": r.tokens_per_second,
+        "rounds_tokens_per_second": per_round,
         "wall_seconds": r.wall_seconds,
         "generated_tokens": r.generated_tokens,
         "storage_bytes_read": r.storage_bytes_read,
@@ -137,17 +156,20 @@ def row(r: EngineResult, limit_gbps: float, resident: EngineResult | None) -> di
 
 
 def table(rows: dict[str, dict[int, dict]]) -> str:
-    head = f"{'engine':<11} {'batch':>5} {'tok/s':>8} {'MB read/token':>13} {'limit tok/s':>11} {'x limit':>7} "
-    head += f"{'binds':>7}"
+    head = f"{'engine':<14} {'batch':>5} {'tok/s':>8} {'min-max':>11} {'MB read/token':>13} {'limit tok/s':>11} "
+    head += f"{'x limit':>7} {'binds':>7}"
     lines = [head, "-" * len(head)]
     for name, by_batch in rows.items():
         for batch, r in by_batch.items():
             if r["status"] != "ok":
-                lines.append(f"{name:<11} {batch:>5} {r['status']}")
+                lines.append(f"{name:<14} {batch:>5} {r['status']}")
                 continue
             lim = r["generated_tokens"] / r["limit_seconds"] if r["limit_seconds"] else float("nan")
+            per_round = r["rounds_tokens_per_second"]
+            spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
             lines.append(
-                f"{name:<11} {batch:>5} {r['tokens_per_second']:>8.2f} {r['bytes_per_token'] / 1e6:>13.0f} "
+                f"{name:<14} {batch:>5} {r['tokens_per_second']:>8.2f} {spread:>11} "
+                f"{r['bytes_per_token'] / 1e6:>13.0f} "
                 f"{lim:>11.2f} {r['x_limit']:>6.2f}x {r['limit_binds']:>7}"
             )
     return "\n".join(lines)
@@ -162,17 +184,19 @@ def main_run(args: argparse.Namespace) -> dict:
     raw = raw_bandwidth(files)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     engines = [e for e in ENGINES if e in args.engines.split(",")]
-    runs: dict[str, dict[int, EngineResult]] = {e: {} for e in engines}
+    runs: dict[str, dict[int, list[EngineResult]]] = {e: {} for e in engines}
     resident: dict[int, EngineResult] = {}
     for batch in batches:
         resident[batch] = run_worker("layers", model_dir, args, batch, None)  # every weight resident: the compute
-        for name in engines:
-            if name == "accelerate" and batch not in (1, batches[0]):
-                continue
-            runs[name][batch] = run_worker(name, model_dir, args, batch, budget)
-    best_gbps = best_read_rate(raw, [r for by_batch in runs.values() for r in by_batch.values()])
+    for _ in range(args.repeats):
+        for batch in batches:
+            for name in engines:
+                if name == "accelerate" and batch not in (1, batches[0]):
+                    continue
+                runs[name].setdefault(batch, []).append(run_worker(name, model_dir, args, batch, budget))
+    best_gbps = best_read_rate(raw, [r for by_batch in runs.values() for rs in by_batch.values() for r in rs])
     rows = {
-        name: {b: row(r, best_gbps, resident[b] if name != "accelerate" else None) for b, r in by_batch.items()}
+        name: {b: row(rs, best_gbps, resident[b] if name != "accelerate" else None) for b, rs in by_batch.items()}
         for name, by_batch in runs.items()
     }
     print()
@@ -180,8 +204,8 @@ def main_run(args: argparse.Namespace) -> dict:
     print()
     goal_rows = []
     one = {name: rows[name].get(1, {}) for name in engines}
-    if all(r.get("status") == "ok" for r in one.values()):
-        ex, la, ac = (one.get(n, {}) for n in ENGINES)
+    if {"experts", "layers"} <= set(engines) and all(r.get("status") == "ok" for r in one.values()):
+        ex, la, ac = (one.get(n, {}) for n in ("experts", "layers", "accelerate"))
         measured = {
             "bytes_fraction": ex["bytes_per_token"] / la["bytes_per_token"],
             "speedup_vs_layers": ex["tokens_per_second"] / la["tokens_per_second"],
@@ -207,6 +231,7 @@ def main_run(args: argparse.Namespace) -> dict:
         "raw_read": raw,
         "limit_read_gbps": best_gbps,
         "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
         "results": {name: {str(b): r for b, r in by_batch.items()} for name, by_batch in rows.items()},
         "goals": goal_rows,
     }
@@ -218,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench"))
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (Accelerate: the first only)")
-    parser.add_argument("--engines", default=",".join(ENGINES), help="a subset of experts,layers,accelerate")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"a subset of {','.join(ENGINES)}")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of every engine (each row: the median round)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="a tiny Mixtral (a smoke test)")

@@ -16,7 +16,7 @@ from offload.common.model_config import ModelSpec
 from offload.convert import check_runnable
 from offload.core import Delta, EngineCore
 from offload.model.engine import Engine
-from offload.model.expert_streaming import expert_cache, layer_experts, model_layouts
+from offload.model.expert_streaming import expert_cache, layer_experts, model_layouts, read_gates
 from offload.model.loader import load_spec
 from offload.planner.profiles import saved_read_rates
 from offload.run_stats import KV_COUNTERS, RunStats
@@ -135,11 +135,14 @@ class LLM:
         with BufferedReader() as reader:  # headers only; tensor data goes through the NVMe backend
             checkpoint = Checkpoint(self.model_dir, reader)
             layout, experts = model_layouts(checkpoint, self.family, self.spec, config.expert_cache_memory > 0)
+            guess = experts is not None and config.expert_prefetch == "router"
+            gates = read_gates(checkpoint, self.family, self.spec) if guess else {}  # the routers, copied to guess
         # what reads the checkpoint, and why: "auto" by the rates `offload probe` saved here, if it ran
         self.io_backend = choose_backend(config.io_backend, saved_read_rates() if config.io_backend == "auto" else None)
         self.backend = make_backend(self.io_backend.name)
         # routed experts stream through a cache of their own, taken from the device budget before layers are placed
         self.experts = expert_cache(experts, self.backend, self.device_tier, self.dtype, config.expert_cache_memory)
+        routed = layer_experts(self.experts, self.spec, gates, self.dtype, config.expert_prefetch)
         self.spill: SpillStats | None = None  # streamed layers converted once into --offload-dir
         if config.offload_dir is not None:
             layout, self.spill = spill_layers(
@@ -153,8 +156,7 @@ class LLM:
         kv_blocks = max(self.kv.num_blocks, self.host_tables.pool.num_blocks if self.host_tables else 0)
         self.max_model_len = min(self.spec.max_position, kv_blocks * config.block_size)
         host_kv = self.kv_tiers.host_kv if self.host_tables is not None else None
-        experts = layer_experts(self.experts, self.spec)
-        self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype, host_kv, experts)
+        self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype, host_kv, routed)
         limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, self.max_model_len)
         tokenizer = (lambda: self.tokenizer) if has_tokenizer(self.model_dir) else None
         self.core = EngineCore(

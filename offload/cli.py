@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from offload.common.config import IO_BACKENDS
+from offload.common.config import EXPERT_PREFETCH, IO_BACKENDS
 from offload.common.dtypes import KV_DTYPES
 from offload.common.errors import OffloadError
 from offload.planner.report import add_plan_parser
@@ -89,6 +89,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "whole layers stream; CPU device only)",
     )
     p.add_argument(
+        "--expert-prefetch",
+        choices=EXPERT_PREFETCH,
+        default="frequency",
+        help="how the next sparse layer's experts are prefetched while a layer computes: those selected most often, "
+        "or those its router chooses for the current hidden state (costs reads when wrong; pays where reads are not "
+        "the bottleneck) (default frequency)",
+    )
+    p.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="compute every prompt in full instead of reusing the KV blocks of prefixes seen before",
@@ -159,6 +167,7 @@ def engine_config(args: argparse.Namespace):
         kv_host_memory=parse_size(args.kv_host_memory, "--kv-host-memory"),
         kv_disk_memory=parse_size(args.kv_disk_memory, "--kv-disk-memory"),
         expert_cache_memory=parse_size(args.expert_cache_memory, "--expert-cache-memory"),
+        expert_prefetch=args.expert_prefetch,
     )
     fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
     if config.memory is not None and fixed:

@@ -14,6 +14,7 @@ from offload.common.errors import OffloadError
 TIERS = ("device", "host", "nvme")
 READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py)
 IO_BACKENDS = ("auto", *READ_BACKENDS)  # what io_backend may say; "auto" resolves to a read backend
+EXPERT_PREFETCH = ("frequency", "router")  # how the next sparse layer's experts are chosen for prefetch
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,9 @@ class EngineConfig:
     # chooses them (tiers/experts.py); the rest of each sparse layer is placed like a dense layer. 0 = off: whole
     # layers are placed and streamed
     expert_cache_memory: int = 0
+    # how the next sparse layer's experts are prefetched while a layer computes: "frequency" (those selected most
+    # often) or "router" (those its router chooses for the current hidden state; offload/model/expert_streaming.py)
+    expert_prefetch: str = "frequency"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -113,6 +117,10 @@ class EngineConfig:
             if not isinstance(self.offload_dir, (str, os.PathLike)) or not str(self.offload_dir).strip():
                 raise OffloadError(f"offload_dir must be a folder path, got {self.offload_dir!r}")
             object.__setattr__(self, "offload_dir", os.fspath(self.offload_dir))
+        if self.expert_prefetch not in EXPERT_PREFETCH:
+            raise OffloadError(
+                f"expert_prefetch must be one of {', '.join(EXPERT_PREFETCH)}, got {self.expert_prefetch!r}"
+            )
         if self.kv_dtype not in KV_DTYPES:
             raise OffloadError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.kv_disk_memory and self.offload_dir is None:

@@ -75,9 +75,12 @@ class LlamaFamily:
         x = rms_norm(hidden, w["input_norm"], spec.rms_norm_eps)
         attention = self._attention(spec, layer, w, x, inp)
         x, hidden = fused_rms_norm(attention, w["post_norm"], spec.rms_norm_eps, residual=hidden)  # the residual add
-        return hidden + self._mlp(spec, layer, w, x, inp)
+        return hidden + self._mlp(spec, layer, w, x, inp, hidden)
 
-    def _mlp(self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput) -> torch.Tensor:
+    def _mlp(
+        self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """The MLP of x (the normalized `hidden`, the residual stream after attention)."""
         return swiglu(spec, w, x)
 
     def _attention(self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput) -> torch.Tensor:

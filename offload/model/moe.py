@@ -44,9 +44,11 @@ class MoeFamily(LlamaFamily):
             del t[name]
         return t | moe_tensors(spec, layer)
 
-    def _mlp(self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput) -> torch.Tensor:
+    def _mlp(
+        self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput, hidden: torch.Tensor
+    ) -> torch.Tensor:
         # the Llama layer around it: norms, attention, residuals
-        return sparse_mlp(spec, w, x, inp.experts) if spec.sparse(layer) else swiglu(spec, w, x)
+        return sparse_mlp(spec, w, x, inp.experts, hidden) if spec.sparse(layer) else swiglu(spec, w, x)
 
 
 def moe_tensors(spec: ModelSpec, layer: int) -> dict[str, TensorSpec]:
@@ -72,13 +74,20 @@ def moe_tensors(spec: ModelSpec, layer: int) -> dict[str, TensorSpec]:
     return t
 
 
-def sparse_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor, experts: ExpertSource | None = None) -> torch.Tensor:
+def sparse_mlp(
+    spec: ModelSpec,
+    w: Weights,
+    x: torch.Tensor,
+    experts: ExpertSource | None = None,
+    hidden: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The mixture's output for x [tokens, hidden] from one sparse layer's weights `w` -> [tokens, hidden]; its
-    routed experts come from `experts` when given, else from `w`."""
+    routed experts come from `experts` when given (the last fetch given `hidden`, the residual stream x is the
+    norm of, to prefetch the next layer's experts by), else from `w`."""
     if experts is None:
-        fetch, per_fetch = (lambda chosen: {e: sub_weights(w, f"expert{e}.") for e in chosen}), spec.num_experts
+        fetch, per_fetch = (lambda chosen, last: {e: sub_weights(w, f"expert{e}.") for e in chosen}), spec.num_experts
     else:
-        fetch, per_fetch = experts.fetch, experts.capacity
+        fetch, per_fetch = (lambda chosen, last: experts.fetch(chosen, hidden if last else None)), experts.capacity
     out = experts_forward(
         spec,
         x,
@@ -97,17 +106,17 @@ def experts_forward(
     spec: ModelSpec,
     x: torch.Tensor,
     router_logits: torch.Tensor,
-    fetch: Callable[[list[int]], dict[int, Weights]],
+    fetch: Callable[[list[int], bool], dict[int, Weights]],
     routing_dtype: torch.dtype,
     per_fetch: int | None = None,
 ) -> torch.Tensor:
     """sum over each token's top-k experts of routing weight * expert(x), as x's dtype.
 
-    x: [tokens, hidden]; router_logits: [tokens, experts]; fetch(experts): each listed expert's "gate_proj",
-    "up_proj", "down_proj" (and their scales when quantized). Every expert some token chose is fetched once, in
-    ascending order, all in one call, or in calls of at most `per_fetch` experts (None: no limit), each batch run
-    before the next is fetched. The routing weights are cast to `routing_dtype` before they scale the experts'
-    outputs.
+    x: [tokens, hidden]; router_logits: [tokens, experts]; fetch(experts, last): each listed expert's "gate_proj",
+    "up_proj", "down_proj" (and their scales when quantized), `last` telling the layer's last call. Every expert
+    some token chose is fetched once, in ascending order, all in one call, or in calls of at most `per_fetch`
+    experts (None: no limit), each batch run before the next is fetched. The routing weights are cast to
+    `routing_dtype` before they scale the experts' outputs.
     """
     k = spec.experts_per_token
     probs = torch.softmax(router_logits.float(), dim=-1)
@@ -123,7 +132,7 @@ def experts_forward(
     out = torch.zeros_like(x)
     for start in range(0, len(chosen_experts), size):
         batch = chosen_experts[start : start + size]
-        fetched = fetch(batch)
+        fetched = fetch(batch, start + size >= len(chosen_experts))
         for e, rows in zip(batch, groups[start : start + size], strict=True):
             tokens = rows // k  # distinct: a token picks an expert at most once
             y = swiglu(spec, fetched[e], x[tokens]) * weights[rows, None]

@@ -38,9 +38,10 @@ class ExpertSource(Protocol):
     def capacity(self) -> int:
         """The most experts one fetch may ask for."""
 
-    def fetch(self, experts: list[int]) -> dict[int, Weights]:
+    def fetch(self, experts: list[int], hidden: torch.Tensor | None = None) -> dict[int, Weights]:
         """Expert e's "gate_proj", "up_proj", "down_proj" (and their scales) for each e of `experts` (ascending),
-        usable until the next fetch."""
+        usable until the next fetch. `hidden`, given with a layer's last fetch of a micro-batch: the residual stream
+        before the layer's MLP [tokens, hidden]; the source may start reading the next sparse layer's experts."""
 
 
 @dataclass(slots=True)

@@ -13,7 +13,8 @@ from conftest import benchmark_module
 def test_a_small_run_reads_fewer_bytes_by_expert_than_by_layer(tmp_path):
     out = tmp_path / "moe.json"
     with benchmark_module("moe") as bench:
-        argv = ["--quick", "--batches", "1", "--new-tokens", "4", "--work-dir", str(tmp_path), "--out", str(out)]
+        argv = ["--quick", "--batches", "1", "--new-tokens", "4", "--repeats", "1"]
+        argv += ["--work-dir", str(tmp_path), "--out", str(out)]
         report = bench.main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     experts, layers, accelerate = (report["results"][name]["1"] for name in ("experts", "layers", "accelerate"))
@@ -21,5 +22,8 @@ def test_a_small_run_reads_fewer_bytes_by_expert_than_by_layer(tmp_path):
     assert experts["experts"]["misses"] > 0 and experts["expert_cache_memory"] > 0
     assert 0 < experts["bytes_per_token"] < layers["bytes_per_token"]  # only the chosen experts are read
     assert experts["token_ids"] == layers["token_ids"]  # the same model, computed the same way
+    router = report["results"]["experts-router"]["1"]
+    assert router["token_ids"] == experts["token_ids"] and router["experts"]["prefetches"] > 0
+    assert experts["rounds_tokens_per_second"] == [experts["tokens_per_second"]]
     assert all(r["limit_seconds"] > 0 and r["limit_binds"] in ("disk", "compute") for r in (experts, layers))
     assert {g["goal"] for g in report["goals"]} == {"bytes_fraction", "speedup_vs_layers", "speedup_vs_accelerate"}

@@ -14,7 +14,7 @@ from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.quant import WeightQuant
 from offload.convert import convert
-from offload.model.expert_streaming import expert_cache, model_layouts
+from offload.model.expert_streaming import Gate, expert_cache, model_layouts
 from offload.model.loader import load_spec
 from tiers.checkpoint import Checkpoint
 from tiers.device import DeviceTier
@@ -69,6 +69,34 @@ def test_streamed_experts_give_the_resident_tokens_reading_only_chosen_experts(c
     assert 0 < x.bytes_read < expert_bytes * s.steps  # unchosen experts are never read
     assert s.bytes_read >= x.bytes_read and s.bytes_per_token == s.bytes_read / s.generated_tokens
     assert x.prefetches > 0 and x.prefetch_used <= x.prefetches  # the next sparse layer's likely experts
+
+
+def test_router_prefetch_guesses_with_copies_of_the_next_routers_and_keeps_the_tokens(checkpoint):
+    path, resident = checkpoint
+    slot, *_ = _sizes(path)
+    spec, _ = load_spec(path)
+    with LLM(path, _config(expert_cache_memory=6 * slot, expert_prefetch="router")) as llm:
+        routed = llm.engine.experts
+        sparse = sorted(routed)
+        assert [routed[i].next_layer for i in sparse] == sparse[1:] + sparse[:1]
+        assert all(routed[i].gate is not None for i in sparse[:-1]) and routed[sparse[-1]].gate is None
+        gate_bytes = sum(r.gate.rows.nbytes for r in routed.values() if r.gate is not None)
+        assert gate_bytes == (len(sparse) - 1) * (spec.num_experts + 1) * spec.hidden_size * 4
+        assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
+        x = llm.stats.experts
+        llm.device_tier.check_integrity()
+    assert x.prefetches > 0 and 0 < x.prefetch_used <= x.prefetches
+
+
+def test_a_gate_guesses_each_tokens_first_choice_of_the_normalized_residual():
+    g = torch.Generator().manual_seed(3)
+    norm, router = torch.rand(16, generator=g) + 0.5, torch.randn(5, 16, generator=g)
+    gate = Gate(torch.cat([router, norm[None]]))
+    hidden = torch.randn(7, 16, generator=g)
+    x = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+    first = (x @ router.T).argmax(-1).tolist()
+    counts = {e: first.count(e) for e in set(first)}
+    assert gate.choose(hidden, 1e-6) == sorted(counts, key=lambda e: (-counts[e], e))
 
 
 def test_a_cache_holding_every_expert_reads_each_once(checkpoint):

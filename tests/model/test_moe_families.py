@@ -188,15 +188,15 @@ def test_experts_forward_reads_only_the_chosen_experts():
         logits[t, a], logits[t, b] = 2.0, 1.0
     asked = []
 
-    def fetch(chosen: list[int]):
-        asked.append(chosen)
+    def fetch(chosen: list[int], last: bool):
+        asked.append((chosen, last))
         return {e: experts[e] for e in chosen}
 
     out = experts_forward(spec, x, logits, fetch, torch.float32)
-    assert asked == [[0, 3, 5]]
+    assert asked == [([0, 3, 5], True)]
     asked.clear()
     torch.testing.assert_close(experts_forward(spec, x, logits, fetch, torch.float32, per_fetch=2), out)
-    assert asked == [[0, 3], [5]]  # a cache of two slots: fetched in batches, each run before the next
+    assert asked == [([0, 3], False), ([5], True)]  # a cache of two slots: fetched in batches, each run first
     w_first = torch.tensor(2.0).exp() / (torch.tensor(2.0).exp() + torch.tensor(1.0).exp())  # renormalized top-2
     for t, (a, b) in enumerate(choice):
         want = sum(

@@ -242,3 +242,8 @@ def test_auto_io_backend_without_a_probe_keeps_the_default(model_dir, probed):
 def test_io_backend_is_checked():
     with pytest.raises(OffloadError, match="io_backend must be one of auto, pread, aio, got 'nvme'"):
         EngineConfig(io_backend="nvme")
+
+
+def test_expert_prefetch_is_checked():
+    with pytest.raises(OffloadError, match="expert_prefetch must be one of frequency, router, got 'lru'"):
+        EngineConfig(expert_prefetch="lru")

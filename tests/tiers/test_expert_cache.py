@@ -1,4 +1,5 @@
-"""ExpertCache: exact hits, misses, eviction order (least frequently, then least recently selected) and prefetch."""
+"""ExpertCache: exact hits, misses, eviction order (least frequently selected, then by the layer cycle), prefetch
+and guesses."""
 
 from __future__ import annotations
 
@@ -62,13 +63,13 @@ def _check(cache: ExpertCache, layer: int, got: dict) -> None:
             torch.testing.assert_close(w[m], _value(layer, e, m, torch.float32), rtol=0, atol=0)
 
 
-def test_eviction_is_least_frequently_then_least_recently_selected(make_cache):
+def test_eviction_is_least_frequently_selected_then_the_layer_that_comes_back_last(make_cache):
     cache = make_cache(3)
     assert cache.slots == 3
     _check(cache, 0, cache.fetch(0, [0, 1]))  # misses 0, 1
     _check(cache, 0, cache.fetch(0, [1, 2]))  # hit 1, miss 2; selected: 0 once, 1 twice, 2 once
     assert cache.cached() == [(0, 0), (0, 1), (0, 2)]
-    _check(cache, 0, cache.fetch(0, [3]))  # 0 and 2 were selected once; 0 less recently: evicted
+    _check(cache, 0, cache.fetch(0, [3]))  # 0 and 2 were selected once, in the same layer: the lower goes
     assert cache.cached() == [(0, 1), (0, 2), (0, 3)]
     _check(cache, 0, cache.fetch(0, [0, 3]))  # 2 (once) goes before 1 (twice)
     assert cache.cached() == [(0, 0), (0, 1), (0, 3)]
@@ -80,6 +81,19 @@ def test_eviction_is_least_frequently_then_least_recently_selected(make_cache):
     assert stats.prefetches == stats.prefetch_used == 0
     cache.tier.check_integrity()
     assert cache.tier.peak <= cache.tier.capacity
+
+
+def test_among_experts_selected_as_often_the_layer_needed_last_goes(make_cache):
+    """Layers come in a cycle (0, 1, 0, 1, ...): after a fetch from layer 0, layer 1 is needed next and layer 0
+    last, so layer 0's other expert goes; a recency order would evict layer 1's, needed next."""
+    cache = make_cache(3)
+    cache.fetch(0, [0])
+    cache.fetch(1, [0])
+    cache.fetch(0, [1])  # a free slot
+    cache.fetch(0, [2])  # full: (0, 0), (1, 0), (0, 1) each selected once; (1, 0) is the least recently used
+    assert cache.cached() == [(0, 1), (0, 2), (1, 0)]
+    cache.fetch(1, [1])  # now layer 0 comes next: layer 1's other expert goes
+    assert cache.cached() == [(0, 1), (0, 2), (1, 1)]
 
 
 def test_a_fetch_never_evicts_what_it_returns(make_cache):
@@ -114,6 +128,24 @@ def test_an_evicted_prefetch_is_not_counted_as_used(make_cache):
     assert cache.cached() == [(1, 1)]
     assert (cache.stats.prefetches, cache.stats.prefetch_used, cache.stats.prefetch_accuracy) == (1, 0, 0.0)
     cache.close()
+
+
+def test_guesses_displace_any_unused_expert_and_are_kept_from_misses_until_their_layer(make_cache):
+    cache = make_cache(3)
+    for _ in range(3):
+        cache.fetch(0, [0, 1])  # selected three times each
+    cache.start(0, [2])  # a miss takes the free slot; 0 and 1 are not in use now
+    cache.prefetch(1, [3], guess=True)  # a guess displaces an expert selected more often than it (never, so far)
+    assert len(cache.cached()) == 3 and (1, 3) in cache.cached() and (0, 2) in cache.cached()
+    kept = next(k for k in cache.cached() if k[0] == 0 and k[1] != 2)
+    cache.prefetch(1, [2])  # a frequency prefetch never displaces a guess (nor anything selected as often)
+    assert (1, 2) not in cache.cached()
+    cache.land(0, [2])
+    _check(cache, 0, cache.fetch(0, [3]))  # a miss: the guess stays, (0, 2) (selected once) goes
+    assert cache.cached() == sorted([kept, (0, 3), (1, 3)])
+    _check(cache, 1, cache.fetch(1, [3]))
+    stats = cache.stats
+    assert (stats.prefetches, stats.prefetch_used) == (1, 1)
 
 
 def test_a_budget_below_one_expert_names_the_flag(make_cache, tmp_path):

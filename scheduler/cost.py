@@ -16,15 +16,15 @@ Plain numbers in, plain numbers out: no tensors, no files. The search over polic
 
 from __future__ import annotations
 
-import bisect
-import math
 from dataclasses import dataclass, field
 
 from offload.common.config import TIERS, Policy
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
-from offload.common.model_config import ModelSpec
+from offload.common.model_config import PLANNING_ONLY, ModelSpec
+from scheduler.moe_cost import expert_params, expert_step, routed_params
+from scheduler.rates import curve_rate, gemm_seconds, matmul_rate
 
 # Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
 # the call; what the layer itself costs at the least is the profile's measured layer_floor, where it has one.
@@ -71,6 +71,9 @@ class Candidate:
     kv_tier: str = "device"  # "host" on CUDA: attention runs on the CPU next to the cache (FlexGen's choice)
     weight_bits: int = 16
     kv_bits: int = 16
+    # bytes of the device budget for a mixture's expert cache: its routed experts leave their layers and are read
+    # when chosen (scheduler/moe_cost.py); 0 = they are placed and streamed with their layers
+    expert_cache: int = 0
 
     @property
     def micro_batch(self) -> int:
@@ -122,46 +125,6 @@ class Prediction:
         return max(self.resources, key=self.resources.__getitem__)
 
 
-# ---- machine -------------------------------------------------------------------------------------------------
-
-
-def curve_rate(curve: tuple[tuple[int, float], ...], size: int) -> float:
-    """The rate of a measured curve at `size`, interpolated in log(size). Below the first point the time stays
-    that of the first point (a small call costs its fixed overhead), so the rate scales with size; above the last
-    point the rate stays flat."""
-    xs = [math.log(x) for x, _ in curve]
-    x = math.log(max(size, 1))
-    i = bisect.bisect_left(xs, x)
-    if i == 0:
-        return curve[0][1] * size / curve[0][0]
-    if i == len(xs):
-        return curve[-1][1]
-    f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-    return curve[i - 1][1] + f * (curve[i][1] - curve[i - 1][1])
-
-
-def matmul_rate(unit: ComputeUnit, dtype: str, rows: int, packed: bool = False) -> float:
-    """FLOP/s of a GEMM with `rows` rows: the measured curve (for weights packed for the CPU's GEMM where `packed`
-    and the profile has that curve), else the flat rate."""
-    if packed and (curve := unit.packed_matmul_curve.get(dtype)):
-        return curve_rate(curve, rows)
-    if curve := unit.matmul_curve.get(dtype):
-        return curve_rate(curve, rows)
-    if dtype not in unit.matmul_flops:
-        known = ", ".join(sorted(unit.matmul_flops)) or "none"
-        raise OffloadError(f"the hardware profile gives no {dtype} matmul rate (it has: {known}); pick another dtype")
-    return unit.matmul_flops[dtype]
-
-
-def _gemm_seconds(
-    unit: ComputeUnit, dtype: str, params: int, weight_bytes: float, rows: int, packed: bool = False
-) -> float:
-    """[rows, k] x [k, n] products over `params` = k * n weights: compute- or memory-bound, whichever is slower.
-    `packed`: weights the engine keeps packed for the CPU's GEMM (resident ones on a CPU device)."""
-    rate = matmul_rate(unit, dtype, rows, packed)
-    return max(2.0 * params * rows / rate, weight_bytes / unit.memory_bandwidth)
-
-
 # ---- the model of a step -------------------------------------------------------------------------------------
 
 
@@ -183,6 +146,17 @@ class Context:
         _, host, nvme = policy.counts
         return nvme if self.on_cpu else host + nvme
 
+    def placed_params(self, cand: Candidate) -> int:
+        """One decoder layer's parameters as the policy places them: without its routed experts when they stream
+        through the expert cache."""
+        return self.shape.params.layer - (routed_params(self.shape) if cand.expert_cache else 0)
+
+    def expert_slots(self, cand: Candidate) -> int | None:
+        """Experts the candidate's expert cache holds; None without one."""
+        if not cand.expert_cache:
+            return None
+        return int(cand.expert_cache // self.weight_bytes(expert_params(self.shape), cand.weight_bits))
+
     def weight_bytes(self, params: int, bits: int) -> float:
         if bits >= 8 * self.dtype_bytes:
             return params * self.dtype_bytes
@@ -203,8 +177,9 @@ def _layer_step(
     `seqs_per_mb` whole prompts of `context` tokens, a decode one `seqs_per_mb` tokens."""
     s, hw = ctx.shape, ctx.hw
     rows_per_mb = seqs_per_mb * (context if prefill else 1)
-    w_bytes = ctx.weight_bytes(s.params.layer, cand.weight_bits)
-    active_bytes = ctx.weight_bytes(s.params.active_layer, cand.weight_bits)
+    w_bytes = ctx.weight_bytes(ctx.placed_params(cand), cand.weight_bits)
+    active = s.params.active_layer - s.experts_per_token * expert_params(s)  # routed experts: priced below
+    active_bytes = ctx.weight_bytes(active, cand.weight_bits)
     busy = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0}
     if tier == "nvme":
         busy["disk"] = w_bytes / hw.disk_read
@@ -212,7 +187,7 @@ def _layer_step(
         busy["link"] = w_bytes / hw.host_to_device
     attn_unit = hw.host if cand.kv_tier == "host" and not ctx.on_cpu else hw.device
     packed = ctx.on_cpu and tier == "device"  # the engine packs resident layers where that pays
-    compute = _gemm_seconds(hw.device, ctx.dtype, s.params.active_layer, active_bytes, rows_per_mb, packed)
+    compute = gemm_seconds(hw.device, ctx.dtype, active, active_bytes, rows_per_mb, packed)
     compute += _elementwise_seconds(ctx, rows_per_mb)
     if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
         compute += s.params.active_layer * ctx.dtype_bytes / hw.device.memory_bandwidth
@@ -223,6 +198,12 @@ def _layer_step(
     compute += LAYER_OVERHEAD
     compute *= micro_batches
     attention *= micro_batches
+    if s.num_experts:  # the touched experts; with expert streaming the misses are read after the router chose them
+        expert_bytes = ctx.weight_bytes(expert_params(s), cand.weight_bits)
+        slots, packed_experts = ctx.expert_slots(cand), packed and not cand.expert_cache
+        ex = expert_step(s, hw.device, ctx.dtype, expert_bytes, rows_per_mb, micro_batches, slots, packed_experts)
+        compute += ex.compute_seconds
+        busy["serial"] = ex.read_bytes / hw.disk_read  # waits on the router: not overlapped with compute
     if attn_unit is hw.host and not ctx.on_cpu:
         busy["host"] = attention  # the CPU attends while the device runs the GEMMs
         q_and_out = 2 * rows_per_mb * s.num_heads * s.head_dim * ctx.dtype_bytes * micro_batches
@@ -280,12 +261,14 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
         if not count:
             continue
         busy = _layer_step(ctx, cand, tier, micro_batches, seqs, context, prefill)
+        serial = busy.pop("serial", 0.0)
         for k, v in busy.items():
             total[k] += count * v
-        total["wall"] += count * max(busy.values())
+        total["disk"] += count * serial
+        total["wall"] += count * (max(busy.values()) + serial)
     # head: final norm + LM head on the last token of each sequence (resident on the device)
     head_params = s.vocab_size * s.hidden_size
-    head = _gemm_seconds(ctx.hw.device, ctx.dtype, head_params, head_params * ctx.dtype_bytes, cand.batch, ctx.on_cpu)
+    head = gemm_seconds(ctx.hw.device, ctx.dtype, head_params, head_params * ctx.dtype_bytes, cand.batch, ctx.on_cpu)
     total["compute"] += head
     total["wall"] += head
     return total
@@ -296,7 +279,7 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     s = ctx.shape
     n_dev, n_host, n_disk = cand.policy.counts
     ring = cand.policy.ring_slots
-    w = ctx.weight_bytes(s.params.layer, cand.weight_bits)
+    w = ctx.weight_bytes(ctx.placed_params(cand), cand.weight_bits)
     kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
     rows = cand.micro_batch * workload.prompt_len  # the prefill micro-batch sets the activation peak
     # live in a layer: input, q/k/v, attention output, gate and up (and their product), all in compute dtype,
@@ -306,7 +289,7 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     activations = rows * per_token * ctx.dtype_bytes
     activations += cand.batch * workload.prompt_len * s.hidden_size * ctx.dtype_bytes
     activations += cand.batch * s.vocab_size * 4
-    device = (s.params.embed + s.params.head) * ctx.dtype_bytes + n_dev * w + activations
+    device = (s.params.embed + s.params.head) * ctx.dtype_bytes + n_dev * w + activations + cand.expert_cache
     if ctx.ring_layers(cand.policy):
         device += ring * w
     host = (n_host * w if n_host else 0) + (ring * w if n_disk and not ctx.on_cpu else 0)
@@ -393,4 +376,8 @@ def _unsupported(ctx: Context, cand: Candidate) -> tuple[str, ...]:
     missing = []  # 8- and 4-bit weights run from a checkpoint `offload convert` wrote
     if cand.kv_bits < 8 * ctx.dtype_bytes and cand.kv_bits not in (8, 4):
         missing.append(f"{cand.kv_bits}-bit KV cache")  # --kv-dtype int8 and int4 run
+    if cand.expert_cache and not ctx.on_cpu:
+        missing.append("expert streaming on CUDA")
+    if ctx.shape.architecture in PLANNING_ONLY:
+        missing.append(f"an engine that runs {ctx.shape.architecture}")
     return tuple(missing)

@@ -14,10 +14,14 @@ from offload.common.config import Policy
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
 from scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity, make_context, predict, tier_memory
+from scheduler.moe_cost import expert_params
 
 KV_TIERS = ("device", "host")
 WHOLE_MACHINE = Budgets()  # no budget: every tier as big as the hardware profile says (frozen, safe to share)
 RING_SLOTS = 3  # device buffers streamed layers pass through, where the caller does not say
+# expert_cache for place_layers: what the device budget leaves once every layer's dense part is resident (at least
+# one token's experts)
+AUTO_EXPERT_CACHE = -1
 
 
 def place_layers(
@@ -34,23 +38,31 @@ def place_layers(
     budgets: Budgets = WHOLE_MACHINE,
     ring_slots: int = RING_SLOTS,
     block_size: int = 16,
+    expert_cache: int = 0,
 ) -> Candidate:
     """The candidate with as many layers on the device as fit beside the KV cache and activations, then as
     many in host RAM, the rest streamed from disk (every layer costs the same, so this order is optimal).
-    Its policy's ring is `ring_slots` when some layer passes through the device ring, else 0."""
+    Its policy's ring is `ring_slots` when some layer passes through the device ring, else 0.
+
+    expert_cache: bytes of the device budget for a mixture's expert cache (the layers placed are then their dense
+    parts), AUTO_EXPERT_CACHE for what the budget leaves once every dense part is resident, 0 for none."""
     ctx = make_context(shape, hw, dtype, block_size)
     n = shape.num_layers
     cap = capacity(ctx.hw, budgets)
-    w = ctx.weight_bytes(shape.params.layer, weight_bits)
+    if expert_cache == AUTO_EXPERT_CACHE:
+        bare = Candidate(batch, micro_batches, Policy(()), kv_tier, weight_bits, kv_bits, 1)
+        expert_cache = _auto_expert_cache(ctx, bare, workload, cap["device"])
 
     def candidate(policy: Policy) -> Candidate:
-        return Candidate(batch, micro_batches, policy, kv_tier, weight_bits, kv_bits)
+        return Candidate(batch, micro_batches, policy, kv_tier, weight_bits, kv_bits, expert_cache)
+
+    w = ctx.weight_bytes(ctx.placed_params(candidate(Policy(()))), weight_bits)
 
     def fill(device_room: float, host_room: float) -> Policy:
         # in whole layers of w bytes: floor division is exact where subtracting float bytes layer by layer is not
         return Policy.fill([1] * n, int(device_room // w), int(host_room // w), ring_slots)
 
-    fixed = tier_memory(ctx, candidate(Policy(())), workload)
+    fixed = tier_memory(ctx, candidate(Policy(())), workload)  # the expert cache included
     device_room = cap["device"] - fixed["device"]
     host_room = cap["host"] - fixed["host"]
     if n * w <= device_room:
@@ -69,6 +81,15 @@ def place_layers(
     return candidate(Policy(policy.layer_tiers, ring_slots))
 
 
+def _auto_expert_cache(ctx, bare: Candidate, workload: Workload, device_cap: int) -> int:
+    """Bytes of device budget left for the expert cache once every layer's dense part is resident beside the
+    KV cache and activations; at least one token's experts (`bare` has a 1-byte cache: the dense parts' size)."""
+    dense = ctx.weight_bytes(ctx.placed_params(bare), bare.weight_bits) * ctx.shape.num_layers
+    room = device_cap - tier_memory(ctx, bare, workload)["device"] + bare.expert_cache - dense
+    one_token = ctx.shape.experts_per_token * ctx.weight_bytes(expert_params(ctx.shape), bare.weight_bits)
+    return int(max(room, one_token))
+
+
 def search(
     shape: ModelSpec,
     hw: HardwareProfile,
@@ -84,12 +105,15 @@ def search(
     block_size: int = 16,
     kv_bits: Iterable[int] | None = None,
     weight_bits: Iterable[int] | None = None,
+    expert_caches: Iterable[int] | None = None,
 ) -> list[Prediction]:
     """Every candidate's prediction, best first: those that fit by throughput, then the rest by overflow.
 
     quantized: also 8- and 4-bit weights and KV cache, besides the compute dtype's own width.
     kv_bits: the KV cache widths to consider instead (the engine's --kv-dtype, when it is fixed).
     weight_bits: the weight widths to consider instead (a checkpoint's, when it is quantized).
+    expert_caches: a mixture's expert cache sizes to consider (place_layers' expert_cache); None: experts with
+    their layers (0) and streamed through what the budget leaves beside resident dense parts (AUTO_EXPERT_CACHE).
     """
     full = 8 * make_context(shape, hw, dtype, block_size).dtype_bytes
     widths = (full, 8, 4) if quantized else (full,)
@@ -99,6 +123,9 @@ def search(
         top = workload.requests or 4096
         batches = sorted({1 << i for i in range(13) if 1 << i <= top} | ({top} if workload.requests else set()))
     kw = dict(dtype=dtype, budgets=budgets, block_size=block_size)
+    if expert_caches is None:
+        expert_caches = (0, AUTO_EXPERT_CACHE) if shape.num_experts else (0,)
+    expert_caches = tuple(expert_caches)
     place = functools.partial(place_layers, shape, hw, workload, ring_slots=ring_slots, **kw)
     out = []
     for batch in batches:
@@ -110,8 +137,9 @@ def search(
                     continue  # host RAM is the device's own memory: no different from "device"
                 for wb in weight_bits:
                     for kb in kv_bits:
-                        cand = place(batch, mb, kv_tier, wb, kb)
-                        out.append(predict(shape, hw, workload, cand, **kw))  # the ring is the candidate's
+                        for cache in expert_caches:
+                            cand = place(batch, mb, kv_tier, wb, kb, expert_cache=cache)
+                            out.append(predict(shape, hw, workload, cand, **kw))  # the ring is the candidate's
     return rank(out)
 
 

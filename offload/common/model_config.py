@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from offload.common.config_fields import REQUIRED, eos, flag, integer, model_dtype
+from offload.common.deepseek import deepseek_fields
 from offload.common.dtypes import DTYPES
 from offload.common.errors import OffloadError
 from offload.common.quant import WeightQuant, parse_quant
@@ -31,7 +32,8 @@ LLAMA_LIKE = (
     "Qwen3MoeForCausalLM",
 )
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED = (*LLAMA_LIKE, "OPTForCausalLM")
+PLANNING_ONLY = ("DeepseekV3ForCausalLM",)  # priced by `offload plan` (offload/common/deepseek.py), not run
+SUPPORTED = (*LLAMA_LIKE, "OPTForCausalLM", *PLANNING_ONLY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,10 @@ def parse_model_config(config: dict, source: str, name: str = "") -> ModelSpec:
     arch = archs[0]
     if arch not in SUPPORTED:
         raise OffloadError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    if arch in PLANNING_ONLY:
+        fields = deepseek_fields(config, source)
+        params, rope = ParamCounts(*fields.pop("params")), RopeSpec(theta=fields.pop("rope_theta"), kind="yarn")
+        return ModelSpec(architecture=arch, name=name, params=params, rope=rope, **fields)
     spec = _opt_spec(config, name, source) if arch == "OPTForCausalLM" else _llama_like_spec(config, arch, name, source)
     quant = parse_quant(config, source)
     return spec if quant is None else dataclasses.replace(spec, quant=quant)

@@ -14,7 +14,7 @@ import torch
 from kernels.paged_batch import PagedBatch
 from kernels.quant_linear import SCALES_SUFFIX
 from offload.common.errors import OffloadError
-from offload.common.model_config import ModelSpec
+from offload.common.model_config import PLANNING_ONLY, ModelSpec
 from offload.common.quant import WeightQuant
 from tiers.checkpoint import ModelTensors, TensorGroup, TensorSpec
 from tiers.kv import KVLayer
@@ -77,6 +77,11 @@ class Family(Protocol):
 
 def get_family(architecture: str, source: str = "config.json") -> Family:
     module = ARCHITECTURES.get(architecture)
+    if architecture in PLANNING_ONLY:
+        raise OffloadError(
+            f"{source}: {architecture} is priced by `offload plan` only; the engine does not run it yet "
+            f"(multi-head latent attention)"
+        )
     if module is None:
         known = ", ".join(sorted(ARCHITECTURES))
         raise OffloadError(f"{source}: unknown architecture {architecture!r} (supported: {known})")

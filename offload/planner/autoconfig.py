@@ -81,6 +81,7 @@ def autoconfigure(
         block_size=config.block_size,
         kv_bits=(KV_BITS.get(config.kv_dtype, 8 * DTYPE_BYTES[dtype]),),
         weight_bits=(spec.quant.bits if spec.quant is not None else 8 * DTYPE_BYTES[dtype],),
+        expert_caches=(config.expert_cache_memory,),  # taken from the device budget before any layer is placed
     )
     chosen = best(predictions, runnable_only=True)
     if chosen is None and config.memory is not None:
@@ -143,11 +144,11 @@ def activation_bytes(
     shape: ModelSpec, hardware: HardwareProfile, dtype: str, block_size: int, cand: Candidate, workload: Workload
 ) -> int:
     """What the cost model counts on the device for `cand` beyond what the engine's device tier is charged (the
-    embedding, head, layers, ring and KV cache): a step's activations and logits (bytes)."""
+    embedding, head, layers, ring, KV cache and expert cache): a step's activations and logits (bytes)."""
     ctx = make_context(shape, hardware, dtype, block_size)
     bare = tier_memory(ctx, dataclasses.replace(cand, policy=Policy(())), workload)["device"]  # no layer placed
     kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
-    return int(bare - (shape.params.embed + shape.params.head) * ctx.dtype_bytes - kv)
+    return int(bare - (shape.params.embed + shape.params.head) * ctx.dtype_bytes - kv - cand.expert_cache)
 
 
 def describe(prediction: Prediction) -> str:

@@ -113,7 +113,8 @@ def _policy(p: Prediction) -> str:
     c = p.candidate
     dev, host, disk = c.policy.counts
     bits = "" if c.weight_bits == c.kv_bits >= 16 else f" w{c.weight_bits}/kv{c.kv_bits}"
-    return f"{c.batch:>5} {c.micro_batches:>3}  {dev:>4}/{host:>4}/{disk:<4} {c.kv_tier:<6}{bits}"
+    weights = f"{dev:>4}/{host:>4}/{disk:<4}" if not c.expert_cache else f"{dev:>4}/{host:>4}/{disk}+E".ljust(14)
+    return f"{c.batch:>5} {c.micro_batches:>3}  {weights} {c.kv_tier:<6}{bits}"
 
 
 def _per_batch(predictions: list[Prediction]) -> dict[int, Prediction]:
@@ -161,7 +162,12 @@ def report(
         return "\n".join(lines)
     fitting = [p for p in _per_batch(predictions).values() if p.fits]
     fitting.sort(key=lambda p: -p.tokens_per_second)
-    lines.append("best policies (predicted; weights: decoder layers on device/host/disk)")
+    if shape.num_experts:
+        lines[-1:-1] = _experts_lines(shape, hw, workload, dtype, winner)
+    lines.append(
+        "best policies (predicted; weights: decoder layers on device/host/disk"
+        + ("; +E: routed experts read when chosen, through an expert cache)" if shape.num_experts else ")")
+    )
     lines.append(
         f"{'#':>2} {'batch':>5} {'mb':>3}  {'weights':<14} {'KV':<6} {'tok/s':>9} {'TTFT':>9} "
         f"{'device':>10} {'host':>10}  {'bound':<7} runs here"
@@ -185,9 +191,36 @@ def report(
 def _runs_here(p: Prediction) -> str:
     if p.unsupported:
         return "needs " + ", ".join(p.unsupported)
-    if p.candidate.weight_bits in (4, 8):
-        return f"yes, converted: offload convert --quant int{p.candidate.weight_bits}"
-    return "yes"
+    c, how = p.candidate, []
+    if c.weight_bits in (4, 8):
+        how.append(f"converted: offload convert --quant int{c.weight_bits}")
+    if c.expert_cache:
+        how.append(f"--expert-cache-memory {c.expert_cache / 1e6:.0f}MB")
+    return "yes" + (", " + ", ".join(how) if how else "")
+
+
+def _experts_lines(
+    shape: ModelSpec, hw: HardwareProfile, workload: Workload, dtype: str, winner: Prediction
+) -> list[str]:
+    """What a step touches of a mixture's experts, and what the best policy's expert cache holds."""
+    from scheduler.cost import make_context
+    from scheduler.moe_cost import distinct_experts, expert_params, hit_rate, sparse_layers
+
+    c = winner.candidate
+    ctx = make_context(shape, hw, dtype, 16)
+    one = ctx.weight_bytes(expert_params(shape), c.weight_bits)
+    touched = ", ".join(f"batch {b}: {distinct_experts(shape, b):.1f}" for b in (1, 8, 64) if b <= max(c.batch, 8))
+    lines = [
+        f"experts   {shape.num_experts} routed per layer in {sparse_layers(shape)} layers, top "
+        f"{shape.experts_per_token}, {_gb(one)} each: a decode step touches per layer (uniform routing) {touched}"
+    ]
+    slots = ctx.expert_slots(c)
+    if slots is not None:
+        lines.append(
+            f"          the best policy caches {slots} of {sparse_layers(shape) * shape.num_experts} experts "
+            f"({_gb(c.expert_cache)}): a chosen expert is cached with chance {hit_rate(shape, slots):.0%}"
+        )
+    return lines
 
 
 def _explain(winner: Prediction, predictions: list[Prediction]) -> list[str]:
@@ -209,6 +242,15 @@ def _explain(winner: Prediction, predictions: list[Prediction]) -> list[str]:
             ratio = p.tokens_per_second / winner.tokens_per_second
             why = "weights are read once per step for fewer tokens" if batch < w.batch else f"{p.bound}-bound"
             out.append(f"  batch {batch:>5}: {ratio:.2f}x the best throughput: {why}")
+    if any(p.candidate.expert_cache for p in predictions):
+        other = [p for p in predictions if bool(p.candidate.expert_cache) != bool(w.expert_cache)]
+        b = best(other)
+        what = "experts with their layers" if w.expert_cache else "experts through an expert cache"
+        if b is None:
+            out.append(f"  {what}: nothing fits")
+        else:
+            ratio = b.tokens_per_second / winner.tokens_per_second
+            out.append(f"  {what}: at best {ratio:.2f}x (batch {b.candidate.batch}, {b.bound}-bound)")
     by_kv = defaultdict(list)
     for p in predictions:
         by_kv[p.candidate.kv_tier].append(p)
@@ -265,6 +307,7 @@ def _candidate_json(c: Candidate) -> dict:
         "kv_tier": c.kv_tier,
         "weight_bits": c.weight_bits,
         "kv_bits": c.kv_bits,
+        "expert_cache_bytes": c.expert_cache,
     }
 
 

@@ -49,6 +49,7 @@ VARIANTS = {
 }
 
 MODELS = [
+    "deepseek-v3",
     "llama-3.1-405b",
     "llama-3.1-70b",
     "llama-3.1-8b",
@@ -153,7 +154,16 @@ def test_published_model_matches_transformers(name):
     shape = load_model_spec(name)
 
     assert type(model).__name__ == shape.architecture == fields["architectures"][0]
-    assert_matches(shape, model)
+    if shape.architecture == "DeepseekV3ForCausalLM":  # dense and sparse layers: totals (see the test below)
+        assert 0 <= _stored(model) - shape.total_params < shape.num_layers
+    else:
+        assert_matches(shape, model)
+
+
+def _stored(model) -> int:
+    """Parameters plus DeepSeek's routers' score-correction biases (buffers the checkpoint stores)."""
+    biases = (b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    return sum(p.numel() for p in model.parameters()) + sum(biases)
 
 
 def test_published_counts_anchor():
@@ -283,3 +293,38 @@ def test_estimate_sizes_largest_layer_of_a_big_vocabulary():
     assert rows["bfloat16"].largest_layer_name == "head"
     assert rows["bfloat16"].largest_layer_bytes == 2 * (152_064 * 3_584 + 3_584)  # lm_head + final norm
     assert rows["int4"].total_bytes == shape.total_params // 2
+
+
+def test_deepseek_v3_is_priced_from_its_shape_and_refused_by_the_engine():
+    """Multi-head latent attention, leading dense layers, routed and shared experts: the spec's totals equal the
+    parameters transformers builds (plus the routers' score-correction biases, buffers stored in the checkpoint;
+    the average layer rounds down by less than one parameter a layer), its KV cache is the latent per token."""
+    from transformers import DeepseekV3Config
+
+    from offload.model.registry import get_family
+
+    config = DeepseekV3Config(
+        **TINY | dict(num_key_value_heads=4, intermediate_size=96),
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+    )
+    model = meta_model(config)
+    config.architectures = [type(model).__name__]
+    shape = parse_model_config(config.to_dict(), "tiny", "test")
+    assert 0 <= _stored(model) - shape.total_params < shape.num_layers
+    assert shape.dense_layers == (0,) and shape.num_experts == 8 and shape.shared_expert_size == 32
+    assert shape.kv_bytes_per_token(2) == 3 * (32 + 8) * 2  # one latent of kv_lora_rank + rope dims a layer
+    big = load_model_spec("deepseek-v3")
+    assert round(big.total_params / 1e9) == 671 and round(big.num_layers * big.params.active_layer / 1e9) == 36
+    with pytest.raises(OffloadError, match="DeepseekV3ForCausalLM is priced by `offload plan` only"):
+        get_family(big.architecture)

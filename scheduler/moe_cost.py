@@ -1,0 +1,81 @@
+"""The cost of a mixture's routed experts in one step: how many a step touches, how many of those the expert
+cache holds, and what the others cost to read and to multiply.
+
+A step of T tokens routes each to its top k of E experts. Routed uniformly at random, one layer's step touches
+
+    D(T) = E * (1 - (1 - k / E) ** T)
+
+distinct experts (k at T = 1, close to E once T is a few times E / k); each runs once over the T * k / D tokens that
+chose it, so a decode step of a large batch reads every expert's weights from memory, not just k of them. Real
+routers favour some experts, which touches fewer: D is an upper bound.
+
+With expert streaming (EngineConfig.expert_cache_memory) the experts leave their layers: a cache of S experts of
+the L * E routed ones holds a chosen expert with probability min(1, S / (L * E)) (a cache holding a uniform
+sample; selection-frequency eviction does better where routing is skewed), and each miss is read from disk after
+the router has chosen it. Those reads wait on the router, so the cost model does not overlap them with compute.
+
+Plain numbers in, plain numbers out, like scheduler/cost.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from offload.common.hardware import ComputeUnit
+from offload.common.model_config import ModelSpec
+from scheduler.rates import gemm_seconds
+
+
+class ExpertStep(NamedTuple):
+    compute_seconds: float  # the touched experts' GEMMs, every micro-batch of the step
+    read_bytes: float  # experts read from disk in the step (expert streaming's misses; 0 without it)
+
+
+def expert_params(s: ModelSpec) -> int:
+    """One routed expert's parameters: gate, up and down."""
+    return 3 * s.hidden_size * s.expert_size
+
+
+def routed_params(s: ModelSpec) -> int:
+    """One sparse layer's routed experts' parameters, all of them."""
+    return s.num_experts * expert_params(s)
+
+
+def sparse_layers(s: ModelSpec) -> int:
+    return sum(s.sparse(i) for i in range(s.num_layers))
+
+
+def distinct_experts(s: ModelSpec, tokens: float) -> float:
+    """Expected distinct experts one layer's router chooses for `tokens` tokens (uniform routing: an upper bound)."""
+    e, k = s.num_experts, s.experts_per_token
+    return e * (1.0 - (1.0 - k / e) ** max(tokens, 0.0))
+
+
+def hit_rate(s: ModelSpec, slots: int) -> float:
+    """The chance the expert cache of `slots` experts holds a chosen expert."""
+    return min(1.0, slots / max(sparse_layers(s) * s.num_experts, 1))
+
+
+def expert_step(
+    s: ModelSpec,
+    unit: ComputeUnit,
+    dtype: str,
+    expert_bytes: float,
+    rows_per_mb: int,
+    micro_batches: int,
+    slots: int | None,
+    packed: bool,
+) -> ExpertStep:
+    """One sparse layer's routed experts in a step of `micro_batches` micro-batches of `rows_per_mb` tokens.
+
+    expert_bytes: one expert's weight bytes at the candidate's width; slots: the expert cache's experts (None:
+    the experts are placed and streamed with their layer); packed: the experts are packed for the CPU's GEMM."""
+    touched = distinct_experts(s, rows_per_mb)
+    rows = max(math.ceil(rows_per_mb * s.experts_per_token / max(touched, 1e-9)), 1)
+    per_expert = gemm_seconds(unit, dtype, expert_params(s), expert_bytes, rows, packed)
+    compute = touched * per_expert * micro_batches
+    if slots is None:
+        return ExpertStep(compute, 0.0)
+    step_touched = distinct_experts(s, rows_per_mb * micro_batches)
+    return ExpertStep(compute, step_touched * (1.0 - hit_rate(s, slots)) * expert_bytes)

@@ -1,0 +1,47 @@
+"""What the cost model asks of the machine: a GEMM's rate at a number of rows, from the hardware profile's measured
+curves or its flat figures, and a GEMM's time as the slower of its FLOPs and its weight bytes."""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from offload.common.errors import OffloadError
+from offload.common.hardware import ComputeUnit
+
+
+def curve_rate(curve: tuple[tuple[int, float], ...], size: int) -> float:
+    """The rate of a measured curve at `size`, interpolated in log(size). Below the first point the time stays
+    that of the first point (a small call costs its fixed overhead), so the rate scales with size; above the last
+    point the rate stays flat."""
+    xs = [math.log(x) for x, _ in curve]
+    x = math.log(max(size, 1))
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        return curve[0][1] * size / curve[0][0]
+    if i == len(xs):
+        return curve[-1][1]
+    f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return curve[i - 1][1] + f * (curve[i][1] - curve[i - 1][1])
+
+
+def matmul_rate(unit: ComputeUnit, dtype: str, rows: int, packed: bool = False) -> float:
+    """FLOP/s of a GEMM with `rows` rows: the measured curve (for weights packed for the CPU's GEMM where `packed`
+    and the profile has that curve), else the flat rate."""
+    if packed and (curve := unit.packed_matmul_curve.get(dtype)):
+        return curve_rate(curve, rows)
+    if curve := unit.matmul_curve.get(dtype):
+        return curve_rate(curve, rows)
+    if dtype not in unit.matmul_flops:
+        known = ", ".join(sorted(unit.matmul_flops)) or "none"
+        raise OffloadError(f"the hardware profile gives no {dtype} matmul rate (it has: {known}); pick another dtype")
+    return unit.matmul_flops[dtype]
+
+
+def gemm_seconds(
+    unit: ComputeUnit, dtype: str, params: int, weight_bytes: float, rows: int, packed: bool = False
+) -> float:
+    """[rows, k] x [k, n] products over `params` = k * n weights: compute- or memory-bound, whichever is slower.
+    `packed`: weights the engine keeps packed for the CPU's GEMM (resident ones on a CPU device)."""
+    rate = matmul_rate(unit, dtype, rows, packed)
+    return max(2.0 * params * rows / rate, weight_bytes / unit.memory_bandwidth)

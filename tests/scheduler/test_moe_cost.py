@@ -1,0 +1,109 @@
+"""scheduler.moe_cost and the cost model's mixtures: experts touched per step, the expert cache's hit rate, the bytes
+expert streaming reads, and the search and report offering it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_cost import MB, cpu_machine, gpu_machine
+
+from offload.common.config import Policy
+from offload.common.model_config import parse_model_config
+from offload.planner.report import report
+from scheduler.cost import Budgets, Candidate, Workload, predict
+from scheduler.moe_cost import distinct_experts, expert_params, hit_rate, routed_params, sparse_layers
+from scheduler.search import AUTO_EXPERT_CACHE, best, place_layers, search
+
+MIXTRAL = parse_model_config(
+    {
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "torch_dtype": "bfloat16",
+    },
+    "test",
+    "toy-mixtral",
+)
+EXPERT_BYTES = 3 * 64 * 128 * 2  # gate, up, down in bf16
+
+
+def test_distinct_experts_grow_from_k_to_every_expert():
+    assert distinct_experts(MIXTRAL, 1) == pytest.approx(2.0)
+    assert distinct_experts(MIXTRAL, 8) == pytest.approx(8 * (1 - 0.75**8))  # 7.2
+    assert distinct_experts(MIXTRAL, 1000) == pytest.approx(8.0)
+    assert expert_params(MIXTRAL) * 2 == EXPERT_BYTES and routed_params(MIXTRAL) == 8 * expert_params(MIXTRAL)
+
+
+def test_hit_rate_is_the_caches_share_of_the_sparse_layers_experts():
+    assert hit_rate(MIXTRAL, 8) == 8 / 32 and hit_rate(MIXTRAL, 64) == 1.0
+    qwen = dataclasses.replace(MIXTRAL, architecture="Qwen3MoeForCausalLM", dense_layers=(0,))
+    assert sparse_layers(qwen) == 3 and hit_rate(qwen, 6) == 6 / 24
+
+
+def _streaming(batch: int, slots: int) -> Candidate:
+    return Candidate(batch, 1, Policy.from_counts(4, 0, 0), expert_cache=slots * EXPERT_BYTES)
+
+
+def test_expert_streaming_reads_the_misses_of_the_touched_experts_and_waits_for_them():
+    hw = cpu_machine(disk_read=1e6)  # slow reads: they dominate
+    work = Workload(prompt_len=1, gen_len=5)
+    p = predict(MIXTRAL, hw, work, _streaming(1, 8))
+    # every step (prefill of one token, then 4 decode steps) touches 2 experts in each of 4 layers, 3/4 not cached
+    reads = 5 * 4 * 2 * (1 - 8 / 32) * EXPERT_BYTES
+    assert p.resources["disk"] == pytest.approx(reads / 1e6)
+    assert p.round_seconds == pytest.approx(p.resources["disk"] + p.resources["compute"])  # not overlapped
+    assert p.memory["device"] >= 8 * EXPERT_BYTES
+    whole = predict(MIXTRAL, hw, work, Candidate(1, 1, Policy.from_counts(4, 0, 0)))
+    assert whole.resources["disk"] == 0.0  # every expert resident with its layer
+
+
+def test_a_large_decode_step_reads_every_experts_weights_from_memory():
+    hw = cpu_machine(flops=1e18)  # memory-bound GEMMs
+    work = Workload(prompt_len=1, gen_len=2)
+    small = predict(MIXTRAL, hw, work, Candidate(1, 1, Policy.from_counts(4, 0, 0)))
+    large = predict(MIXTRAL, hw, work, Candidate(256, 1, Policy.from_counts(4, 0, 0)))
+    expert_share = 8 * EXPERT_BYTES / (MIXTRAL.params.active_layer * 2 + 6 * EXPERT_BYTES)
+    assert large.decode_seconds > small.decode_seconds * (1 + expert_share)  # 8 experts' bytes, not 2
+
+
+def test_auto_expert_cache_keeps_every_dense_part_resident_and_fills_the_budget():
+    budget = 2 * MB
+    work = Workload(prompt_len=16, gen_len=16)
+    cand = place_layers(
+        MIXTRAL, cpu_machine(), work, 1, 1, budgets=Budgets(device=budget), expert_cache=AUTO_EXPERT_CACHE
+    )
+    assert cand.policy.counts == (4, 0, 0) and cand.expert_cache >= 2 * EXPERT_BYTES
+    p = predict(MIXTRAL, cpu_machine(), work, cand, budgets=Budgets(device=budget))
+    assert p.fits and budget - p.memory["device"] < 16  # the cache takes what the dense parts leave
+
+
+def test_search_offers_expert_streaming_for_mixtures_only_and_not_yet_on_cuda():
+    work = Workload(prompt_len=16, gen_len=8)
+    preds = search(MIXTRAL, cpu_machine(), work, budgets=Budgets(device=2 * MB), batches=[1, 4])
+    assert {bool(p.candidate.expert_cache) for p in preds} == {False, True}
+    assert all(not p.unsupported for p in preds)
+    gpu = search(MIXTRAL, gpu_machine(device_memory=2 * MB), work, batches=[1])
+    assert all(("expert streaming on CUDA" in p.unsupported) == bool(p.candidate.expert_cache) for p in gpu)
+    dense = dataclasses.replace(MIXTRAL, num_experts=0, experts_per_token=0, architecture="LlamaForCausalLM")
+    dense = dataclasses.replace(dense, params=None)
+    assert not any(p.candidate.expert_cache for p in search(dense, cpu_machine(), work, batches=[1]))
+
+
+def test_the_plan_names_the_expert_cache_flag_and_what_a_step_touches():
+    work = Workload(prompt_len=16, gen_len=8)
+    budgets = Budgets(device=int(1.5 * MB), host=0)
+    hw = cpu_machine(disk_read=1e7)
+    preds = search(MIXTRAL, hw, work, budgets=budgets, batches=[1, 2])
+    winner = best(preds)
+    assert winner.candidate.expert_cache  # the whole layers do not fit beside a ring: only experts stream
+    text = report(MIXTRAL, hw, work, "bfloat16", budgets, preds, 3)
+    assert "+E" in text and f"--expert-cache-memory {winner.candidate.expert_cache / 1e6:.0f}MB" in text
+    assert "a decode step touches per layer (uniform routing) batch 1: 2.0, batch 8: 7.2" in text
+    assert "a chosen expert is cached with chance" in text and "experts with their layers" in text

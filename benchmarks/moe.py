@@ -155,9 +155,23 @@ def row(rounds: list[EngineResult], limit_gbps: float, resident: EngineResult | 
     return out
 
 
+def predicted_bytes_per_token(model_dir: Path, cache_bytes: int, batch: int, prompt: int, new_tokens: int) -> float:
+    """The cost model's bytes read per generated token for expert streaming with a cache of `cache_bytes`
+    (scheduler/moe_cost.py: uniform routing, the cache's share of every expert as its hit rate): a prefill step of
+    batch * prompt tokens, then new_tokens - 1 decode steps of `batch` tokens."""
+    from offload.model.loader import load_spec
+    from scheduler.moe_cost import distinct_experts, expert_params, hit_rate, sparse_layers
+
+    spec, _ = load_spec(model_dir)
+    one = expert_params(spec) * 2  # bf16
+    miss = 1.0 - hit_rate(spec, cache_bytes // one)
+    touched = distinct_experts(spec, batch * prompt) + (new_tokens - 1) * distinct_experts(spec, batch)
+    return touched * sparse_layers(spec) * miss * one / (batch * new_tokens)
+
+
 def table(rows: dict[str, dict[int, dict]]) -> str:
-    head = f"{'engine':<14} {'batch':>5} {'tok/s':>8} {'min-max':>11} {'MB read/token':>13} {'limit tok/s':>11} "
-    head += f"{'x limit':>7} {'binds':>7}"
+    head = f"{'engine':<14} {'batch':>5} {'tok/s':>8} {'min-max':>11} {'MB read/token':>13} {'(predicted)':>11} "
+    head += f"{'limit tok/s':>11} {'x limit':>7} {'binds':>7}"
     lines = [head, "-" * len(head)]
     for name, by_batch in rows.items():
         for batch, r in by_batch.items():
@@ -167,9 +181,11 @@ def table(rows: dict[str, dict[int, dict]]) -> str:
             lim = r["generated_tokens"] / r["limit_seconds"] if r["limit_seconds"] else float("nan")
             per_round = r["rounds_tokens_per_second"]
             spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
+            predicted = r.get("predicted_bytes_per_token")
+            predicted = f"{predicted / 1e6:>11.0f}" if predicted is not None else " " * 11
             lines.append(
                 f"{name:<14} {batch:>5} {r['tokens_per_second']:>8.2f} {spread:>11} "
-                f"{r['bytes_per_token'] / 1e6:>13.0f} "
+                f"{r['bytes_per_token'] / 1e6:>13.0f} {predicted} "
                 f"{lim:>11.2f} {r['x_limit']:>6.2f}x {r['limit_binds']:>7}"
             )
     return "\n".join(lines)
@@ -199,6 +215,11 @@ def main_run(args: argparse.Namespace) -> dict:
         name: {b: row(rs, best_gbps, resident[b] if name != "accelerate" else None) for b, rs in by_batch.items()}
         for name, by_batch in runs.items()
     }
+    for name, by_batch in rows.items():  # what the cost model (offload plan) expects expert streaming to read
+        for b, r in by_batch.items():
+            if name.startswith("experts") and r["status"] == "ok":
+                pred = predicted_bytes_per_token(model_dir, r["expert_cache_memory"], b, 32, args.new_tokens)
+                r["predicted_bytes_per_token"] = pred
     print()
     print(table(rows))
     print()

@@ -25,5 +25,6 @@ def test_a_small_run_reads_fewer_bytes_by_expert_than_by_layer(tmp_path):
     router = report["results"]["experts-router"]["1"]
     assert router["token_ids"] == experts["token_ids"] and router["experts"]["prefetches"] > 0
     assert experts["rounds_tokens_per_second"] == [experts["tokens_per_second"]]
+    assert experts["predicted_bytes_per_token"] > 0 and "predicted_bytes_per_token" not in layers
     assert all(r["limit_seconds"] > 0 and r["limit_binds"] in ("disk", "compute") for r in (experts, layers))
     assert {g["goal"] for g in report["goals"]} == {"bytes_fraction", "speedup_vs_layers", "speedup_vs_accelerate"}

@@ -11,8 +11,9 @@ eviction's time left out of its wall time, as in benchmarks/offload_vs_peers.py)
 
   experts     this engine, --expert-cache-memory: the dense part of every layer resident, the rest of the budget
               an expert cache; only the experts the router chooses are read; the next layer's experts are
-              prefetched by selection frequency (the default)
-  experts-router  the same with --expert-prefetch router: the next layer's router guesses its experts
+              guessed by its router on the current hidden state and prefetched (--expert-prefetch router, the
+              default)
+  experts-frequency  the same with --expert-prefetch frequency: the next layer's most often chosen experts
   layers      this engine streaming whole layers (every expert of a layer read on every pass)
   accelerate  transformers + Accelerate, device_map="auto" with max_memory={"cpu": budget} and an offload folder
 
@@ -47,7 +48,7 @@ from peer_engines import (
 )
 
 RESULTS = Path(__file__).parent / "results" / "moe.json"
-ENGINES = ("experts", "experts-router", "layers", "accelerate")
+ENGINES = ("experts", "experts-frequency", "layers", "accelerate")
 GOALS = {"bytes_fraction": 0.40, "speedup_vs_layers": 2.0, "speedup_vs_accelerate": 6.0}  # at batch 1
 MARGIN = 16  # a 16th of the budget (at most 16 MiB) is left beside the resident dense parts and the expert cache
 
@@ -78,7 +79,7 @@ def run_engine(name: str, model_dir: Path, budget: int | None, workload: Workloa
         per_expert = experts // (spec.num_layers * spec.num_experts)
         margin = min(budget // MARGIN, 16 << 20)
         cache = max(budget - dense - margin, per_expert)  # dense parts resident, the rest caches experts
-        prefetch = "router" if name == "experts-router" else "frequency"
+        prefetch = "frequency" if name == "experts-frequency" else "router"
         config = replace(config, expert_cache_memory=cache, expert_prefetch=prefetch)
     baseline = rss_bytes()
     result = generate_ours(model_dir, config, workload)

@@ -91,10 +91,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--expert-prefetch",
         choices=EXPERT_PREFETCH,
-        default="frequency",
-        help="how the next sparse layer's experts are prefetched while a layer computes: those selected most often, "
-        "or those its router chooses for the current hidden state (costs reads when wrong; pays where reads are not "
-        "the bottleneck) (default frequency)",
+        default="router",
+        help="how the next sparse layer's experts are prefetched while a layer computes: those its router chooses "
+        "for the current hidden state (a copy of each router stays resident), or those selected most often "
+        "(default router)",
     )
     p.add_argument(
         "--no-prefix-cache",

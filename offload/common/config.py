@@ -14,7 +14,7 @@ from offload.common.errors import OffloadError
 TIERS = ("device", "host", "nvme")
 READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py)
 IO_BACKENDS = ("auto", *READ_BACKENDS)  # what io_backend may say; "auto" resolves to a read backend
-EXPERT_PREFETCH = ("frequency", "router")  # how the next sparse layer's experts are chosen for prefetch
+EXPERT_PREFETCH = ("router", "frequency")  # how the next sparse layer's experts are chosen for prefetch
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +100,9 @@ class EngineConfig:
     # chooses them (tiers/experts.py); the rest of each sparse layer is placed like a dense layer. 0 = off: whole
     # layers are placed and streamed
     expert_cache_memory: int = 0
-    # how the next sparse layer's experts are prefetched while a layer computes: "frequency" (those selected most
-    # often) or "router" (those its router chooses for the current hidden state; offload/model/expert_streaming.py)
-    expert_prefetch: str = "frequency"
+    # how the next sparse layer's experts are prefetched while a layer computes: "router" (those its router chooses
+    # for the current hidden state; offload/model/expert_streaming.py) or "frequency" (those selected most often)
+    expert_prefetch: str = "router"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

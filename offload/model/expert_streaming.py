@@ -5,14 +5,14 @@ the WeightStore like a dense layer; every "expert{e}.*" tensor goes to the group
 matrix name ("gate_proj", "down_proj.scales"), which the cache reads only when the router chooses that expert.
 
 Prefetch starts reads for the next sparse layer while this one computes (EngineConfig.expert_prefetch):
-"frequency" (the default) prefetches its experts selected most often; "router" guesses them instead with a copy of
-that layer's router and input norm (`Gate`, a few KiB to a few MiB, resident on the device): when a layer fetches
-its experts it runs the next layer's router on its own residual stream (the next layer's input, less one attention
-and one MLP output) and starts reading each token's first choice there as a guess (tiers/experts.py). The last
-sparse layer's next is the first one at the next step, whose hidden state does not exist yet: it always prefetches
-by frequency. Guesses cost reads when wrong, so they pay where reads are not the bottleneck: on the MoE
-benchmark's disk-bound batch 1 (2-core VM) they were right 77% of the time, read 8% more bytes per token than
-frequency prefetch, and ran within the noise of it.
+"router" (the default) guesses its experts with a copy of that layer's router and input norm (`Gate`, a few KiB to
+a few MiB, resident on the device): when a layer fetches its experts it runs the next layer's router on its own
+residual stream (the next layer's input, less one attention and one MLP output) and starts reading each token's
+first choice there as a guess (tiers/experts.py). "frequency" prefetches the next layer's experts selected most
+often instead. The last sparse layer's next is the first one at the next step, whose hidden state does not exist
+yet: it always prefetches by frequency. On the MoE benchmark's checkpoint (2-core VM) guesses were right 77% of the
+time at batch 1 (where the disk is the bottleneck, they read 8% more bytes than frequency prefetch and ran as fast)
+and 98% at batch 8, where they ran 1.8x faster (benchmarks/results/moe.json).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def layer_experts(
     spec: ModelSpec,
     gates: dict[int, tuple[torch.Tensor, ...]],
     dtype: torch.dtype,
-    prefetch: str = "frequency",
+    prefetch: str = "router",
 ) -> dict[int, RoutedExperts]:
     """Each sparse layer's experts bound to the cache, each prefetching the next sparse layer's by `prefetch`
     ("router": with a copy of its gate, from `gates` (read_gates), copied now into the cache's tier outside the

@@ -22,8 +22,8 @@ def test_a_small_run_reads_fewer_bytes_by_expert_than_by_layer(tmp_path):
     assert experts["experts"]["misses"] > 0 and experts["expert_cache_memory"] > 0
     assert 0 < experts["bytes_per_token"] < layers["bytes_per_token"]  # only the chosen experts are read
     assert experts["token_ids"] == layers["token_ids"]  # the same model, computed the same way
-    router = report["results"]["experts-router"]["1"]
-    assert router["token_ids"] == experts["token_ids"] and router["experts"]["prefetches"] > 0
+    frequency = report["results"]["experts-frequency"]["1"]
+    assert frequency["token_ids"] == experts["token_ids"] and experts["experts"]["prefetches"] > 0
     assert experts["rounds_tokens_per_second"] == [experts["tokens_per_second"]]
     assert experts["predicted_bytes_per_token"] > 0 and "predicted_bytes_per_token" not in layers
     assert all(r["limit_seconds"] > 0 and r["limit_binds"] in ("disk", "compute") for r in (experts, layers))

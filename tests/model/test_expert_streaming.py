@@ -75,7 +75,7 @@ def test_router_prefetch_guesses_with_copies_of_the_next_routers_and_keeps_the_t
     path, resident = checkpoint
     slot, *_ = _sizes(path)
     spec, _ = load_spec(path)
-    with LLM(path, _config(expert_cache_memory=6 * slot, expert_prefetch="router")) as llm:
+    with LLM(path, _config(expert_cache_memory=6 * slot)) as llm:  # router prefetch: the default
         routed = llm.engine.experts
         sparse = sorted(routed)
         assert [routed[i].next_layer for i in sparse] == sparse[1:] + sparse[:1]
@@ -86,6 +86,15 @@ def test_router_prefetch_guesses_with_copies_of_the_next_routers_and_keeps_the_t
         x = llm.stats.experts
         llm.device_tier.check_integrity()
     assert x.prefetches > 0 and 0 < x.prefetch_used <= x.prefetches
+
+
+def test_frequency_prefetch_keeps_no_router_copies_and_the_tokens(checkpoint):
+    path, resident = checkpoint
+    slot, *_ = _sizes(path)
+    with LLM(path, _config(expert_cache_memory=6 * slot, expert_prefetch="frequency")) as llm:
+        assert all(r.gate is None for r in llm.engine.experts.values())
+        assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
+        assert llm.stats.experts.prefetches > 0
 
 
 def test_a_gate_guesses_each_tokens_first_choice_of_the_normalized_residual():

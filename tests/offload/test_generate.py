@@ -245,5 +245,5 @@ def test_io_backend_is_checked():
 
 
 def test_expert_prefetch_is_checked():
-    with pytest.raises(OffloadError, match="expert_prefetch must be one of frequency, router, got 'lru'"):
+    with pytest.raises(OffloadError, match="expert_prefetch must be one of router, frequency, got 'lru'"):
         EngineConfig(expert_prefetch="lru")

@@ -17,8 +17,10 @@ eviction's time left out of its wall time, as in benchmarks/offload_vs_peers.py)
   layers      this engine streaming whole layers (every expert of a layer read on every pass)
   accelerate  transformers + Accelerate, device_map="auto" with max_memory={"cpu": budget} and an offload folder
 
-Every engine runs --repeats rounds, in the same order each round; the row of each engine and batch is its median
-round by tokens/s, with the min and max beside it. Reported per engine and batch: tokens/s, bytes read from storage
+Every engine runs --repeats rounds, in the order above and then reversed, alternately (the virtual disk serves
+bytes read moments ago faster, so the engine that runs second after a similar one gains; alternating gives each
+engine both places); the row of each engine and batch is its median round by tokens/s, the lower middle of an even
+count, with the min and max beside it. Reported per engine and batch: tokens/s, bytes read from storage
 per generated token (/proc/self/io), and the physical limit of the run: its own bytes at the best read rate
 measured (see best_read_rate), or (for this engine's runs) its time with every weight resident, whichever is
 larger. Prints a table and the goals and writes
@@ -205,9 +207,9 @@ def main_run(args: argparse.Namespace) -> dict:
     resident: dict[int, EngineResult] = {}
     for batch in batches:
         resident[batch] = run_worker("layers", model_dir, args, batch, None)  # every weight resident: the compute
-    for _ in range(args.repeats):
+    for round_ in range(args.repeats):
         for batch in batches:
-            for name in engines:
+            for name in engines if round_ % 2 == 0 else engines[::-1]:
                 if name == "accelerate" and batch not in (1, batches[0]):
                     continue
                 runs[name].setdefault(batch, []).append(run_worker(name, model_dir, args, batch, budget))

@@ -321,6 +321,7 @@ class LLM:
             stall_seconds=after.stall_seconds - before.stall_seconds,
             wall_seconds=time.perf_counter() - called,
             moved_down=after.moved_down - before.moved_down,
+            moved_up=after.moved_up - before.moved_up,
             experts=self.experts.stats - experts_before if self.experts else None,
             **{f: getattr(after, f) - getattr(before, f) for f in KV_COUNTERS},
         )

@@ -290,7 +290,8 @@ def _summary(llm, completions) -> str:
         x = s.experts
         lines.append(
             f"experts    {x.hits} hits, {x.misses} misses ({x.hit_rate:.0%} hit rate), {format_size(x.bytes_read)} "
-            f"read; prefetch {x.prefetch_used} of {x.prefetches} used ({x.prefetch_accuracy:.0%} accuracy); "
+            f"read; prefetch by {llm.config.expert_prefetch}: {x.prefetch_used} of {x.prefetches} used "
+            f"({x.prefetch_accuracy:.0%} accuracy); "
             f"{format_size(int(s.bytes_per_token))} of weights read per generated token"
         )
     io = f"i/o        backend {llm.io_backend.name} ({llm.io_backend.why})"

@@ -92,6 +92,7 @@ class CoreCounters:
     steps: int = 0
     preemptions: int = 0
     moved_down: int = 0  # running sequences whose KV moved to host RAM instead of being preempted
+    moved_up: int = 0  # running sequences whose KV came back from host RAM to the device part
     bytes_read: int = 0  # weight bytes read from storage
     h2d_bytes: int = 0  # weight bytes copied host -> device
     read_seconds: float = 0.0  # wall time with at least one weight read in flight
@@ -112,6 +113,7 @@ PREFILL_SAMPLE = 64  # prefill tokens a step must compute to measure the prefill
 # counters kept by the weight store and the KV pool, not by the core
 _FROM_PARTS = (
     "moved_down",
+    "moved_up",
     "bytes_read",
     "h2d_bytes",
     "read_seconds",
@@ -237,7 +239,12 @@ class EngineCore:
         parts = [t.counters for t in (self.tables, self.batcher.host_tables) if t is not None]  # device, host
         moved = self.kv_tiers.counters if self.kv_tiers is not None else None
         return CoreCounters(
-            **{**self._totals, "preemptions": self.batcher.num_preemptions, "moved_down": self.batcher.num_moved_down},
+            **{
+                **self._totals,
+                "preemptions": self.batcher.num_preemptions,
+                "moved_down": self.batcher.num_moved_down,
+                "moved_up": self.batcher.num_moved_up,
+            },
             bytes_read=io.bytes_read,
             h2d_bytes=io.h2d_bytes,
             read_seconds=io.read_seconds,

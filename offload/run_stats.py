@@ -35,6 +35,7 @@ class RunStats:
     kv_bytes_down: int = 0  # KV bytes moved to host RAM or disk
     kv_bytes_up: int = 0  # KV bytes brought back to the device
     moved_down: int = 0  # running sequences whose KV moved to host RAM instead of being preempted
+    moved_up: int = 0  # running sequences whose KV came back to the device part
     experts: ExpertStats | None = None  # the expert cache's counters over the run (None: expert streaming off)
 
     @property

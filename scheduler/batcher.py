@@ -69,6 +69,7 @@ class Batcher:
         self.running: deque[Sequence] = deque()  # PREFILLING or DECODING, in admission order
         self.num_preemptions = 0
         self.num_moved_down = 0  # running sequences whose blocks went to the host part instead of being preempted
+        self.num_moved_up = 0  # running sequences whose blocks came back from the host part
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens >= self.limits.max_model_len:
@@ -89,6 +90,7 @@ class Batcher:
         chunks: list[SeqChunk] = []
         planned: set[int] = set()
         preemptions = self.num_preemptions
+        self._move_up()
         for state in (SeqState.DECODING, SeqState.PREFILLING):
             for seq in [s for s in self.running if s.state is state]:
                 if budget == 0:
@@ -205,6 +207,34 @@ class Batcher:
         seq.kv_tier = "host"
         self.num_moved_down += 1
         return True
+
+    def _move_up(self) -> None:
+        """Bring running sequences whose KV lives in the host part back to the device part, oldest first, while it
+        has room for a sequence's blocks and for everything every device sequence (it included) could grow by in
+        this step, so that planning the step never has to move or preempt one (a sequence moved up and down in one
+        step would copy blocks not yet written), and no waiting sequence could be admitted into that room instead.
+        Their blocks are copied up before the next step (event "up", read before anything is written)."""
+        if self.host_tables is None or (self.waiting and len(self.running) < self.limits.max_running):
+            return
+        growth = sum(self._growth(s, self.tables) for s in self.running if s.kv_tier == "device")
+        for seq in [s for s in self.running if s.kv_tier == "host"]:
+            host_blocks = list(self.host_tables.table(seq.seq_id))
+            need = len(host_blocks) + self._growth(seq, self.host_tables)
+            if self.tables.pool.num_free < need + growth:
+                return
+            growth += need - len(host_blocks)
+            device_blocks = self.tables.grow(seq.seq_id, len(host_blocks) * self.tables.block_size)
+            self.tables.pool.events.extend(
+                ("up", None, dst, src) for dst, src in zip(device_blocks, host_blocks, strict=True)
+            )
+            self.host_tables.free(seq.seq_id)
+            seq.kv_tier = "device"
+            self.num_moved_up += 1
+
+    def _growth(self, seq: Sequence, tables: BlockTables) -> int:
+        """Blocks `seq` could add to its table in `tables` this step (the whole step's tokens, if it prefills)."""
+        end = seq.num_cached + min(self.limits.max_step_tokens, seq.num_uncached)
+        return max(tables.blocks_for(end) - len(tables.table(seq.seq_id)), 0)
 
     def _chunk(self, seq: Sequence, end: int, table: list[int]) -> SeqChunk:
         """Tokens num_cached .. end - 1 of `seq`; the chunk that reaches its last token samples the next."""

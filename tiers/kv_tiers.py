@@ -2,7 +2,8 @@
 
     device  KVCache (tiers/kv.py): the blocks of the sequences admitted there, and cached prefix blocks while room lasts
       │ ▲   evicted cached blocks go down (demote); a prefix found below comes back into fresh blocks (promote);
-      │     a running sequence that cannot grow on the device moves down whole (its blocks copied, then freed)
+      │     a running sequence that cannot grow on the device moves down whole (its blocks copied, then freed),
+      │     and back up once the device part has room for it again
     host    a second KVCache in host RAM under --kv-host-memory, with its own BlockPool: the blocks of sequences whose
       │ ▲   KV lives there (admitted when the device part was full, or moved down), attended where they are, and
       │     cached prefix blocks, least recently used evicted first, to disk
@@ -176,11 +177,15 @@ class KVTiers:
     def settle(self, pool: BlockPool) -> None:
         """Carry out what the device part's pool and the host part's logged since the last call, before the next
         step reads or writes either cache."""
+        # ("up", None, device block, host block): a running sequence's blocks moved back up; read before the host
+        # part's replay writes into its freed blocks
+        up = [e for e in pool.events if e[0] == "up"]
+        rows = dict(zip((e[2] for e in up), self.host_kv.read_blocks([e[3] for e in up]), strict=True)) if up else {}
         if self.host_kv is not None:
             self._replay(self.host_pool, self.host_kv, self._evict_host)
-        self._replay(pool, self.kv, self._demote)
+        self._replay(pool, self.kv, self._demote, rows)
 
-    def _replay(self, pool: BlockPool, kv: KVCache, evicted) -> None:
+    def _replay(self, pool: BlockPool, kv: KVCache, evicted, up: dict[int, torch.Tensor] | None = None) -> None:
         events, pool.events = pool.events, []
         if not events:
             return
@@ -198,6 +203,9 @@ class KVTiers:
             elif kind == "move":
                 overlay[block] = rows[block]
                 self.counters.bytes_down += self.row_bytes
+            elif kind == "up":
+                overlay[block] = up[block]
+                self.counters.bytes_up += self.row_bytes
             elif kind == "evict":
                 down.append((key, overlay.pop(block, block), kind))
             elif self.disk is not None:  # "done": write through to disk

@@ -118,7 +118,7 @@ def test_a_cache_holding_every_expert_reads_each_once(checkpoint):
         x = llm.stats.experts
         assert x.bytes_read <= expert_bytes  # nothing is evicted, so nothing is read twice
         assert x.misses + x.prefetches == len(llm.experts.cached())
-        assert "experts    " in _summary(llm, [])
+        assert "experts    " in _summary(llm, []) and "prefetch by router:" in _summary(llm, [])
         assert f"cache of {experts} experts" in _placement_table(llm)
 
 

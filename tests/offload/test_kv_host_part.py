@@ -47,6 +47,23 @@ def test_sequences_past_the_device_budget_run_from_host_ram(tiny_llama, per_bloc
             assert [c.token_ids for c in out] == [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
 
 
+def test_host_sequences_move_back_up_when_the_device_part_frees(tiny_llama, per_block) -> None:
+    """Short requests finish early and free the device part; the sequences that ran from host RAM move back up
+    (their blocks copied before the next step) and give the all-device tokens."""
+    params = [SamplingParams(max_new_tokens=4 if i < 4 else 24, ignore_eos=True) for i in range(len(PROMPTS))]
+    with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, prefix_cache=False)) as llm:
+        want = [c.token_ids for c in llm.generate_ids(PROMPTS, params)]
+    config = EngineConfig(block_size=4, kv_cache_bytes=40 * per_block, kv_host_memory=200 * per_block)
+    with LLM(tiny_llama, config) as llm:
+        got = [c.token_ids for c in llm.generate_ids(PROMPTS, params)]
+        stats, counters = llm.stats, llm.kv_tiers.counters
+        llm.tables.check_integrity()
+        llm.host_tables.check_integrity()
+        assert llm.kv_tiers.host.peak <= llm.kv_tiers.host.capacity
+    assert stats.moved_up > 0 and counters.bytes_up > 0 and stats.preemptions == 0
+    assert got == want
+
+
 def test_without_a_host_part_the_same_budget_preempts(tiny_llama, per_block, all_device) -> None:
     with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=12 * per_block)) as llm:
         out = llm.generate_ids(PROMPTS, GREEDY)

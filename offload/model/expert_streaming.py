@@ -11,8 +11,8 @@ residual stream (the next layer's input, less one attention and one MLP output) 
 first choice there as a guess (tiers/experts.py). "frequency" prefetches the next layer's experts selected most
 often instead. The last sparse layer's next is the first one at the next step, whose hidden state does not exist
 yet: it always prefetches by frequency. On the MoE benchmark's checkpoint (2-core VM) guesses were right 77% of the
-time at batch 1 (where the disk is the bottleneck, they read 8% more bytes than frequency prefetch and ran as fast)
-and 98% at batch 8, where they ran 1.8x faster (benchmarks/results/moe.json).
+time at batch 1 and 98% at batch 8 (where frequency prefetch found no slot to prefetch into); the disk bounds both
+there, and both ran within the noise of each other (benchmarks/results/moe.json).
 """
 
 from __future__ import annotations

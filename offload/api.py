@@ -168,7 +168,7 @@ class LLM:
         s, c = self.spec, self.config
         geometry = (s.num_layers, c.block_size, s.num_kv_heads, s.head_dim)
         try:  # a format this model's shape or this torch cannot hold
-            per_block = KVCache.block_bytes(*geometry, self.dtype, c.kv_dtype)
+            per_block = KVCache.block_bytes(*geometry, self.dtype, c.kv_dtype, c.kv_group_size)
         except ValueError as exc:
             raise OffloadError(str(exc)) from None
         if c.kv_cache_bytes < per_block:
@@ -178,7 +178,15 @@ class LLM:
             )
         blocks = c.kv_cache_bytes // per_block
         kv = KVCache(
-            s.num_layers, blocks, c.block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device, c.kv_dtype
+            s.num_layers,
+            blocks,
+            c.block_size,
+            s.num_kv_heads,
+            s.head_dim,
+            self.dtype,
+            self.device,
+            c.kv_dtype,
+            group_size=c.kv_group_size,
         )
         if not self.device_tier.adopt(kv.storage):
             raise OffloadError(

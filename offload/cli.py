@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from offload.common.config import EXPERT_PREFETCH, IO_BACKENDS
+from offload.common.config import EXPERT_PREFETCH, IO_BACKENDS, KV_GROUP_SIZES
 from offload.common.dtypes import KV_DTYPES
 from offload.common.errors import OffloadError
 from offload.planner.report import add_plan_parser
@@ -66,6 +66,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=KV_DTYPES,
         help="KV cache format: auto (the compute dtype, default), a float dtype, or int8 / int4 / fp8, quantized per "
         "group along head_dim (fewer bytes in every tier)",
+    )
+    p.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=32,
+        choices=KV_GROUP_SIZES,
+        help="values along head_dim sharing one scale in an int8 / int4 / fp8 KV cache: 64 stores fewer scales, 32 "
+        "keeps the error lower (default 32)",
     )
     p.add_argument(
         "--kv-host-memory",
@@ -163,6 +171,7 @@ def engine_config(args: argparse.Namespace):
         offload_dir=args.offload_dir,
         disk_memory=None if args.disk_memory is None else parse_size(args.disk_memory, "--disk-memory"),
         kv_dtype=args.kv_dtype,
+        kv_group_size=args.kv_group_size,
         prefix_cache=not args.no_prefix_cache,
         kv_host_memory=parse_size(args.kv_host_memory, "--kv-host-memory"),
         kv_disk_memory=parse_size(args.kv_disk_memory, "--kv-disk-memory"),

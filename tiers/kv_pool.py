@@ -64,6 +64,7 @@ def make_kv_pool(
                     torch.device("cpu"),
                     config.kv_dtype,
                     pin=True,
+                    group_size=config.kv_group_size,
                 )
         tiers = KVTiers(kv, host_kv, host, disk)
     root = chain_root(key) if config.prefix_cache else None

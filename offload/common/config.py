@@ -15,6 +15,7 @@ TIERS = ("device", "host", "nvme")
 READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py)
 IO_BACKENDS = ("auto", *READ_BACKENDS)  # what io_backend may say; "auto" resolves to a read backend
 EXPERT_PREFETCH = ("router", "frequency")  # how the next sparse layer's experts are chosen for prefetch
+KV_GROUP_SIZES = (32, 64)  # values along head_dim sharing one scale in a quantized KV cache (kernels/kv_quant.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class EngineConfig:
     # the KV cache's format: "auto" (the compute dtype), a float dtype, or int8 / int4 / fp8, quantized on write per
     # group along head_dim and dequantized on read; every tier stores the quantized bytes
     kv_dtype: str = "auto"
+    kv_group_size: int = 32  # int8 / int4 / fp8 KV: values along head_dim per scale (and int4's zero), 32 or 64
     # full KV blocks keyed by the tokens before and in them, shared by every sequence with that prefix; a request
     # computes only what no cached block holds
     prefix_cache: bool = True
@@ -123,6 +125,9 @@ class EngineConfig:
             )
         if self.kv_dtype not in KV_DTYPES:
             raise OffloadError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            sizes = " or ".join(map(str, KV_GROUP_SIZES))
+            raise OffloadError(f"kv_group_size must be {sizes}, got {self.kv_group_size!r}")
         if self.kv_disk_memory and self.offload_dir is None:
             raise OffloadError(f"kv_disk_memory ({self.kv_disk_memory!r}) keeps KV blocks on disk: needs offload_dir")
         if self.disk_memory is not None and self.offload_dir is None:

@@ -101,9 +101,8 @@ def autoconfigure(
     cand = chosen.candidate
     blocks = -(-(prompt + max_new_tokens) // config.block_size)
     try:
-        per_block = KVCache.block_bytes(
-            spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype), config.kv_dtype
-        )
+        geometry = (spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype))
+        per_block = KVCache.block_bytes(*geometry, config.kv_dtype, config.kv_group_size)
     except ValueError as exc:  # a KV format the model's head_dim does not take
         raise OffloadError(f"--kv-dtype {config.kv_dtype}: {exc}") from None
     step_tokens = cand.batch * prompt  # every prompt of the batch in one pass over the weights

@@ -171,3 +171,20 @@ def test_quantized_blocks_persist_on_disk_under_their_format(tiny_llama, tmp_pat
     assert stats.prefix_hit_tokens == 44 and stats.kv_bytes_up == 11 * per_block
     _, plain_stats, _ = generate("auto", **disk)
     assert plain_stats.prefix_hit_tokens == 0
+
+
+def test_the_group_size_sets_the_format_the_scales_stored_and_the_persisted_key(tmp_path) -> None:
+    make_checkpoint(tmp_path, "llama", hidden_size=256, num_attention_heads=2, num_key_value_heads=1)  # head_dim 128
+    per_block, keys, tokens = {}, {}, {}
+    for group in (32, 64):
+        config = EngineConfig(kv_cache_bytes=1 << 21, block_size=4, kv_dtype="int8", kv_group_size=group)
+        with LLM(tmp_path, config) as llm:
+            assert llm.kv.format == f"int8-g{group}"
+            per_block[group], keys[group] = llm.kv.bytes_per_block, llm.kv_key
+            tokens[group] = [c.token_ids for c in llm.generate_ids([[1, 5, 9, 13]], SamplingParams(max_new_tokens=4))]
+    # 3 layers, K and V, 4 tokens, one KV head: 128 codes and a float16 scale per group
+    assert per_block == {32: 2 * 3 * 4 * (128 + 2 * 4), 64: 2 * 3 * 4 * (128 + 2 * 2)}
+    assert keys[32] != keys[64]  # blocks persisted under one group size are never read as the other
+    assert all(len(t[0]) == 4 for t in tokens.values())
+    with pytest.raises(OffloadError, match="kv_group_size must be 32 or 64, got 16"):
+        EngineConfig(kv_group_size=16)

@@ -843,3 +843,34 @@ def test_preempting_partly_prefilled_sequences_in_a_tiny_cache_loses_nothing(mod
     assert llm.stats.peak_kv_blocks <= 13
     llm.tables.check_integrity()
     assert llm.tables.num_used == 0
+
+
+def test_a_host_sequence_moves_up_only_when_every_device_sequence_can_grow_this_step_too() -> None:
+    """Moving up must never force the same step to move a sequence down or preempt one (its blocks would be copied
+    down before the copy up landed): the device part must hold the host sequence's blocks and this step's growth of
+    it and of every device sequence."""
+    block = 4
+    tables = BlockTables(BlockPool(6, record=True), block)
+    host = BlockTables(BlockPool(10, record=True), block)
+    limits = BatchLimits(max_num_seqs=8, max_step_tokens=64, micro_batch_tokens=1000, max_model_len=24)
+    b = Batcher(tables, limits, (EOS,), host_tables=host)
+    decoding = make_seq(0, 9)  # 8 tokens cached in 2 blocks; its 9th needs a third block this step
+    decoding.state, decoding.num_cached = SeqState.DECODING, 8
+    tables.grow(0, 8)
+    in_host = make_seq(1, 20)  # 12 of 20 tokens cached in 3 host blocks; this step may prefill the other 8 (2 blocks)
+    in_host.state, in_host.num_cached, in_host.kv_tier = SeqState.PREFILLING, 12, "host"
+    old = list(host.grow(1, 12))
+    b.running.extend([decoding, in_host])
+    b._move_up()  # 4 device blocks free, 3 + 2 + 1 needed
+    assert in_host.kv_tier == "host" and b.num_moved_up == 0 and not tables.pool.events
+    b.finish(decoding, "stop")  # its 2 blocks come back: 6 free
+    b._move_up()
+    assert in_host.kv_tier == "device" and b.num_moved_up == 1
+    new = list(tables.table(1))
+    assert tables.pool.events == [("up", None, dst, src) for dst, src in zip(new, old, strict=True)]
+    assert host.table(1) == [] and host.pool.num_free == 10
+    plan = b.schedule()  # its chunk now runs over the device blocks: the copies are made before this step
+    (chunk,) = plan.chunks
+    assert chunk.kv_tier == "device" and chunk.block_table[:3] == tuple(new) and b.num_moved_down == 0
+    tables.check_integrity()
+    host.check_integrity()

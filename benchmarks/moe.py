@@ -163,13 +163,13 @@ def predicted_bytes_per_token(model_dir: Path, cache_bytes: int, batch: int, pro
     (scheduler/moe_cost.py: uniform routing, the cache's share of every expert as its hit rate): a prefill step of
     batch * prompt tokens, then new_tokens - 1 decode steps of `batch` tokens."""
     from offload.model.loader import load_spec
-    from scheduler.moe_cost import distinct_experts, expert_params, hit_rate, sparse_layers
+    from scheduler.moe_cost import expert_params, read_bytes, sparse_layers
 
     spec, _ = load_spec(model_dir)
     one = expert_params(spec) * 2  # bf16
-    miss = 1.0 - hit_rate(spec, cache_bytes // one)
-    touched = distinct_experts(spec, batch * prompt) + (new_tokens - 1) * distinct_experts(spec, batch)
-    return touched * sparse_layers(spec) * miss * one / (batch * new_tokens)
+    slots = cache_bytes // one
+    per_layer = read_bytes(spec, batch * prompt, slots, one) + (new_tokens - 1) * read_bytes(spec, batch, slots, one)
+    return per_layer * sparse_layers(spec) / (batch * new_tokens)
 
 
 def table(rows: dict[str, dict[int, dict]]) -> str:

@@ -57,6 +57,12 @@ def hit_rate(s: ModelSpec, slots: int) -> float:
     return min(1.0, slots / max(sparse_layers(s) * s.num_experts, 1))
 
 
+def read_bytes(s: ModelSpec, tokens: float, slots: int, expert_bytes: float) -> float:
+    """Bytes expert streaming reads for one layer's step of `tokens` tokens: the touched experts the cache of
+    `slots` experts misses."""
+    return distinct_experts(s, tokens) * (1.0 - hit_rate(s, slots)) * expert_bytes
+
+
 def expert_step(
     s: ModelSpec,
     unit: ComputeUnit,
@@ -77,5 +83,4 @@ def expert_step(
     compute = touched * per_expert * micro_batches
     if slots is None:
         return ExpertStep(compute, 0.0)
-    step_touched = distinct_experts(s, rows_per_mb * micro_batches)
-    return ExpertStep(compute, step_touched * (1.0 - hit_rate(s, slots)) * expert_bytes)
+    return ExpertStep(compute, read_bytes(s, rows_per_mb * micro_batches, slots, expert_bytes))

@@ -13,8 +13,18 @@ from collections.abc import Iterable
 from offload.common.config import Policy
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
-from scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity, make_context, predict, tier_memory
-from scheduler.moe_cost import expert_params
+from scheduler.cost import (
+    Budgets,
+    Candidate,
+    Context,
+    Prediction,
+    Workload,
+    capacity,
+    make_context,
+    predict,
+    tier_memory,
+)
+from scheduler.moe_cost import expert_params, routed_params
 
 KV_TIERS = ("device", "host")
 WHOLE_MACHINE = Budgets()  # no budget: every tier as big as the hardware profile says (frozen, safe to share)
@@ -50,7 +60,7 @@ def place_layers(
     n = shape.num_layers
     cap = capacity(ctx.hw, budgets)
     if expert_cache == AUTO_EXPERT_CACHE:
-        bare = Candidate(batch, micro_batches, Policy(()), kv_tier, weight_bits, kv_bits, 1)
+        bare = Candidate(batch, micro_batches, Policy(()), kv_tier, weight_bits, kv_bits)
         expert_cache = _auto_expert_cache(ctx, bare, workload, cap["device"])
 
     def candidate(policy: Policy) -> Candidate:
@@ -81,12 +91,13 @@ def place_layers(
     return candidate(Policy(policy.layer_tiers, ring_slots))
 
 
-def _auto_expert_cache(ctx, bare: Candidate, workload: Workload, device_cap: int) -> int:
+def _auto_expert_cache(ctx: Context, bare: Candidate, workload: Workload, device_cap: int) -> int:
     """Bytes of device budget left for the expert cache once every layer's dense part is resident beside the
-    KV cache and activations; at least one token's experts (`bare` has a 1-byte cache: the dense parts' size)."""
-    dense = ctx.weight_bytes(ctx.placed_params(bare), bare.weight_bits) * ctx.shape.num_layers
-    room = device_cap - tier_memory(ctx, bare, workload)["device"] + bare.expert_cache - dense
-    one_token = ctx.shape.experts_per_token * ctx.weight_bytes(expert_params(ctx.shape), bare.weight_bits)
+    KV cache and activations of `bare` (no layer placed, no cache); at least one token's experts."""
+    s = ctx.shape
+    dense = ctx.weight_bytes(s.params.layer - routed_params(s), bare.weight_bits) * s.num_layers
+    room = device_cap - tier_memory(ctx, bare, workload)["device"] - dense
+    one_token = s.experts_per_token * ctx.weight_bytes(expert_params(s), bare.weight_bits)
     return int(max(room, one_token))
 
 

@@ -84,12 +84,14 @@ def expert_cache(
 
 
 def read_gates(checkpoint: Checkpoint, family: Family, spec: ModelSpec) -> dict[int, tuple[torch.Tensor, ...]]:
-    """Each sparse layer's (router input norm [hidden], router [experts, hidden]), as stored, on the CPU."""
+    """Each sparse layer's (router input norm [hidden], router [experts, hidden]), as stored, on the CPU; all but
+    the first sparse layer's, which no layer guesses for (the last prefetches it by frequency)."""
     tensors = model_tensors(family, spec).layers
+    sparse = [i for i in range(spec.num_layers) if spec.sparse(i)]
     return {
         i: tuple(checkpoint.read(checkpoint.check(t.name, t.shape)) for t in (group["post_norm"], group["router"]))
         for i, group in enumerate(tensors)
-        if spec.sparse(i)
+        if i in sparse[1:]
     }
 
 
@@ -112,9 +114,9 @@ class Gate:
 
 @dataclass(frozen=True, slots=True)
 class RoutedExperts:
-    """One sparse layer's experts, as the model family fetches them (registry.ExpertSource); each first fetch of a
-    layer's pass starts reading the experts `gate` (the next sparse layer's) guesses for it, or, without a gate,
-    the `ahead` experts of `next_layer` selected most often."""
+    """One sparse layer's experts, as the model family fetches them (registry.ExpertSource); a micro-batch's last
+    fetch of the layer (the one given `hidden`) starts reading the experts `gate` (the next sparse layer's) guesses
+    for it, or, without a gate, the `ahead` experts of `next_layer` selected most often."""
 
     cache: ExpertCache
     layer: int

@@ -149,7 +149,17 @@ class LLM:
                 layout, self._place, self.dtype, config.offload_dir, config.disk_memory, self.io_backend.name
             )
         self.policy = self._place(layout)
-        self.weights = WeightStore(layout, self.backend, self.policy, self.device_tier, self.host_tier, self.dtype)
+        # a table left in storage reads its rows through a backend of its own, never queued behind layer reads
+        self.embed_backend = make_backend(self.io_backend.name, threads=4) if self.policy.embed_tier == "nvme" else None
+        self.weights = WeightStore(
+            layout,
+            self.backend,
+            self.policy,
+            self.device_tier,
+            self.host_tier,
+            self.dtype,
+            embed_backend=self.embed_backend,
+        )
         self.kv_key = kv_key(self.model_dir, self.spec, self.dtype, self.kv)
         self.tables, self.host_tables, self.kv_tiers = make_kv_pool(config, self.kv, self.kv_key, self.spec)
         # a sequence's blocks are all in one part of the pool: the device's, or the host's
@@ -204,6 +214,8 @@ class LLM:
         if self.experts is not None:
             self.experts.close()
         self.backend.close()
+        if self.embed_backend is not None:
+            self.embed_backend.close()
         if self.kv_tiers is not None:
             self.kv_tiers.close()
 

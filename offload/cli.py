@@ -285,7 +285,7 @@ def _summary(llm, completions) -> str:
         f"speed      {s.tokens_per_second:.1f} tokens/s overall, {s.decode_tokens_per_second:.1f} tokens/s decoding",
         f"weights    {_weights_format(llm)}: {format_size(pl.weight_bytes)} resident on {pl.device}, "
         f"{format_size(pl.host_weight_bytes)} in host RAM, {format_size(pl.streamed_bytes_per_pass)} streamed "
-        f"from disk per step ({format_size(pl.checkpoint_bytes_read)} read in all)",
+        f"from disk per step{_embedding_note(llm)} ({format_size(pl.checkpoint_bytes_read)} read in all)",
         f"memory     device peak {format_size(pl.device_peak)}"
         + (f" of a {format_size(pl.device_budget)} budget" if pl.device_budget is not None else " (no budget)")
         + f", host peak {format_size(pl.host_peak)}",
@@ -364,6 +364,13 @@ def _spill_line(spill, tiers: tuple[str, ...]) -> str:
     )
 
 
+def _embedding_note(llm) -> str:
+    """What the weights line adds when the token table stays on disk."""
+    if llm.policy.embed_tier != "nvme":
+        return ""
+    return f", the embedding's rows as tokens need them ({llm.weights.stats.embed_rows_read} rows)"
+
+
 def _placement_table(llm) -> str:
     from offload.common.sizes import format_size
 
@@ -372,6 +379,8 @@ def _placement_table(llm) -> str:
         rows.append(f"{i:>6}  {format_size(layout.tensor_bytes):>10}  {tier}")
     counts = Counter(llm.policy.layer_tiers)
     rows.append(", ".join(f"{n} {t}" for t, n in counts.items()) + f"; ring of {llm.policy.ring_slots} slots")
+    if llm.policy.embed_tier == "nvme":
+        rows.append("embedding: left on disk, each step reading its tokens' rows (its bytes hold resident layers)")
     if llm.experts is not None:
         per_layer = Counter(layer for layer, _ in llm.experts.layouts)
         n = sorted(set(per_layer.values()))

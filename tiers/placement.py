@@ -1,7 +1,9 @@
-"""Choose each layer's tier from the budgets: resident layers first, then host RAM, the rest streamed."""
+"""Choose each layer's tier from the budgets: resident layers first, then host RAM, the rest streamed; and whether
+the token embedding stays in storage."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -11,6 +13,7 @@ from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
 from tiers.checkpoint import TORCH_DTYPES, held_dtype
 from tiers.device import DeviceTier
+from tiers.embedding import read_buffer_bytes, storable
 from tiers.host import HostTier
 from tiers.layout import GroupLayout, ModelLayout, TensorAt
 from tiers.slot import slot_layout
@@ -67,14 +70,68 @@ def place_weights(
 
     Staged path (default: when the device is not the CPU): host layers are copied to the device every pass, so
     any layer off the device needs the device ring (and, when tensors change dtype, one conversion scratch
-    buffer); host RAM holds the ring's staging slots first whenever some layer still streams from disk."""
+    buffer); host RAM holds the ring's staging slots first whenever some layer still streams from disk.
+
+    The token embedding is left in storage (Policy.embed_tier "nvme", tiers/embedding.py) when that puts fewer
+    layers off the device: its bytes buy resident layers, and a step reads only its tokens' rows."""
     staged = device_tier.device.type != "cpu" if staged is None else staged
     cost = functools.partial(group_cost, dtype=dtype, tier=device_tier, staged=staged)
     free = device_tier.num_free
-    if free is not None:
-        free -= cost(layout.embed) + cost(layout.head)
-    layer_costs = [cost(g) for g in layout.layers]
     host_free = host_tier.num_free or 0  # bytes; no host budget: no layer is kept in host RAM
+    place = functools.partial(_place, layout, dtype, device_tier, host_tier, ring_slots, staged)
+    resident = stored = None
+    failure: OffloadError | None = None  # why the embedding cannot stay resident, if it cannot
+    try:
+        resident = place(None if free is None else free - cost(layout.embed) - cost(layout.head), host_free)
+    except OffloadError as exc:
+        if free is None or not storable(layout.embed, layout.head):
+            raise
+        failure = exc
+    if (
+        free is not None
+        and storable(layout.embed, layout.head)
+        and (resident is None or resident.counts[0] < len(layout.layers))
+    ):
+        buffer = read_buffer_bytes(layout.embed)
+        room, host_room = free - cost(layout.head), host_free
+        if not staged:  # the rows are read into the device's own memory
+            room -= device_tier.footprint(buffer)
+        elif host_tier.capacity is not None:  # the rows are read into host RAM, then copied
+            host_room -= host_tier.footprint(buffer)
+        try:
+            if host_room >= 0:
+                stored = dataclasses.replace(place(room, host_room), embed_tier="nvme")
+        except OffloadError:
+            pass
+    if stored is not None and (resident is None or _off_device(stored, staged) < _off_device(resident, staged)):
+        return stored
+    if resident is None:
+        assert failure is not None
+        raise failure
+    return resident
+
+
+def _off_device(policy: Policy, staged: bool) -> tuple[int, int]:
+    """What ranks placements: fewer layers streamed from disk, then (staged, where they are copied every pass)
+    fewer in host RAM."""
+    _, host, nvme = policy.counts
+    return nvme, host if staged else 0
+
+
+def _place(
+    layout: ModelLayout,
+    dtype: torch.dtype,
+    device_tier: DeviceTier,
+    host_tier: HostTier,
+    ring_slots: int,
+    staged: bool,
+    free: int | None,
+    host_free: int,
+) -> Policy:
+    """place_weights' layers, given the device bytes `free` beside the embedding and head and the host bytes
+    `host_free` for layers."""
+    cost = functools.partial(group_cost, dtype=dtype, tier=device_tier, staged=staged)
+    layer_costs = [cost(g) for g in layout.layers]
     if not staged:
         return place_by_bytes(layer_costs, max(layer_costs), free, host_free, ring_slots)
     policy = place_by_bytes(layer_costs, max(layer_costs), free, 0, ring_slots)  # as if every layer off it streamed

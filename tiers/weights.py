@@ -3,7 +3,8 @@
 Every decoder layer lives in one tier (a `Policy`): "device" layers are read once and stay on the compute
 device; "host" layers are read once into host RAM; "nvme" layers are read on every pass from the checkpoint
 files, or from --offload-dir's converted spill files (tiers/spill.py) when the checkpoint stores them in another
-dtype. The embedding and the head stay on the device. The engine asks for layers in order with `acquire` and
+dtype. The head stays on the device, and so does the embedding, unless the policy leaves it in storage
+(tiers/embedding.py: a step then reads its tokens' rows). The engine asks for layers in order with `acquire` and
 hands them back with `release`; layers off the device pass through a ring of buffers (tiers/ring.py) that
 reads and copies them ahead of compute, wrapping around to the first ones of the next step, so memory never
 grows with model size or run length, and resident layers are never read again.
@@ -29,6 +30,7 @@ from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from tiers.copy import CopyEngine, make_copy_engine
 from tiers.device import DeviceTier
+from tiers.embedding import HEAD, TABLE, StoredEmbedding
 from tiers.host import HostTier
 from tiers.io.base import ReadBackend
 from tiers.layout import GroupLayout, ModelLayout, Weights
@@ -43,6 +45,7 @@ class WeightStats:
     host_bytes: int  # bytes of weights held in host RAM for the whole run
     streamed_bytes_per_pass: int  # bytes read from storage for one pass over the layers
     h2d_bytes_per_pass: int  # bytes copied host -> device for one pass (staged path; 0 on the direct one)
+    embed_rows_read: int  # token rows read from storage so far (a stored embedding; 0 when it is resident)
     bytes_read: int  # bytes read from the checkpoint so far (loading and streaming)
     h2d_bytes: int  # bytes copied host -> device so far (loading and streaming)
     read_seconds: float  # wall time with at least one read in flight
@@ -68,6 +71,7 @@ class WeightStore:
         dtype: torch.dtype,
         staged: bool | None = None,
         prepack: bool | None = None,
+        embed_backend: ReadBackend | None = None,
     ) -> None:
         if len(policy.layer_tiers) != len(layout.layers):
             raise ValueError(f"policy places {len(policy.layer_tiers)} layers, the model has {len(layout.layers)}")
@@ -93,16 +97,27 @@ class WeightStore:
                 f"policy: on {self.device} layers kept in host RAM pass through the device ring, which needs at "
                 f"least 2 slots, got {policy.ring_slots}"
             )
-        groups = [layout.embed, layout.head, *(self.layouts[i] for i in resident)]
+        # the token table stays in storage (tiers/embedding.py) where the policy says; else it loads first
+        self.table: StoredEmbedding | None = None
+        if policy.embed_tier == "nvme":
+            rows_tier = device_tier if not self.staged else host_tier  # where its reads land
+            self.table = StoredEmbedding(layout.embed, embed_backend or backend, rows_tier, dtype, self.device)
+        self.embed_backend = embed_backend or backend
+        groups = [layout.head, *(self.layouts[i] for i in resident)]
+        if self.table is None:
+            groups.insert(0, layout.embed)
         if self.staged:
             loaded = self._load_staged(groups)
         else:
-            tiers = [device_tier, device_tier, *(self._tier(policy.layer_tiers[i]) for i in resident)]
-            # every group but the embedding (a table of rows, not a product) may be packed for the CPU's GEMM
-            packs = [False, *[self.prepack] * (len(groups) - 1)]
+            tiers = [device_tier, *(self._tier(policy.layer_tiers[i]) for i in resident)]
+            packs = [self.prepack] * len(tiers)  # every group but the embedding may be packed for the CPU's GEMM
+            if self.table is None:  # the embedding is a table of rows, not a product
+                tiers, packs = [device_tier, *tiers], [False, *packs]
             loaded = [self._load_direct(g, t, p) for g, t, p in zip(groups, tiers, packs, strict=True)]
-        self.embed, self.head, *layers = loaded
-        self.head.setdefault("lm_head", self.embed["embed"])  # tied embeddings
+        self.embed: Weights = loaded.pop(0) if self.table is None else {}
+        self.head, *layers = loaded
+        if self.table is None:
+            self.head.setdefault(HEAD, self.embed[TABLE])  # tied embeddings
         self._resident: dict[int, Weights] = dict(zip(resident, layers, strict=True))
         self._ring: Ring
         if self.staged:
@@ -156,6 +171,15 @@ class WeightStore:
 
     # ---- the engine's verbs ----------------------------------------------------------------------
 
+    def embedding(self, token_ids: list[torch.Tensor]) -> tuple[Weights, list[torch.Tensor]]:
+        """The embedding weights that a step's token ids (one tensor per micro-batch) index, and the ids to index
+        them with: the resident table and the ids as given, or the distinct rows read from storage for them and
+        each token's row among those."""
+        if self.table is None:
+            return self.embed, token_ids
+        rows, index = self.table.lookup(torch.cat(token_ids))
+        return {TABLE: rows}, list(index.split([len(t) for t in token_ids]))
+
     def acquire(self, layer: int) -> Weights:
         """Layer `layer`'s weights on the device, usable by compute issued from now on; waits only if its read is
         not done yet (a copy is waited for by the compute stream, not by the host)."""
@@ -175,6 +199,9 @@ class WeightStore:
     def close(self) -> None:
         """Wait for reads and copies in flight (their buffers must outlive them)."""
         self._ring.close()
+        if self.table is not None:
+            self.table.close()
+            self.table = None
 
     @property
     def stats(self) -> WeightStats:
@@ -190,7 +217,9 @@ class WeightStore:
             host_bytes=total("host"),
             streamed_bytes_per_pass=sum(self.layouts[i].read_bytes for i in streamed),
             h2d_bytes_per_pass=sum(slot_layout(self.layouts[i], self.dtype).copy_bytes for i in copied),
-            bytes_read=self.backend.bytes_read,
+            embed_rows_read=self.table.rows_read if self.table is not None else 0,
+            bytes_read=self.backend.bytes_read
+            + (self.embed_backend.bytes_read if self.embed_backend is not self.backend else 0),
             h2d_bytes=self.h2d_bytes + self._ring.h2d_bytes,
             read_seconds=self.backend.read_seconds,
             stall_seconds=self.stall_seconds + self._ring.stall_seconds,

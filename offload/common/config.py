@@ -12,6 +12,16 @@ from offload.common.dtypes import DTYPES, KV_DTYPES
 from offload.common.errors import OffloadError
 
 TIERS = ("device", "host", "nvme")
+EMBED_TIERS = ("device", "nvme")  # where a token embedding may live (Policy.embed_tier)
+EMBED_READ_BUFFER = 2 << 20  # bytes; a stored embedding reads its rows through a buffer this big (tiers/embedding.py)
+
+
+def embed_read_buffer(row_bytes: int) -> int:
+    """Bytes of a stored embedding's read buffer, for rows of `row_bytes`: EMBED_READ_BUFFER, or two rows' aligned
+    spans where a row is bigger (an unaligned row of 4096-byte blocks spans one block more than it fills)."""
+    return max(EMBED_READ_BUFFER, 2 * (-(-row_bytes // 4096) + 1) * 4096)
+
+
 READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py)
 IO_BACKENDS = ("auto", *READ_BACKENDS)  # what io_backend may say; "auto" resolves to a read backend
 EXPERT_PREFETCH = ("router", "frequency")  # how the next sparse layer's experts are chosen for prefetch
@@ -24,18 +34,23 @@ class Policy:
 
     layer_tiers: tuple[str, ...]  # per layer: "device" (resident), "host" (RAM copy), "nvme" (streamed)
     ring_slots: int = 0  # device buffers that streamed layers pass through; 0 when nothing streams
+    # where the token embedding lives: "device" (resident), or "nvme" (left in storage, each step reading its
+    # tokens' rows: tiers/embedding.py), which frees its bytes for layers when some layer streams anyway
+    embed_tier: str = "device"
 
     def __post_init__(self) -> None:
         bad = [t for t in self.layer_tiers if t not in TIERS]
         if bad:
             raise OffloadError(f"policy: tier {bad[0]!r} is not one of {', '.join(TIERS)}")
+        if self.embed_tier not in EMBED_TIERS:
+            raise OffloadError(f"policy: embedding tier {self.embed_tier!r} is not one of {', '.join(EMBED_TIERS)}")
         if "nvme" in self.layer_tiers and self.ring_slots < 2:
             raise OffloadError(f"policy: streamed layers need at least 2 ring slots, got {self.ring_slots}")
 
     @classmethod
-    def from_counts(cls, device: int, host: int, nvme: int, ring_slots: int = 0) -> Policy:
+    def from_counts(cls, device: int, host: int, nvme: int, ring_slots: int = 0, embed_tier: str = "device") -> Policy:
         """`device` resident layers, then `host` in host RAM, then `nvme` streamed: the order `fill` places them."""
-        return cls(("device",) * device + ("host",) * host + ("nvme",) * nvme, ring_slots)
+        return cls(("device",) * device + ("host",) * host + ("nvme",) * nvme, ring_slots, embed_tier)
 
     @classmethod
     def fill(cls, layer_bytes: Sequence[float], device_room: float, host_room: float, ring_slots: int) -> Policy:

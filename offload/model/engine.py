@@ -56,7 +56,8 @@ class Engine:
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
         prepared = [self._prepare(mb, plan.all_logits) for mb in plan.micro_batches]
-        hidden = [self.family.embed(self.weights.embed, p.token_ids) for p in prepared]
+        table, token_ids = self.weights.embedding([p.token_ids for p in prepared])  # rows read, if left in storage
+        hidden = [self.family.embed(table, ids) for ids in token_ids]
         for layer in range(self.spec.num_layers):
             w = self.weights.acquire(layer)
             kvs = {tier: cache.layer(layer) for tier, cache in self.caches.items()}

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from offload.common.config import TIERS, Policy
+from offload.common.config import TIERS, Policy, embed_read_buffer
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.common.model_config import PLANNING_ONLY, ModelSpec
 from scheduler.moe_cost import expert_params, expert_step, routed_params
-from scheduler.rates import curve_rate, gemm_seconds, matmul_rate
+from scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds, matmul_rate
 
 # Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
 # the call; what the layer itself costs at the least is the profile's measured layer_floor, where it has one.
@@ -146,6 +146,17 @@ class Context:
         _, host, nvme = policy.counts
         return nvme if self.on_cpu else host + nvme
 
+    @property
+    def embed_storable(self) -> bool:
+        """Whether the embedding is a bare token table apart from the head, which may stay in storage (a step reading
+        its tokens' rows: Policy.embed_tier "nvme")."""
+        s = self.shape
+        return not s.tie_word_embeddings and s.params.embed == s.vocab_size * s.hidden_size
+
+    @property
+    def embed_row_bytes(self) -> int:
+        return self.shape.hidden_size * self.dtype_bytes
+
     def placed_params(self, cand: Candidate) -> int:
         """One decoder layer's parameters as the policy places them: without its routed experts when they stream
         through the expert cache."""
@@ -239,18 +250,6 @@ def _elementwise_seconds(ctx: Context, rows: int) -> float:
     return traffic / unit.memory_bandwidth
 
 
-def elementwise_bytes(hidden: int, q: int, kv: int, intermediate: int, dtype_bytes: int) -> int:
-    """Memory traffic of one token's non-GEMM work in one layer (bytes): two RMS norms computed in float32 (about
-    7 passes of 4 bytes each over the hidden state), rotary embedding of q and k (widths `q` and `kv`), the KV
-    write, two residual adds, and SiLU(gate) * up over the MLP width. The probe measures its rate in these units."""
-    norms = 2 * 7 * 4 * hidden
-    rope = 5 * (q + kv) * dtype_bytes
-    kv_write = 2 * kv * dtype_bytes
-    residual = 2 * 3 * hidden * dtype_bytes
-    mlp = 5 * intermediate * dtype_bytes
-    return norms + rope + kv_write + residual + mlp
-
-
 def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len: int) -> dict[str, float]:
     """Seconds one step keeps each resource busy, summed over layers, each layer at its slowest resource."""
     s = ctx.shape
@@ -266,6 +265,12 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
             total[k] += count * v
         total["disk"] += count * serial
         total["wall"] += count * (max(busy.values()) + serial)
+    if cand.policy.embed_tier == "nvme":  # the step's token rows, read before the first layer (4 KiB blocks)
+        tokens = cand.batch * (prompt_len if prefill else 1)
+        row = -(-ctx.embed_row_bytes // 4096) * 4096
+        rows = min(tokens, s.vocab_size) * row / ctx.hw.disk_read
+        total["disk"] += rows
+        total["wall"] += rows
     # head: final norm + LM head on the last token of each sequence (resident on the device)
     head_params = s.vocab_size * s.hidden_size
     head = gemm_seconds(ctx.hw.device, ctx.dtype, head_params, head_params * ctx.dtype_bytes, cand.batch, ctx.on_cpu)
@@ -289,10 +294,18 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     activations = rows * per_token * ctx.dtype_bytes
     activations += cand.batch * workload.prompt_len * s.hidden_size * ctx.dtype_bytes
     activations += cand.batch * s.vocab_size * 4
-    device = (s.params.embed + s.params.head) * ctx.dtype_bytes + n_dev * w + activations + cand.expert_cache
+    embed = s.params.embed * ctx.dtype_bytes
+    host = 0
+    if cand.policy.embed_tier == "nvme":  # only a read buffer: on the device's own memory, or pinned host RAM
+        embed = 0
+        if ctx.on_cpu:
+            embed = embed_read_buffer(ctx.embed_row_bytes)
+        else:
+            host = embed_read_buffer(ctx.embed_row_bytes)
+    device = embed + s.params.head * ctx.dtype_bytes + n_dev * w + activations + cand.expert_cache
     if ctx.ring_layers(cand.policy):
         device += ring * w
-    host = (n_host * w if n_host else 0) + (ring * w if n_disk and not ctx.on_cpu else 0)
+    host += (n_host * w if n_host else 0) + (ring * w if n_disk and not ctx.on_cpu else 0)
     if cand.kv_tier == "device":
         device += kv
     else:

@@ -45,3 +45,15 @@ def gemm_seconds(
     `packed`: weights the engine keeps packed for the CPU's GEMM (resident ones on a CPU device)."""
     rate = matmul_rate(unit, dtype, rows, packed)
     return max(2.0 * params * rows / rate, weight_bytes / unit.memory_bandwidth)
+
+
+def elementwise_bytes(hidden: int, q: int, kv: int, intermediate: int, dtype_bytes: int) -> int:
+    """Memory traffic of one token's non-GEMM work in one layer (bytes): two RMS norms computed in float32 (about
+    7 passes of 4 bytes each over the hidden state), rotary embedding of q and k (widths `q` and `kv`), the KV
+    write, two residual adds, and SiLU(gate) * up over the MLP width. The probe measures its rate in these units."""
+    norms = 2 * 7 * 4 * hidden
+    rope = 5 * (q + kv) * dtype_bytes
+    kv_write = 2 * kv * dtype_bytes
+    residual = 2 * 3 * hidden * dtype_bytes
+    mlp = 5 * intermediate * dtype_bytes
+    return norms + rope + kv_write + residual + mlp

@@ -7,6 +7,7 @@ Plain numbers in, plain numbers out, like the cost model it drives.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 
@@ -72,23 +73,43 @@ def place_layers(
         # in whole layers of w bytes: floor division is exact where subtracting float bytes layer by layer is not
         return Policy.fill([1] * n, int(device_room // w), int(host_room // w), ring_slots)
 
-    fixed = tier_memory(ctx, candidate(Policy(())), workload)  # the expert cache included
-    device_room = cap["device"] - fixed["device"]
-    host_room = cap["host"] - fixed["host"]
-    if n * w <= device_room:
-        return candidate(Policy.from_counts(n, 0, 0))
-    # on a CPU machine host layers are read in place; on CUDA they pass through the device ring like disk layers
-    if ctx.on_cpu:
+    def place(embed_tier: str) -> Policy | None:
+        fixed = tier_memory(ctx, candidate(Policy((), embed_tier=embed_tier)), workload)  # the expert cache included
+        device_room = cap["device"] - fixed["device"]
+        host_room = cap["host"] - fixed["host"]
+        if n * w <= device_room:
+            return Policy.from_counts(n, 0, 0, embed_tier=embed_tier)
+        # on a CPU machine host layers are read in place; on CUDA they pass through the device ring like disk layers
+        if ctx.on_cpu:
+            policy = fill(device_room, host_room)
+            if "nvme" not in policy.layer_tiers:
+                return dataclasses.replace(policy, embed_tier=embed_tier)
+        device_room -= ring_slots * w  # something passes through the ring of device slots
+        if device_room < 0:
+            return None  # does not fit
         policy = fill(device_room, host_room)
-        if "nvme" not in policy.layer_tiers:
-            return candidate(policy)
-    device_room -= ring_slots * w  # something passes through the ring of device slots
-    if device_room < 0:
-        return candidate(Policy.from_counts(0, 0, n, ring_slots))  # does not fit: `predict` reports by how much
-    policy = fill(device_room, host_room)
-    if "nvme" in policy.layer_tiers and not ctx.on_cpu:  # disk reads land in pinned staging buffers on the way
-        policy = fill(device_room, host_room - ring_slots * w)
-    return candidate(Policy(policy.layer_tiers, ring_slots))
+        if "nvme" in policy.layer_tiers and not ctx.on_cpu:  # disk reads land in pinned staging buffers on the way
+            policy = fill(device_room, host_room - ring_slots * w)
+        return Policy(policy.layer_tiers, ring_slots, embed_tier)
+
+    # the embedding stays in storage where that puts fewer layers off the device, as the engine does
+    # (tiers/placement.py)
+    resident = place("device")
+    if ctx.embed_storable and (resident is None or resident.counts[0] < n):
+        stored = place("nvme")
+        if stored is not None and (
+            resident is None or _off_device(stored, ctx.on_cpu) < _off_device(resident, ctx.on_cpu)
+        ):
+            return candidate(stored)
+    # None: does not fit, and `predict` reports by how much
+    return candidate(resident or Policy.from_counts(0, 0, n, ring_slots))
+
+
+def _off_device(policy: Policy, on_cpu: bool) -> tuple[int, int]:
+    """What ranks placements: fewer layers streamed from disk, then (on CUDA, where they are copied every pass)
+    fewer in host RAM."""
+    _, host, nvme = policy.counts
+    return nvme, 0 if on_cpu else host
 
 
 def _auto_expert_cache(ctx: Context, bare: Candidate, workload: Workload, device_cap: int) -> int:

@@ -73,10 +73,10 @@ def measure_elementwise(
 ) -> tuple[tuple[int, float], ...]:
     """((rows, bytes/s), ...) of a layer's non-GEMM work, as the engine's Llama layer does it: the input norm,
     rotary embedding of q and k, the KV-cache write, a residual add, the post-attention norm, SiLU(gate) * up and
-    the second residual add; bytes as scheduler.cost.elementwise_bytes counts them."""
+    the second residual add; bytes as scheduler.rates.elementwise_bytes counts them."""
     from offload.model.llama import rms_norm
     from offload.model.rope import apply_rope
-    from scheduler.cost import elementwise_bytes
+    from scheduler.rates import elementwise_bytes
 
     heads, kv_heads, inter = layer_shape(hidden, head_dim)
     gen = torch.Generator().manual_seed(0)

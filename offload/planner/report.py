@@ -113,7 +113,8 @@ def _policy(p: Prediction) -> str:
     c = p.candidate
     dev, host, disk = c.policy.counts
     bits = "" if c.weight_bits == c.kv_bits >= 16 else f" w{c.weight_bits}/kv{c.kv_bits}"
-    weights = f"{dev:>4}/{host:>4}/{disk:<4}" if not c.expert_cache else f"{dev:>4}/{host:>4}/{disk}+E".ljust(14)
+    disk_part = f"{disk}{'+E' if c.expert_cache else ''}{'*' if c.policy.embed_tier == 'nvme' else ''}"
+    weights = f"{dev:>4}/{host:>4}/{disk_part:<4}".ljust(14)
     return f"{c.batch:>5} {c.micro_batches:>3}  {weights} {c.kv_tier:<6}{bits}"
 
 
@@ -164,9 +165,12 @@ def report(
     fitting.sort(key=lambda p: -p.tokens_per_second)
     if shape.num_experts:
         lines[-1:-1] = _experts_lines(shape, hw, workload, dtype, winner)
+    stored = any(p.candidate.policy.embed_tier == "nvme" for p in fitting[:top])
     lines.append(
         "best policies (predicted; weights: decoder layers on device/host/disk"
-        + ("; +E: routed experts read when chosen, through an expert cache)" if shape.num_experts else ")")
+        + ("; +E: routed experts read when chosen, through an expert cache" if shape.num_experts else "")
+        + ("; *: the embedding left on disk, each step reading its tokens' rows" if stored else "")
+        + ")"
     )
     lines.append(
         f"{'#':>2} {'batch':>5} {'mb':>3}  {'weights':<14} {'KV':<6} {'tok/s':>9} {'TTFT':>9} "
@@ -304,6 +308,7 @@ def _candidate_json(c: Candidate) -> dict:
         "batch": c.batch,
         "micro_batches": c.micro_batches,
         "layers": list(c.policy.counts),
+        "embedding": c.policy.embed_tier,
         "kv_tier": c.kv_tier,
         "weight_bits": c.weight_bits,
         "kv_bits": c.kv_bits,

@@ -217,3 +217,20 @@ def test_a_quantized_checkpoint_is_planned_at_its_own_width(model_dir, tmp_path)
     with LLM(out, config) as llm:
         out_ids = llm.generate_ids([[5 + i] * 8 for i in range(4)], SamplingParams(max_new_tokens=4, ignore_eos=True))
         assert all(len(c.token_ids) == 4 for c in out_ids)
+
+
+def test_the_planned_placement_leaves_a_big_table_in_storage_as_the_engine_does(tmp_path):
+    """An 8 MiB embedding beside layers of 128 KiB: a budget without room for it still runs every layer resident
+    but the ring's worth, and the engine places what the cost model priced, the table left in storage included."""
+    make_checkpoint(tmp_path, "llama", num_hidden_layers=6, vocab_size=32768)
+    budget = 14_000_000  # bytes: the 8.4 MB head, the 2 MiB row buffer, KV cache, logits and some layers
+    config, prediction = autoconfigure(
+        tmp_path, EngineConfig(device_memory=budget, dtype="float32"), [10] * 4, 6, slow_disk_cpu()
+    )
+    cand = prediction.candidate
+    assert prediction.fits and cand.policy.embed_tier == "nvme" and cand.policy.counts[0] >= 1
+    llm = LLM(tmp_path, config)
+    assert llm.policy == cand.policy
+    out = llm.generate_ids([[5 + i] * 10 for i in range(4)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert all(len(c.token_ids) == 6 for c in out) and llm.weights.stats.embed_rows_read >= 4 * 6
+    llm.close()

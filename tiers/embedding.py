@@ -1,10 +1,11 @@
 """A token embedding left in storage: each step reads the rows of its tokens, not the table.
 
 A lookup table is the one weight whose use touches a few rows, so when layers must stream from disk, holding the
-whole table (vocab x hidden, 131 MB for a 32k-token vocabulary at hidden 2048 in bf16) on the device spends memory that
-buys a resident layer. `StoredEmbedding` instead reads the distinct rows a step's tokens need (runs of adjacent ids
-coalesced into one read) through a fixed read buffer, with its own read backend so that its small reads never
-queue behind the layer reads in flight; the rows are converted to the compute dtype and moved to the device.
+whole table (vocab x hidden, 131 MB for a 32k-token vocabulary at hidden 2048 in bf16) on the device spends memory
+that buys a resident layer. `StoredEmbedding` instead reads the distinct rows a step's tokens need through a fixed
+read buffer: ids closer than MERGE_GAP bytes share one read, so a big prefill that needs most rows reads the table
+in a few large pieces, and a decode step a few small ones. Its own read backend keeps those reads from queueing
+behind the layer reads in flight; the rows are converted to the compute dtype and moved to the device.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 
 from offload.common.config import embed_read_buffer
 from tiers.checkpoint import TORCH_DTYPES
-from tiers.io.base import ReadBackend, aligned_span
-from tiers.layout import GroupLayout
+from tiers.io.base import ALIGN, ReadBackend, aligned_span
+from tiers.layout import MERGE_GAP, GroupLayout
 from tiers.memory import MemoryTier
 from tiers.ring import take
 
@@ -71,6 +72,8 @@ class StoredEmbedding:
     def lookup(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, index): the distinct rows `token_ids` name, [rows, hidden] in the compute dtype on the device, and
         each token's row in them (token_ids' shape, on token_ids' device)."""
+        if not self.buffer.numel():
+            raise RuntimeError("the stored embedding is closed")
         unique, index = torch.unique(token_ids, sorted=True, return_inverse=True)
         ids = unique.tolist()
         if ids and (ids[0] < 0 or ids[-1] >= self.vocab):
@@ -78,49 +81,52 @@ class StoredEmbedding:
             raise IndexError(f"token id {bad} is outside the embedding's {self.vocab} rows")
         out = torch.empty(len(ids), self.hidden, dtype=self.dtype)
         done = 0
-        for batch in self._batches(ids):
+        for batch in self._batches(self._pieces(ids)):
             requests, at = [], 0
-            for first, count in batch:
-                nbytes = count * self.row_bytes
-                requests.append(
-                    self.backend.submit(self.path, self.offset + first * self.row_bytes, nbytes, self.buffer[at:])
-                )
-                at += aligned_span(self.offset + first * self.row_bytes, nbytes).length
-            for req, (_, count) in zip(requests, batch, strict=True):
+            for first, count, _ in batch:
+                start, nbytes = self.offset + first * self.row_bytes, count * self.row_bytes
+                requests.append(self.backend.submit(self.path, start, nbytes, self.buffer[at:]))
+                at += aligned_span(start, nbytes).length
+            for req, (first, count, wanted) in zip(requests, batch, strict=True):
                 rows = req.wait().view(self.stored_dtype).view(count, self.hidden)
-                out[done : done + count] = rows  # converts to the compute dtype
-                done += count
+                if len(wanted) < count:  # the rows between wanted ones were read along, and go
+                    rows = rows[torch.tensor(wanted) - first]
+                out[done : done + len(wanted)] = rows  # converts to the compute dtype
+                done += len(wanted)
         self.rows_read += len(ids)
         return out.to(self.device), index
 
-    def _batches(self, ids: list[int]) -> list[list[tuple[int, int]]]:
-        """Runs of consecutive ids as (first id, count), grouped so each group's aligned spans fit the buffer."""
-        runs: list[tuple[int, int]] = []
+    def _pieces(self, ids: list[int]) -> list[tuple[int, int, list[int]]]:
+        """The reads for sorted distinct `ids`, as (first row, rows, the ids among them): ids closer than MERGE_GAP
+        bytes share a read (a gap costs less read along than a request of its own), each read fitting the buffer."""
+        gap = max(MERGE_GAP // self.row_bytes, 1)
+        most = max((self.buffer.numel() - 2 * ALIGN) // self.row_bytes, 1)  # rows whose span surely fits the buffer
+        pieces: list[tuple[int, int, list[int]]] = []
         for i in ids:
-            if runs and runs[-1][0] + runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((i, 1))
-        room = self.buffer.numel()
-        batches: list[list[tuple[int, int]]] = [[]]
-        used = 0
-        for first, count in runs:
-            while count:
-                take_rows = count
-                while self._span(first, take_rows) > room - used and take_rows > 1:
-                    take_rows //= 2
-                if self._span(first, take_rows) > room - used:  # the buffer is full: start the next batch
-                    batches.append([])
-                    used = 0
+            if pieces:
+                first, count, wanted = pieces[-1]
+                if i - (first + count) < gap and i + 1 - first <= most:
+                    pieces[-1] = (first, i + 1 - first, wanted + [i])
                     continue
-                batches[-1].append((first, take_rows))
-                used += self._span(first, take_rows)
-                first, count = first + take_rows, count - take_rows
+            pieces.append((i, 1, [i]))
+        return pieces
+
+    def _batches(self, pieces: list[tuple[int, int, list[int]]]) -> list[list[tuple[int, int, list[int]]]]:
+        """The pieces in order, grouped so that each group's aligned spans fit the buffer together."""
+        room, used = self.buffer.numel(), 0
+        batches: list[list[tuple[int, int, list[int]]]] = [[]]
+        for piece in pieces:
+            span = aligned_span(self.offset + piece[0] * self.row_bytes, piece[1] * self.row_bytes).length
+            if used + span > room:
+                batches.append([])
+                used = 0
+            batches[-1].append(piece)
+            used += span
         return [b for b in batches if b]
 
-    def _span(self, first: int, count: int) -> int:
-        return aligned_span(self.offset + first * self.row_bytes, count * self.row_bytes).length
-
     def close(self) -> None:
-        """Give the read buffer back to its tier (no read is in flight between lookups)."""
-        self.tier.free(self.buffer)
+        """Give the read buffer back to its tier (no read is in flight between lookups); closing twice is harmless,
+        a lookup after it is an error."""
+        if self.buffer.numel():
+            self.tier.free(self.buffer)
+            self.buffer = self.buffer[:0]

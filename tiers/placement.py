@@ -98,11 +98,11 @@ def place_weights(
             room -= device_tier.footprint(buffer)
         elif host_tier.capacity is not None:  # the rows are read into host RAM, then copied
             host_room -= host_tier.footprint(buffer)
-        try:
-            if host_room >= 0:
+        if host_room >= 0:
+            try:
                 stored = dataclasses.replace(place(room, host_room), embed_tier="nvme")
-        except OffloadError:
-            pass
+            except OffloadError:  # it does not fit this way either: the resident placement (or its error) stands
+                stored = None
     if stored is not None and (resident is None or _off_device(stored, staged) < _off_device(resident, staged)):
         return stored
     if resident is None:

@@ -98,11 +98,11 @@ class WeightStore:
                 f"least 2 slots, got {policy.ring_slots}"
             )
         # the token table stays in storage (tiers/embedding.py) where the policy says; else it loads first
+        self.embed_backend = embed_backend or backend  # what reads the rows of a table left in storage
         self.table: StoredEmbedding | None = None
         if policy.embed_tier == "nvme":
             rows_tier = device_tier if not self.staged else host_tier  # where its reads land
-            self.table = StoredEmbedding(layout.embed, embed_backend or backend, rows_tier, dtype, self.device)
-        self.embed_backend = embed_backend or backend
+            self.table = StoredEmbedding(layout.embed, self.embed_backend, rows_tier, dtype, self.device)
         groups = [layout.head, *(self.layouts[i] for i in resident)]
         if self.table is None:
             groups.insert(0, layout.embed)
@@ -201,7 +201,6 @@ class WeightStore:
         self._ring.close()
         if self.table is not None:
             self.table.close()
-            self.table = None
 
     @property
     def stats(self) -> WeightStats:

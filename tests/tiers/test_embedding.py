@@ -79,7 +79,28 @@ def test_rows_read_from_storage_are_the_tables_rows_in_any_order_with_repeats(wi
         with pytest.raises(IndexError, match=f"token id {VOCAB} is outside the embedding's {VOCAB} rows"):
             stored.lookup(torch.tensor([3, VOCAB]))
         stored.close()
+        stored.close()  # harmless
+        with pytest.raises(RuntimeError, match="closed"):
+            stored.lookup(torch.tensor([3]))
     assert tier.used == 0
+
+
+def test_a_lookup_that_needs_most_rows_reads_the_table_in_a_few_large_pieces(wide_vocab):
+    table = load_file(wide_vocab / "model.safetensors")["model.embed_tokens.weight"]
+    layout = layout_of(wide_vocab)
+    with PreadBackend(threads=2) as backend:
+        stored = StoredEmbedding(layout.embed, backend, DeviceTier(None, CPU), torch.float32, CPU)  # 2 MiB buffer
+        submitted = []
+        submit = backend.submit
+        backend.submit = lambda *a: submitted.append(a[2]) or submit(*a)
+        ids = torch.arange(0, VOCAB, 3)  # every third row: the gaps read along, in pieces of 8,160 rows (2 MiB)
+        rows, index = stored.lookup(ids)
+        assert torch.equal(rows[index], table[ids])
+        assert len(submitted) == 5 and sum(submitted) <= table.numel() * 4  # 32,768 rows
+        submitted.clear()
+        rows, index = stored.lookup(torch.tensor([5, 20000, 5]))  # far apart: a read each, of one row
+        assert torch.equal(rows[index], table[[5, 20000, 5]]) and submitted == [256, 256]
+        stored.close()
 
 
 def test_placement_leaves_the_table_in_storage_only_where_it_buys_layers(wide_vocab):

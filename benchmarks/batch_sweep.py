@@ -15,7 +15,10 @@ again just before and just after our run at each point, and the two averaged: a 
 2x within the hour a sweep takes, and a profile from the start would judge the cost model by that drift. The
 prediction from the start-of-sweep profile is reported beside it. With --repeats N, ours runs N times per point,
 each between its own two probes, and the run with the median prediction error is the point (every run is in the
-JSON). Prints a table and the goals; writes benchmarks/results/batch_sweep.json.
+JSON). The physical limit of a point takes, per pass, the larger of its streamed bytes at the best read rate
+measured (the cold raw reads, or ours' own reads at the point) and the all-resident run's compute; a run under it
+is reported as proof the limit is wrong, never as a ratio under 1. "vs RAM" is ours' time over the all-resident
+run's at the same batch. Prints a table and the goals; writes benchmarks/results/batch_sweep.json.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import offload_vs_peers as peers
 from bench_common import machine, timestamp, write_report
 
 RESULTS = Path(__file__).parent / "results" / "batch_sweep.json"
-GOALS = {"wall_vs_limit": 1.25, "prediction_error": 0.20}
+GOALS = {"wall_vs_limit": 1.25, "prediction_error": 0.20, "vs_resident": 1.15}
 
 
 def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, workload: peers.Workload):
@@ -89,7 +92,8 @@ def mean_profile(a, b):
 def table(rows: list[dict]) -> str:
     head = (
         f"{'batch':>5} {'ours tok/s':>10} {'predicted':>9} {'error':>6} {'@start':>6} {'limit s':>8} {'ours s':>7} "
-        f"{'/limit':>6} {'bound':>7} {'resident':>8} {'accel tok/s':>11} {'ours/accel':>10} {'accel RSS MB':>12} "
+        f"{'/limit':>6} {'vs RAM':>6} {'bound':>7} {'resident':>8} {'accel tok/s':>11} {'ours/accel':>10} "
+        f"{'accel RSS MB':>12} "
         f"{'ours RSS MB':>11}"
     )
     lines = [head, "-" * len(head)]
@@ -107,17 +111,29 @@ def table(rows: list[dict]) -> str:
             f"{r['batch']:>5} {r['tokens_per_second']:10.3f} {r['predicted_tokens_per_second']:9.3f} "
             f"{r['prediction_error']:+6.0%} {r['prediction_error_start_profile']:+6.0%} "
             f"{r['limit_seconds']:8.2f} {r['wall_seconds']:7.2f} "
-            f"{r['wall_seconds'] / r['limit_seconds']:5.2f}x {r['predicted_bound']:>7} "
+            f"{_vs_limit(r):>6} {_vs_resident(r):>6} {r['predicted_bound']:>7} "
             f"{resident} {acc_cols} "
             f"{r['peak_rss_bytes'] / 1e6:11.0f}"
         )
     return "\n".join(lines)
 
 
+def _vs_limit(r: dict) -> str:
+    """Ours' time over the limit; a run under the limit shows that the limit is wrong, not a ratio below 1."""
+    return f"{r['wall_seconds'] / r['limit_seconds']:5.2f}x" if r["wall_seconds"] >= r["limit_seconds"] else "UNDER"
+
+
+def _vs_resident(r: dict) -> str:
+    """Ours' time over its own time with every weight in RAM at the same batch (absent in older JSON)."""
+    return f"{r['wall_seconds'] / r['resident_seconds']:5.2f}x" if r.get("resident_seconds") else "-"
+
+
 def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
     out = []
+    under = [r["batch"] for r in rows if r["wall_seconds"] < r["limit_seconds"]]
     worst = max(r["wall_seconds"] / r["limit_seconds"] for r in rows)
-    out.append((f"measured within {GOALS['wall_vs_limit']}x of the physical limit at every point", f"{worst:.2f}x"))
+    said = f"{worst:.2f}x" if not under else f"ours ran under it at batch {', '.join(map(str, under))}"
+    out.append((f"measured within {GOALS['wall_vs_limit']}x of the physical limit at every point", said))
     err = max(abs(r["prediction_error"]) for r in rows)
     out.append((f"prediction within {GOALS['prediction_error']:.0%} of measured at every point", f"{err:.0%}"))
     # throughput rises with batch until compute bounds it: no drop while the prediction is still disk-bound
@@ -126,8 +142,20 @@ def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
         for a, b in zip(rows, rows[1:], strict=False)
     )
     out.append(("throughput rises with batch until compute-bound", "yes" if rising else "no"))
+    best = max(rows, key=lambda r: r["tokens_per_second"])
+    streaming = best["wall_seconds"] / best["resident_seconds"]
+    out.append(
+        (
+            f"at the best batch within {GOALS['vs_resident']}x of ours with every weight in RAM",
+            f"{streaming:.2f}x at batch {best['batch']}",
+        )
+    )
     verdicts = [worst <= GOALS["wall_vs_limit"], err <= GOALS["prediction_error"], rising]
-    return [(g, v, "PASS" if ok else "FAIL") for (g, v), ok in zip(out, verdicts, strict=True)]
+    verdicts.append(streaming <= GOALS["vs_resident"])
+    out_verdicts = ["PASS" if ok else "FAIL" for ok in verdicts]
+    if under:  # a limit that our own run beats is wrong: no verdict rests on it
+        out_verdicts[0] = "INVALID"
+    return [(g, v, verdict) for (g, v), verdict in zip(out, out_verdicts, strict=True)]
 
 
 def main() -> None:
@@ -190,7 +218,10 @@ def main() -> None:
         runs.sort(key=lambda run: error(run[1], run[0]))
         ours, pred, before, after = runs[len(runs) // 2]
         point_hw = mean_profile(before, after)
-        limit = peers.physical_limit(ours.streamed_bytes_per_pass, raw["median_gbps"], resident.pass_seconds)
+        # the best rate any read reached: the cold raw reads, or ours' own reads at this point (an achieved rate is a
+        # measured capability of the disk, so no run can beat the read half of the limit)
+        limit_gbps = max(*raw["runs_gbps"], ours.extra.get("read_gbps") or 0.0)
+        limit = peers.physical_limit(ours.streamed_bytes_per_pass, limit_gbps, resident.pass_seconds)
         start_pred = predict_point(model_dir, hw, ours, batch, workload)
         # the all-resident run checks the cost model's compute alone (no disk), from the same point's probes
         resident_pred = predict_point(model_dir, point_hw, resident, batch, workload)
@@ -199,6 +230,7 @@ def main() -> None:
             "tokens_per_second": ours.tokens_per_second,
             "wall_seconds": ours.wall_seconds,
             "limit_seconds": limit,
+            "limit_read_gbps": limit_gbps,
             "resident_seconds": resident.wall_seconds,
             "resident_prediction_error": error(resident_pred, resident),
             "predicted_tokens_per_second": pred.tokens_per_second,

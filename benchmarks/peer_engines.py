@@ -289,6 +289,8 @@ def generate_ours(model_dir: Path, config: EngineConfig, workload: Workload) -> 
             "preemptions": stats.preemptions,
             "micro_batch_tokens": config.micro_batch_tokens,
             "layer_tiers": list(tiers),
+            "embedding": llm.policy.embed_tier,  # "nvme": left on disk, its rows read as tokens need them
+            "embed_rows_read": llm.weights.stats.embed_rows_read,
             "experts": asdict(stats.experts) if stats.experts is not None else None,
         },
     )

@@ -25,21 +25,27 @@ def row(batch: int, tps: float, predicted: float, wall: float, limit: float, bou
         "limit_seconds": limit,
         "predicted_bound": bound,
         "peak_rss_bytes": 1e9,
+        "resident_seconds": 0.95 * wall,
         **extra,
     }
 
 
 def test_goals_pass_and_fail_on_the_rows(sweep):
-    good = [row(8, 4.0, 4.4, 30.0, 32.0), row(16, 7.0, 6.0, 33.0, 35.0), row(32, 6.9, 7.5, 40.0, 41.0)]
+    good = [row(8, 4.0, 4.4, 30.0, 28.0), row(16, 7.0, 6.0, 33.0, 31.0), row(32, 6.9, 7.5, 40.0, 39.0)]
     verdicts = [v for _, _, v in sweep.goals(good)]
-    assert verdicts == ["PASS", "PASS", "PASS"]  # 6.9 >= 0.97 x 7.0: a dip inside timing noise still rises
+    assert verdicts == ["PASS", "PASS", "PASS", "PASS"]  # 6.9 >= 0.97 x 7.0: a dip inside timing noise still rises
 
-    slow = good[:2] + [row(32, 6.0, 7.5, 52.0, 41.0)]  # 1.27x the limit, +25% predicted, a 14% drop while disk-bound
+    # 1.27x the limit, +25% predicted, a 14% drop while disk-bound, and the best batch (16) 1.2x its resident time
+    slow = [good[0], row(16, 7.0, 6.0, 33.0, 31.0, resident_seconds=27.5), row(32, 6.0, 7.5, 52.0, 41.0)]
     goals = sweep.goals(slow)
-    assert [v for _, _, v in goals] == ["FAIL", "FAIL", "FAIL"]
-    assert [value for _, value, _ in goals] == ["1.27x", "25%", "no"]
+    assert [v for _, _, v in goals] == ["FAIL", "FAIL", "FAIL", "FAIL"]
+    assert [value for _, value, _ in goals] == ["1.27x", "25%", "no", "1.20x at batch 16"]
 
-    compute_bound = [row(8, 4.0, 4.4, 30.0, 32.0, bound="compute"), row(16, 3.0, 3.1, 30.0, 32.0)]
+    beaten = [row(8, 4.0, 4.4, 30.0, 32.0), row(16, 7.0, 6.0, 33.0, 31.0)]  # ours under the limit at batch 8
+    assert sweep.goals(beaten)[0][1:] == ("ours ran under it at batch 8", "INVALID")
+    assert "UNDER" in sweep.table(beaten).splitlines()[2].split()
+
+    compute_bound = [row(8, 4.0, 4.4, 30.0, 28.0, bound="compute"), row(16, 3.0, 3.1, 30.0, 28.0)]
     assert sweep.goals(compute_bound)[2][1:] == ("yes", "PASS")  # past the compute bound a drop is allowed
 
 

@@ -265,12 +265,12 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
             total[k] += count * v
         total["disk"] += count * serial
         total["wall"] += count * (max(busy.values()) + serial)
-    if cand.policy.embed_tier == "nvme":  # the step's token rows, read before the first layer (4 KiB blocks)
+    if cand.policy.embed_tier == "nvme":  # the step's token rows, read before the first layer (whole 4 KiB blocks)
         tokens = cand.batch * (prompt_len if prefill else 1)
         row = -(-ctx.embed_row_bytes // 4096) * 4096
-        rows = min(tokens, s.vocab_size) * row / ctx.hw.disk_read
-        total["disk"] += rows
-        total["wall"] += rows
+        reading = min(tokens, s.vocab_size) * row / ctx.hw.disk_read
+        total["disk"] += reading
+        total["wall"] += reading
     # head: final norm + LM head on the last token of each sequence (resident on the device)
     head_params = s.vocab_size * s.hidden_size
     head = gemm_seconds(ctx.hw.device, ctx.dtype, head_params, head_params * ctx.dtype_bytes, cand.batch, ctx.on_cpu)

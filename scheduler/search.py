@@ -78,38 +78,32 @@ def place_layers(
         device_room = cap["device"] - fixed["device"]
         host_room = cap["host"] - fixed["host"]
         if n * w <= device_room:
-            return Policy.from_counts(n, 0, 0, embed_tier=embed_tier)
+            return Policy.from_counts(n, 0, 0)
         # on a CPU machine host layers are read in place; on CUDA they pass through the device ring like disk layers
         if ctx.on_cpu:
             policy = fill(device_room, host_room)
             if "nvme" not in policy.layer_tiers:
-                return dataclasses.replace(policy, embed_tier=embed_tier)
+                return policy
         device_room -= ring_slots * w  # something passes through the ring of device slots
         if device_room < 0:
             return None  # does not fit
         policy = fill(device_room, host_room)
         if "nvme" in policy.layer_tiers and not ctx.on_cpu:  # disk reads land in pinned staging buffers on the way
             policy = fill(device_room, host_room - ring_slots * w)
-        return Policy(policy.layer_tiers, ring_slots, embed_tier)
+        return Policy(policy.layer_tiers, ring_slots)
 
     # the embedding stays in storage where that puts fewer layers off the device, as the engine does
     # (tiers/placement.py)
     resident = place("device")
     if ctx.embed_storable and (resident is None or resident.counts[0] < n):
         stored = place("nvme")
+        host_copied = not ctx.on_cpu
         if stored is not None and (
-            resident is None or _off_device(stored, ctx.on_cpu) < _off_device(resident, ctx.on_cpu)
+            resident is None or stored.off_device(host_copied) < resident.off_device(host_copied)
         ):
-            return candidate(stored)
+            return candidate(dataclasses.replace(stored, embed_tier="nvme"))
     # None: does not fit, and `predict` reports by how much
     return candidate(resident or Policy.from_counts(0, 0, n, ring_slots))
-
-
-def _off_device(policy: Policy, on_cpu: bool) -> tuple[int, int]:
-    """What ranks placements: fewer layers streamed from disk, then (on CUDA, where they are copied every pass)
-    fewer in host RAM."""
-    _, host, nvme = policy.counts
-    return nvme, 0 if on_cpu else host
 
 
 def _auto_expert_cache(ctx: Context, bare: Candidate, workload: Workload, device_cap: int) -> int:

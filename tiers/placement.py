@@ -81,17 +81,14 @@ def place_weights(
     place = functools.partial(_place, layout, dtype, device_tier, host_tier, ring_slots, staged)
     resident = stored = None
     failure: OffloadError | None = None  # why the embedding cannot stay resident, if it cannot
+    may_store = free is not None and storable(layout.embed, layout.head)
     try:
         resident = place(None if free is None else free - cost(layout.embed) - cost(layout.head), host_free)
     except OffloadError as exc:
-        if free is None or not storable(layout.embed, layout.head):
+        if not may_store:
             raise
         failure = exc
-    if (
-        free is not None
-        and storable(layout.embed, layout.head)
-        and (resident is None or resident.counts[0] < len(layout.layers))
-    ):
+    if may_store and (resident is None or resident.counts[0] < len(layout.layers)):
         buffer = read_buffer_bytes(layout.embed)
         room, host_room = free - cost(layout.head), host_free
         if not staged:  # the rows are read into the device's own memory
@@ -103,19 +100,12 @@ def place_weights(
                 stored = dataclasses.replace(place(room, host_room), embed_tier="nvme")
             except OffloadError:  # it does not fit this way either: the resident placement (or its error) stands
                 stored = None
-    if stored is not None and (resident is None or _off_device(stored, staged) < _off_device(resident, staged)):
+    if stored is not None and (resident is None or stored.off_device(staged) < resident.off_device(staged)):
         return stored
     if resident is None:
         assert failure is not None
         raise failure
     return resident
-
-
-def _off_device(policy: Policy, staged: bool) -> tuple[int, int]:
-    """What ranks placements: fewer layers streamed from disk, then (staged, where they are copied every pass)
-    fewer in host RAM."""
-    _, host, nvme = policy.counts
-    return nvme, host if staged else 0
 
 
 def _place(

@@ -14,18 +14,16 @@ from offload.common.errors import OffloadError
 TIERS = ("device", "host", "nvme")
 EMBED_TIERS = ("device", "nvme")  # where a token embedding may live (Policy.embed_tier)
 EMBED_READ_BUFFER = 2 << 20  # bytes; a stored embedding reads its rows through a buffer this big (tiers/embedding.py)
+READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py)
+IO_BACKENDS = ("auto", *READ_BACKENDS)  # what io_backend may say; "auto" resolves to a read backend
+EXPERT_PREFETCH = ("router", "frequency")  # how the next sparse layer's experts are chosen for prefetch
+KV_GROUP_SIZES = (32, 64)  # values along head_dim sharing one scale in a quantized KV cache (kernels/kv_quant.py)
 
 
 def embed_read_buffer(row_bytes: int) -> int:
     """Bytes of a stored embedding's read buffer, for rows of `row_bytes`: EMBED_READ_BUFFER, or two rows' aligned
     spans where a row is bigger (an unaligned row of 4096-byte blocks spans one block more than it fills)."""
     return max(EMBED_READ_BUFFER, 2 * (-(-row_bytes // 4096) + 1) * 4096)
-
-
-READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py)
-IO_BACKENDS = ("auto", *READ_BACKENDS)  # what io_backend may say; "auto" resolves to a read backend
-EXPERT_PREFETCH = ("router", "frequency")  # how the next sparse layer's experts are chosen for prefetch
-KV_GROUP_SIZES = (32, 64)  # values along head_dim sharing one scale in a quantized KV cache (kernels/kv_quant.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +46,9 @@ class Policy:
             raise OffloadError(f"policy: streamed layers need at least 2 ring slots, got {self.ring_slots}")
 
     @classmethod
-    def from_counts(cls, device: int, host: int, nvme: int, ring_slots: int = 0, embed_tier: str = "device") -> Policy:
+    def from_counts(cls, device: int, host: int, nvme: int, ring_slots: int = 0) -> Policy:
         """`device` resident layers, then `host` in host RAM, then `nvme` streamed: the order `fill` places them."""
-        return cls(("device",) * device + ("host",) * host + ("nvme",) * nvme, ring_slots, embed_tier)
+        return cls(("device",) * device + ("host",) * host + ("nvme",) * nvme, ring_slots)
 
     @classmethod
     def fill(cls, layer_bytes: Sequence[float], device_room: float, host_room: float, ring_slots: int) -> Policy:
@@ -72,6 +70,12 @@ class Policy:
     def counts(self) -> tuple[int, int, int]:
         """Layers per tier: (device, host, nvme)."""
         return self.layer_tiers.count("device"), self.layer_tiers.count("host"), self.layer_tiers.count("nvme")
+
+    def off_device(self, host_copied: bool) -> tuple[int, int]:
+        """What ranks two placements of the same model, fewer first: layers streamed from disk, then, where host
+        layers are copied to the device every pass (`host_copied`: on CUDA), layers in host RAM."""
+        _, host, nvme = self.counts
+        return nvme, host if host_copied else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,11 @@ reported, and the median run is its result. One clock for all: the harness's per
 generate call; the page cache is dropped before every run, and the peers (which read through it) get the
 checkpoint's pages evicted before every forward pass, that eviction's time left out of their wall time.
 
+Every engine reads weight files written just before its run: ZeRO-Inference writes its swap files at startup, and
+ours and Accelerate (which read the checkpoint in place) are each given a fresh copy of it before theirs, because
+a virtual disk can serve recently written files faster than old ones (--no-fresh-copy reads the one checkpoint).
+The raw reads of the limit below read a fresh copy too.
+
 The physical limit of the workload: per pass, max(streamed bytes / the best read rate measured, that pass's
 compute time with every weight resident, the fastest of the rounds). The read rate is the best of a cold
 sequential read of the checkpoint, of re-reading exactly the bytes our engine streams, as many times as a run
@@ -40,6 +45,7 @@ from peer_engines import (
     Workload,
     drop_page_cache,
     files_under,
+    fresh_copy,
     peers_checkpoint,
 )
 
@@ -48,6 +54,8 @@ __all__ = ["SHAPE", "EngineResult", "Workload", "files_under", "peers_checkpoint
 RESULTS = Path(__file__).parent / "results" / "offload_vs_peers.json"
 ENGINES = ("ours", "accelerate", "zero")
 MiB = 1 << 20
+READS_CHECKPOINT = ("ours", "accelerate")  # the engines that read the checkpoint's files while they generate
+FRESH = "each engine reads files written just before its run (ZeRO its swap files, ours and Accelerate a copy)"
 GOALS = {
     "speedup_vs_accelerate": 1.25,  # tokens/s, medians
     "speedup_vs_zero": 1.1,
@@ -135,10 +143,16 @@ def worker_main(args: argparse.Namespace) -> None:
     args.result.write_text(json.dumps(asdict(result)))
 
 
-def run_worker(name: str, model_dir: Path, args: argparse.Namespace, cache_paths: list[Path]) -> EngineResult:
-    """Drop the page cache, run one engine in a fresh interpreter, read back its result."""
+def run_worker(
+    name: str, model_dir: Path, args: argparse.Namespace, cache_paths: list[Path], fresh: bool = False
+) -> EngineResult:
+    """Drop the page cache, run one engine in a fresh interpreter, read back its result; with `fresh`, an engine that
+    reads the checkpoint while it generates reads a copy written just before."""
     out = args.work_dir / f"result-{name}.json"
     out.unlink(missing_ok=True)
+    if fresh and name in READS_CHECKPOINT:
+        model_dir = fresh_copy(model_dir, args.work_dir / "fresh-copy")
+        cache_paths = [*cache_paths, *files_under(model_dir)]
     method = drop_page_cache(cache_paths)
     cmd = [sys.executable, __file__, "--worker", name, "--model", str(model_dir), "--result", str(out)]
     cmd += ["--work-dir", str(args.work_dir), "--budget", args.budget, "--prompts", str(args.prompts)]
@@ -154,6 +168,11 @@ def run_worker(name: str, model_dir: Path, args: argparse.Namespace, cache_paths
         (args.work_dir / f"{name}.log").write_text(proc.stdout + proc.stderr)
     result.extra["page_cache"] = method
     return result
+
+
+def readable(model_dir: Path, args: argparse.Namespace) -> Path:
+    """The checkpoint as the engines read it: a copy written now, or the checkpoint itself with --no-fresh-copy."""
+    return fresh_copy(model_dir, args.work_dir / "fresh-copy") if args.fresh_copy else model_dir
 
 
 def rounds(names: list[str], repeats: int) -> list[list[str]]:
@@ -289,20 +308,20 @@ def main_run(args: argparse.Namespace) -> None:
     model_dir = peers_checkpoint(args.work_dir, args.layers)
     checkpoint = sorted(model_dir.glob("*.safetensors"))
     cache_paths = files_under(model_dir, args.work_dir / "accelerate_offload")
-    raw = raw_bandwidth(checkpoint)
+    raw = raw_bandwidth(sorted(readable(model_dir, args).glob("*.safetensors")))
     workload = Workload(prompts=args.prompts)
     names = (["resident"] if "ours" in engines else []) + engines
     runs: dict[str, list[EngineResult]] = {n: [] for n in names}
     for i, order in enumerate(rounds(names, args.repeats)):
         print(f"round {i + 1} of {args.repeats}: {', '.join(order)}", flush=True)
         for name in order:
-            runs[name].append(run_worker(name, model_dir, args, cache_paths))
+            runs[name].append(run_worker(name, model_dir, args, cache_paths, args.fresh_copy))
     results = {n: median_run(runs[n]) for n in engines}
     resident_runs = runs.get("resident", [])
     ours = results.get("ours")
     limit = same_bytes = read_fraction = best_gbps = None
     if ours and ours.status == "ok" and any(r.status == "ok" for r in resident_runs):
-        same_bytes = streamed_read(model_dir, ours.extra["layer_tiers"], ours.passes)
+        same_bytes = streamed_read(readable(model_dir, args), ours.extra["layer_tiers"], ours.passes)
         # the best rate any reader reached on these bytes: the raw reads, or our engine's own reads in any round
         # (an achieved rate is a measured capability of the disk, and no engine can then beat the read half)
         engine_gbps = [r.extra["read_gbps"] for r in runs["ours"] if r.status == "ok"]
@@ -316,6 +335,7 @@ def main_run(args: argparse.Namespace) -> None:
     print()
     print(table(shown, runs_shown, args.budget_bytes, kv_bytes))
     direct = "O_DIRECT" if raw["o_direct"] else "buffered: the filesystem refused O_DIRECT"
+    print(f"weight files: {FRESH if args.fresh_copy else 'ours and Accelerate read the checkpoint itself'}")
     print(f"cold sequential read ({direct}): {', '.join(f'{x:.3f}' for x in raw['runs_gbps'])} GB/s")
     if same_bytes:
         runs_said = ", ".join(f"{x:.3f}" for x in same_bytes["runs_gbps"])
@@ -355,6 +375,7 @@ def main_run(args: argparse.Namespace) -> None:
         "workload": asdict(workload),
         "repeats": args.repeats,
         "clock": "harness perf_counter around each generate call; the peers' page-cache eviction left out",
+        "weight_files": FRESH if args.fresh_copy else "ours and Accelerate read the checkpoint written at its build",
         "raw_read": raw,
         "streamed_read": same_bytes,
         "physical_limit_seconds": limit,
@@ -384,6 +405,12 @@ def main() -> None:
     parser.add_argument("--budget", default="600MB", help="RAM for weights (the KV cache comes on top)")
     parser.add_argument("--prompts", type=int, default=8, help="requests in the batch")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds: every engine runs once per round")
+    parser.add_argument(
+        "--no-fresh-copy",
+        dest="fresh_copy",
+        action="store_false",
+        help="ours and Accelerate read the checkpoint itself, not a copy written just before their run",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)

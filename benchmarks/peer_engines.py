@@ -96,6 +96,26 @@ def files_under(*dirs: Path) -> list[Path]:
     return [p for d in dirs if d.exists() for p in sorted(d.rglob("*")) if p.is_file()]
 
 
+def fresh_copy(model_dir: Path, dest: Path) -> Path:
+    """A copy of the checkpoint written now, synced to storage, in place of any earlier one at `dest`.
+
+    Some storage serves recently written files faster than old ones (a virtual disk backed by a host file the host
+    still caches). ZeRO-Inference reads swap files it writes at startup, so it always gets that; an engine given a
+    copy written just before its run gets the same, and every engine reads files equally fresh."""
+    import shutil
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for src in files_under(model_dir):
+        target = dest / src.relative_to(model_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, target)
+        with open(target, "rb+") as f:
+            os.fsync(f.fileno())
+    return dest
+
+
 def evict(paths: Iterable[Path]) -> None:
     """Drop the files' pages from the page cache (written pages are synced first, or they would stay)."""
     from tiers.io.base import evict_page_cache

@@ -3,6 +3,8 @@ re-read of exactly the bytes our engine streams."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import benchmark_module, make_checkpoint
@@ -87,3 +89,36 @@ def test_streamed_read_reads_exactly_the_streamed_bytes_each_pass(peers, tmp_pat
     assert out["bytes"] == 3 * per_pass
     assert len(out["runs_gbps"]) == 2 and out["best_gbps"] == max(out["runs_gbps"]) > 0
     assert peers.streamed_read(tmp_path, ["device"] * 3, passes=3)["bytes"] == 0
+
+
+def test_a_fresh_copy_holds_the_checkpoints_bytes_and_replaces_the_last_copy(peers, tmp_path):
+    src = tmp_path / "model"
+    make_checkpoint(src, "llama")
+    dest = tmp_path / "fresh"
+    dest.mkdir()
+    (dest / "left-from-last-run.safetensors").write_bytes(b"stale")
+    assert peers.fresh_copy(src, dest) == dest
+    names = sorted(p.name for p in dest.iterdir())
+    assert names == sorted(p.name for p in src.iterdir())
+    for name in names:
+        assert (dest / name).read_bytes() == (src / name).read_bytes()
+
+
+def test_only_engines_reading_the_checkpoint_while_generating_get_a_fresh_copy(peers, tmp_path, monkeypatch):
+    import argparse
+
+    copies, models = [], []
+    monkeypatch.setattr(peers, "fresh_copy", lambda src, dest: copies.append(src) or dest)
+    monkeypatch.setattr(peers, "drop_page_cache", lambda paths: "none")
+
+    def run(cmd, **kw):
+        models.append(Path(cmd[cmd.index("--model") + 1]).name)
+        return argparse.Namespace(stderr="", stdout="", returncode=1)
+
+    monkeypatch.setattr(peers.subprocess, "run", run)
+    args = argparse.Namespace(work_dir=tmp_path, budget="600MB", prompts=1)
+    for name in ("ours", "accelerate", "zero", "resident"):
+        peers.run_worker(name, tmp_path / "model", args, [], fresh=True)
+    peers.run_worker("ours", tmp_path / "model", args, [], fresh=False)
+    assert copies == [tmp_path / "model"] * 2  # ours and Accelerate with fresh; ZeRO writes its own swap files
+    assert models == ["fresh-copy", "fresh-copy", "model", "model", "model"]

@@ -169,6 +169,8 @@ class LLM:
         self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype, host_kv, routed)
         limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, self.max_model_len)
         tokenizer = (lambda: self.tokenizer) if has_tokenizer(self.model_dir) else None
+        if tokenizer is not None:
+            tokenizer()  # loaded with the weights: no generate call pays for it (a first load imports for ~1 s)
         self.core = EngineCore(
             self.engine, self.tables, limits, self.eos_ids, self.weights, tokenizer, self.kv_tiers, self.host_tables
         )
@@ -239,7 +241,7 @@ class LLM:
         return self.tokenizer.decode([token_id])
 
     @functools.cached_property
-    def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase; loaded when text is first used
+    def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase; loaded by __init__ where the model has one
         return load_tokenizer(self.model_dir)
 
     @property

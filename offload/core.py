@@ -146,7 +146,7 @@ class EngineCore:
         kv_tiers: KVTiers | None = None,
         host_tables: BlockTables | None = None,
     ) -> None:
-        """`tokenizer` returns the model's tokenizer (loaded on first use); None: token ids in, token ids out.
+        """`tokenizer` returns the model's tokenizer; None: token ids in, token ids out.
         `kv_tiers`: the host and disk parts of the KV pool, settled before every step (None: the device part only);
         `host_tables`: its host part's tables, for sequences admitted when the device part is full."""
         self.engine, self.tables, self.limits, self.weights = engine, tables, limits, weights

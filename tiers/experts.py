@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 
 import torch
@@ -117,7 +118,7 @@ class ExpertCache:
         """The experts in the cache (landed or being read), in key order."""
         return sorted(self._entries)
 
-    def fetch(self, layer: int, experts: list[int]) -> dict[int, Weights]:
+    def fetch(self, layer: int, experts: list[int]) -> Mapping[int, Weights]:
         """The weights of `experts` of `layer` (at most `slots` of them), usable until the next fetch: `start`, then
         `land`."""
         self.start(layer, experts)
@@ -143,9 +144,13 @@ class ExpertCache:
                 self._stats["prefetch_used"] += entry.prefetched
                 entry.prefetched = False
 
-    def land(self, layer: int, experts: list[int]) -> dict[int, Weights]:
-        """The weights of `experts` of `layer`, as the last `start` asked for them, once their reads have landed."""
-        return {e: self._land((layer, e), self._entries[(layer, e)]) for e in experts}
+    def land(self, layer: int, experts: list[int]) -> Mapping[int, Weights]:
+        """The weights of `experts` of `layer`, as the last `start` asked for them. The mapping waits for an
+        expert's reads only when it is looked up, and its order is the order to run them in: those landed first,
+        then by when their reads started; so compute on the ready ones overlaps the reads of the rest."""
+        started = {k: i for i, k in enumerate(self._entries)}  # entries are (re)inserted when their reads start
+        keys = sorted(((layer, e) for e in experts), key=lambda k: (bool(self._entries[k].requests), started[k]))
+        return _Landing(self, [e for _, e in keys], layer)
 
     def prefetch(self, layer: int, experts: list[int], guess: bool = False) -> None:
         """Start reading those of `experts` of `layer` not cached, without waiting. Each takes a free slot, or the
@@ -223,6 +228,25 @@ class ExpertCache:
             views = self.layouts[key].views(self._bufs[entry.slot])
             entry.weights = _converted(views, self.dtype, self._scratch[entry.slot])
         return entry.weights
+
+
+class _Landing(Mapping[int, Weights]):
+    """A fetch's experts (ExpertCache.land): each landed when looked up, iterated in the order to run them."""
+
+    def __init__(self, cache: ExpertCache, order: list[int], layer: int) -> None:
+        self._cache, self._order, self._layer = cache, order, layer
+
+    def __getitem__(self, expert: int) -> Weights:
+        if expert not in self._order:
+            raise KeyError(expert)
+        key = (self._layer, expert)
+        return self._cache._land(key, self._cache._entries[key])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
 def _take(tier: MemoryTier, nbytes: int, what: str) -> torch.Tensor:

@@ -18,6 +18,7 @@ there, and both ran within the noise of each other (benchmarks/results/moe.json)
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -129,7 +130,7 @@ class RoutedExperts:
     def capacity(self) -> int:
         return self.cache.slots
 
-    def fetch(self, experts: list[int], hidden: torch.Tensor | None = None) -> dict[int, Weights]:
+    def fetch(self, experts: list[int], hidden: torch.Tensor | None = None) -> Mapping[int, Weights]:
         self.cache.start(self.layer, experts)
         if hidden is not None and self.gate is not None:
             self.cache.prefetch(self.next_layer, self.gate.choose(hidden, self.eps), guess=True)

@@ -115,8 +115,10 @@ def experts_forward(
     x: [tokens, hidden]; router_logits: [tokens, experts]; fetch(experts, last): each listed expert's "gate_proj",
     "up_proj", "down_proj" (and their scales when quantized), `last` telling the layer's last call. Every expert
     some token chose is fetched once, in ascending order, all in one call, or in calls of at most `per_fetch`
-    experts (None: no limit), each batch run before the next is fetched. The routing weights are cast to
-    `routing_dtype` before they scale the experts' outputs.
+    experts (None: no limit), each batch run before the next is fetched. A batch's experts run in the order the
+    fetched mapping gives (expert streaming puts those whose weights are ready first), and their outputs are
+    added in ascending order whatever order they ran in, so the sums round alike. The routing weights are cast
+    to `routing_dtype` before they scale the experts' outputs.
     """
     k = spec.experts_per_token
     probs = torch.softmax(router_logits.float(), dim=-1)
@@ -133,10 +135,15 @@ def experts_forward(
     for start in range(0, len(chosen_experts), size):
         batch = chosen_experts[start : start + size]
         fetched = fetch(batch, start + size >= len(chosen_experts))
-        for e, rows in zip(batch, groups[start : start + size], strict=True):
-            tokens = rows // k  # distinct: a token picks an expert at most once
-            y = swiglu(spec, fetched[e], x[tokens]) * weights[rows, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
+        rows_of = dict(zip(batch, groups[start : start + size], strict=True))
+        ran: dict[int, torch.Tensor] = {}  # outputs waiting for a lower expert's to be added first
+        added = 0  # batch[:added] are in `out`
+        for e in fetched:
+            ran[e] = swiglu(spec, fetched[e], x[rows_of[e] // k]) * weights[rows_of[e], None]
+            while added < len(batch) and batch[added] in ran:
+                rows = rows_of[batch[added]]
+                out.index_add_(0, rows // k, ran.pop(batch[added]).to(out.dtype))  # rows // k: distinct tokens
+                added += 1
     return out
 
 

@@ -6,6 +6,7 @@ A new family is a new module exposing `FAMILY` (a `Family`) plus one line in `AR
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,10 +39,11 @@ class ExpertSource(Protocol):
     def capacity(self) -> int:
         """The most experts one fetch may ask for."""
 
-    def fetch(self, experts: list[int], hidden: torch.Tensor | None = None) -> dict[int, Weights]:
+    def fetch(self, experts: list[int], hidden: torch.Tensor | None = None) -> Mapping[int, Weights]:
         """Expert e's "gate_proj", "up_proj", "down_proj" (and their scales) for each e of `experts` (ascending),
-        usable until the next fetch. `hidden`, given with a layer's last fetch of a micro-batch: the residual stream
-        before the layer's MLP [tokens, hidden]; the source may start reading the next sparse layer's experts."""
+        usable until the next fetch, iterated in the order to run them (those whose weights are ready first).
+        `hidden`, given with a layer's last fetch of a micro-batch: the residual stream before the layer's MLP
+        [tokens, hidden]; the source may start reading the next sparse layer's experts."""
 
 
 @dataclass(slots=True)

@@ -234,3 +234,49 @@ def test_qwen_moe_config_fields():
     always = 2 * h + 8 * h + 3 * h * 96 + h  # norms, router, shared expert and its gate
     assert qwen2.params.layer == attention + always + 8 * 3 * h * 64
     assert qwen2.params.active_layer == attention + always + 2 * 3 * h * 64
+
+
+def test_experts_run_in_the_fetched_order_and_add_up_in_ascending_order():
+    """Expert streaming hands the ready experts first; whatever the order they run in, their outputs are added in
+    ascending order, so the bf16 sums equal the resident path's bit for bit (top-4 of 8: three roundings a token)."""
+    spec = parse_model_config(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "vocab_size": 10,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "num_experts": 8,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 8,
+            "norm_topk_prob": True,
+        },
+        "test",
+    )
+    g = torch.Generator().manual_seed(1)
+    experts = [
+        {"gate_proj": torch.randn(8, 16, generator=g), "up_proj": torch.randn(8, 16, generator=g)}
+        | {"down_proj": torch.randn(16, 8, generator=g)}
+        for _ in range(8)
+    ]
+    experts = [{m: w.bfloat16() for m, w in e.items()} for e in experts]
+    x = torch.randn(64, 16, generator=g).bfloat16()
+    logits = torch.randn(64, 8, generator=g)
+    ran = []
+
+    def fetch(order):
+        def f(chosen: list[int], last: bool):
+            fetched = {e: experts[e] for e in order(chosen)}
+            ran.extend(fetched)
+            return fetched
+
+        return f
+
+    ascending = experts_forward(spec, x, logits, fetch(lambda c: c), torch.bfloat16)
+    assert ran == list(range(8))
+    ran.clear()
+    shuffled = experts_forward(spec, x, logits, fetch(lambda c: c[::-1]), torch.bfloat16, per_fetch=5)
+    assert ran == [4, 3, 2, 1, 0, 7, 6, 5]
+    assert torch.equal(shuffled, ascending)

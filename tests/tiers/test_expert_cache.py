@@ -167,3 +167,15 @@ def test_experts_stored_in_another_dtype_are_converted_inside_the_budget(tmp_pat
     tier.check_integrity()
     assert tier.peak == tier.used <= tier.capacity
     backend.close()
+
+
+def test_a_fetch_hands_landed_experts_first_then_by_when_their_reads_started(make_cache):
+    cache = make_cache(4)
+    _check(cache, 0, cache.fetch(0, [0, 1]))  # both landed
+    cache.prefetch(0, [3])  # reading (or read, not yet looked up)
+    cache.start(0, [1, 2, 3])  # 1 landed, 3 prefetched before, 2 a miss started now
+    got = cache.land(0, [1, 2, 3])
+    assert list(got) == [1, 3, 2] and len(got) == 3
+    _check(cache, 0, got)  # each looked up lands its reads
+    with pytest.raises(KeyError):
+        got[0]  # in the cache, but not asked for by this fetch

@@ -163,3 +163,22 @@ def test_a_model_with_its_table_in_storage_generates_what_the_resident_model_doe
             assert not llm.weights.embed and stats.resident_bytes <= c["head"] + llm.policy.counts[0] * c["layer"]
         finally:
             llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_table_in_storage_generates_what_the_resident_model_does(wide_vocab):
+    """The staged path as CUDA runs it: rows read into host RAM, converted and copied to the device per step."""
+    base = LLM(wide_vocab, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device="cuda"))
+    want = [c.token_ids for c in base.generate_ids(PROMPTS, PARAMS)]
+    base.close()
+    c = costs(wide_vocab)  # CPU footprints, at least what CUDA charges; the 8 MiB table cannot fit beside them
+    budget = KV + c["head"] + (RING + 2) * c["layer"]
+    llm = LLM(wide_vocab, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device="cuda", device_memory=budget))
+    try:
+        assert llm.weights.staged and llm.policy.embed_tier == "nvme"
+        assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == want
+        assert llm.weights.stats.embed_rows_read >= 13  # the prompts' distinct tokens, then the new ones
+        assert llm.device_tier.peak <= llm.device_tier.capacity
+    finally:
+        llm.close()

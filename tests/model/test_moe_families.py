@@ -156,25 +156,24 @@ def test_quantized_experts_compute_what_their_dequantized_values_do(tmp_path):
         torch.testing.assert_close(g, w, atol=2e-4, rtol=2e-4)
 
 
+def one_sparse_layer(**shape):
+    """The spec of a one-layer Qwen3-MoE of `shape` (hidden_size, the experts' count, top-k and width)."""
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 10,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "norm_topk_prob": True,
+    }
+    return parse_model_config(config | shape, "test")
+
+
 def test_experts_forward_reads_only_the_chosen_experts():
     """The chosen experts are fetched once each, together, in ascending order; the result is the per-token weighted
     sum."""
-    spec = parse_model_config(
-        {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "vocab_size": 10,
-            "hidden_size": 8,
-            "intermediate_size": 16,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "num_experts": 6,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 4,
-            "norm_topk_prob": True,
-        },
-        "test",
-    )
+    spec = one_sparse_layer(hidden_size=8, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=4)
     g = torch.Generator().manual_seed(0)
     experts = [
         {m: torch.randn(shape, generator=g) for m, shape in (("gate_proj", (4, 8)), ("up_proj", (4, 8)))}
@@ -239,22 +238,7 @@ def test_qwen_moe_config_fields():
 def test_experts_run_in_the_fetched_order_and_add_up_in_ascending_order():
     """Expert streaming hands the ready experts first; whatever the order they run in, their outputs are added in
     ascending order, so the bf16 sums equal the resident path's bit for bit (top-4 of 8: three roundings a token)."""
-    spec = parse_model_config(
-        {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "vocab_size": 10,
-            "hidden_size": 16,
-            "intermediate_size": 16,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "num_experts": 8,
-            "num_experts_per_tok": 4,
-            "moe_intermediate_size": 8,
-            "norm_topk_prob": True,
-        },
-        "test",
-    )
+    spec = one_sparse_layer(hidden_size=16, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=8)
     g = torch.Generator().manual_seed(1)
     experts = [
         {"gate_proj": torch.randn(8, 16, generator=g), "up_proj": torch.randn(8, 16, generator=g)}

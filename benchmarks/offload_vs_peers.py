@@ -18,11 +18,11 @@ The raw reads of the limit below read a fresh copy too.
 
 The physical limit of the workload: per pass, max(streamed bytes / the best read rate measured, that pass's
 compute time with every weight resident, the fastest of the rounds). The read rate is the best of a cold
-sequential read of the checkpoint, of re-reading exactly the bytes our engine streams, as many times as a run
-reads them, with O_DIRECT (a virtual disk serves repeated reads faster than cold ones), and of the rate our
-engine's own reads reached in any round. An engine faster
-than that is reported as proof the limit is wrong, never as a ratio under 1. Prints a table and the goals and
-writes benchmarks/results/offload_vs_peers.json with the machine it ran on. GB/s is 1e9 bytes per second.
+sequential read of the checkpoint (its fresh copy), of re-reading exactly the bytes our engine streams, as many
+times as a run reads them, with O_DIRECT (a virtual disk serves repeated reads faster than cold ones), and of the
+rate our engine's own reads reached in any round. An engine faster than that is reported as proof the limit is
+wrong, never as a ratio under 1. Prints a table and the goals and writes benchmarks/results/offload_vs_peers.json
+with the machine it ran on. GB/s is 1e9 bytes per second.
 """
 
 from __future__ import annotations

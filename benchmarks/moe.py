@@ -1,6 +1,6 @@
 """Mixture-of-experts streaming: by expert (with the expert cache) against by whole layer against Accelerate.
 
-    python benchmarks/moe.py [--work-dir ~/.cache/offload/bench] [--batches 1,8] [--new-tokens 32] [--repeats 2]
+    python benchmarks/moe.py [--work-dir ~/.cache/offload/bench] [--batches 1,8] [--new-tokens 32] [--repeats 4]
                              [--quick]
 
 The checkpoint is benchmarks/moe_checkpoint.py's synthetic Mixtral (random bf16 weights, 8 experts, top-2, about
@@ -20,7 +20,8 @@ eviction's time left out of its wall time, as in benchmarks/offload_vs_peers.py)
 Every engine runs --repeats rounds, in the order above and then reversed, alternately (the virtual disk serves
 bytes read moments ago faster, so the engine that runs second after a similar one gains; alternating gives each
 engine both places); the row of each engine and batch is its median round by tokens/s, the lower middle of an even
-count, with the min and max beside it. Reported per engine and batch: tokens/s, bytes read from storage
+count, with the min and max beside it (four rounds by default: of two, the lower would decide a row, and one slow
+round of the disk with it). Reported per engine and batch: tokens/s, bytes read from storage
 per generated token (/proc/self/io), and the physical limit of the run: its own bytes at the best read rate
 measured (see best_read_rate), or (for this engine's runs) its time with every weight resident, whichever is
 larger. Prints a table and the goals and writes
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench"))
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (Accelerate: the first only)")
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"a subset of {','.join(ENGINES)}")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of every engine (each row: the median round)")
+    parser.add_argument("--repeats", type=int, default=4, help="rounds of every engine (each row: the median round)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="a tiny Mixtral (a smoke test)")

@@ -13,7 +13,7 @@ often instead. The last sparse layer's next is the first one at the next step, w
 yet: it always prefetches by frequency. On the MoE benchmark's checkpoint (2-core VM) guesses were right 77% of the
 time at batch 1 and 98% at batch 8 (where frequency prefetch found no slot to prefetch into); the disk bounds both
 there. At batch 1 both ran within the noise of each other; at batch 8 router prefetch's rounds ranged 3.9-9.2
-tokens/s with what the disk had read just before, frequency's 7.7-8.1 (benchmarks/results/moe-repeats4.json).
+tokens/s with what the disk had read just before, frequency's 7.7-8.1 (benchmarks/results/moe.json).
 """
 
 from __future__ import annotations

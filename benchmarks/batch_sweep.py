@@ -150,12 +150,11 @@ def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
             f"{streaming:.2f}x at batch {best['batch']}",
         )
     )
-    verdicts = [worst <= GOALS["wall_vs_limit"], err <= GOALS["prediction_error"], rising]
-    verdicts.append(streaming <= GOALS["vs_resident"])
-    out_verdicts = ["PASS" if ok else "FAIL" for ok in verdicts]
+    met = [worst <= GOALS["wall_vs_limit"], err <= GOALS["prediction_error"], rising, streaming <= GOALS["vs_resident"]]
+    verdicts = ["PASS" if ok else "FAIL" for ok in met]
     if under:  # a limit that our own run beats is wrong: no verdict rests on it
-        out_verdicts[0] = "INVALID"
-    return [(g, v, verdict) for (g, v), verdict in zip(out, out_verdicts, strict=True)]
+        verdicts[0] = "INVALID"
+    return [(g, v, verdict) for (g, v), verdict in zip(out, verdicts, strict=True)]
 
 
 def main() -> None:

@@ -106,7 +106,8 @@ class StoredEmbedding:
             if pieces:
                 first, count, wanted = pieces[-1]
                 if i - (first + count) < gap and i + 1 - first <= most:
-                    pieces[-1] = (first, i + 1 - first, wanted + [i])
+                    wanted.append(i)  # in place: a big prefill puts hundreds of ids in one piece
+                    pieces[-1] = (first, i + 1 - first, wanted)
                     continue
             pieces.append((i, 1, [i]))
         return pieces

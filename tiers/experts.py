@@ -69,6 +69,7 @@ class _Entry:
     requests: list[ReadRequest]  # reads in flight; empty once landed
     weights: Weights | None  # set once landed
     prefetched: bool  # read by prefetch, not asked for by a fetch since
+    started: int  # how many entries' reads the cache had started before this one's: orders a fetch's landing
 
 
 class ExpertCache:
@@ -100,6 +101,7 @@ class ExpertCache:
         self._scratch = [_take(tier, convert_bytes, what) if convert_bytes else None for _ in range(self.slots)]
         self._free = list(range(self.slots - 1, -1, -1))  # slot indices; pop() takes the lowest
         self._entries: dict[Key, _Entry] = {}
+        self._starts = 0  # entries whose reads were started, over the whole run
         self._experts: dict[int, list[int]] = {}  # layer -> its experts, ascending
         for layer, e in sorted(layouts):
             self._experts.setdefault(layer, []).append(e)
@@ -148,9 +150,9 @@ class ExpertCache:
         """The weights of `experts` of `layer`, as the last `start` asked for them. The mapping waits for an
         expert's reads only when it is looked up, and its order is the order to run them in: those landed first,
         then by when their reads started; so compute on the ready ones overlaps the reads of the rest."""
-        started = {k: i for i, k in enumerate(self._entries)}  # entries are (re)inserted when their reads start
-        keys = sorted(((layer, e) for e in experts), key=lambda k: (bool(self._entries[k].requests), started[k]))
-        return _Landing(self, [e for _, e in keys], layer)
+        entries = {e: self._entries[(layer, e)] for e in experts}
+        order = sorted(experts, key=lambda e: (bool(entries[e].requests), entries[e].started))
+        return _Landing(self, order, layer)
 
     def prefetch(self, layer: int, experts: list[int], guess: bool = False) -> None:
         """Start reading those of `experts` of `layer` not cached, without waiting. Each takes a free slot, or the
@@ -215,7 +217,8 @@ class ExpertCache:
 
     def _start(self, key: Key, slot: int, prefetched: bool) -> None:
         layout = self.layouts[key]
-        self._entries[key] = _Entry(slot, read(self.backend, layout, self._bufs[slot]), None, prefetched)
+        self._entries[key] = _Entry(slot, read(self.backend, layout, self._bufs[slot]), None, prefetched, self._starts)
+        self._starts += 1
         self._stats["bytes_read"] += layout.read_bytes
 
     def _land(self, key: Key, entry: _Entry) -> Weights:

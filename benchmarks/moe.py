@@ -16,6 +16,9 @@ eviction's time left out of its wall time, as in benchmarks/offload_vs_peers.py)
   experts-frequency  the same with --expert-prefetch frequency: the next layer's most often chosen experts
   layers      this engine streaming whole layers (every expert of a layer read on every pass)
   accelerate  transformers + Accelerate, device_map="auto" with max_memory={"cpu": budget} and an offload folder
+  experts-cold-device, experts-cold-cpu  (named in --engines, on a CUDA machine) "experts" with every expert not in
+              the device slots copied there, or run on the CPU from pinned host RAM, instead of the cost model's
+              choice for each (--cold-experts auto)
 
 Every engine runs --repeats rounds, in the order above and then reversed, alternately (the virtual disk serves
 bytes read moments ago faster, so the engine that runs second after a similar one gains; alternating gives each
@@ -52,6 +55,9 @@ from peer_engines import (
 
 RESULTS = Path(__file__).parent / "results" / "moe.json"
 ENGINES = ("experts", "experts-frequency", "layers", "accelerate")
+# on CUDA only (--engines): "experts" with every cold expert copied to the device, or run on the CPU, instead of the
+# cost model's choice per expert (--cold-experts auto); on a CPU device there is nothing to choose
+COLD = {"experts-cold-device": "device", "experts-cold-cpu": "cpu"}
 GOALS = {"bytes_fraction": 0.40, "speedup_vs_layers": 2.0, "speedup_vs_accelerate": 6.0}  # at batch 1
 MARGIN = 16  # a 16th of the budget (at most 16 MiB) is left beside the resident dense parts and the expert cache
 
@@ -83,12 +89,14 @@ def run_engine(name: str, model_dir: Path, budget: int | None, workload: Workloa
         margin = min(budget // MARGIN, 16 << 20)
         cache = max(budget - dense - margin, per_expert)  # dense parts resident, the rest caches experts
         prefetch = "frequency" if name == "experts-frequency" else "router"
-        config = replace(config, expert_cache_memory=cache, expert_prefetch=prefetch)
+        cold = COLD.get(name, "auto")
+        config = replace(config, expert_cache_memory=cache, expert_prefetch=prefetch, cold_experts=cold)
     baseline = rss_bytes()
     result = generate_ours(model_dir, config, workload)
     result.engine, result.baseline_rss_bytes = name, baseline
     result.extra["expert_cache_memory"] = config.expert_cache_memory
     result.extra["expert_prefetch"] = config.expert_prefetch
+    result.extra["cold_experts"] = config.cold_experts
     return result
 
 
@@ -203,7 +211,7 @@ def main_run(args: argparse.Namespace) -> dict:
     budget = total // (2 if args.quick else 4)  # a tiny model's embedding and head alone take a quarter
     raw = raw_bandwidth(files)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    engines = [e for e in ENGINES if e in args.engines.split(",")]
+    engines = [e for e in (*ENGINES, *COLD) if e in args.engines.split(",")]
     runs: dict[str, dict[int, list[EngineResult]]] = {e: {} for e in engines}
     resident: dict[int, EngineResult] = {}
     for batch in batches:
@@ -268,7 +276,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench"))
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (Accelerate: the first only)")
-    parser.add_argument("--engines", default=",".join(ENGINES), help=f"a subset of {','.join(ENGINES)}")
+    parser.add_argument(
+        "--engines", default=",".join(ENGINES), help=f"a subset of {','.join(ENGINES)} (on CUDA also: {','.join(COLD)})"
+    )
     parser.add_argument("--repeats", type=int, default=4, help="rounds of every engine (each row: the median round)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -16,8 +16,9 @@ from offload.common.model_config import ModelSpec
 from offload.convert import check_runnable
 from offload.core import Delta, EngineCore
 from offload.model.engine import Engine
-from offload.model.expert_streaming import expert_cache, layer_experts, model_layouts, read_gates
+from offload.model.expert_streaming import expert_caches, layer_experts, model_layouts, read_gates
 from offload.model.loader import load_spec
+from offload.planner.cold_experts import cold_experts
 from offload.planner.profiles import saved_read_rates
 from offload.run_stats import KV_COUNTERS, RunStats
 from scheduler.batcher import BatchLimits
@@ -141,8 +142,16 @@ class LLM:
         self.io_backend = choose_backend(config.io_backend, saved_read_rates() if config.io_backend == "auto" else None)
         self.backend = make_backend(self.io_backend.name)
         # routed experts stream through a cache of their own, taken from the device budget before layers are placed
-        self.experts = expert_cache(experts, self.backend, self.device_tier, self.dtype, config.expert_cache_memory)
-        routed = layer_experts(self.experts, self.spec, gates, self.dtype, config.expert_prefetch)
+        # (on CUDA: device slots, filled from a cache in pinned host RAM, where cold experts may run instead)
+        budgets = config.expert_cache_memory, config.expert_host_memory
+        self.experts, self.expert_slots = expert_caches(
+            experts, self.backend, self.device_tier, self.host_tier, self.dtype, *budgets
+        )
+        slots = self.expert_slots
+        cold = (
+            cold_experts(config.cold_experts, self.spec, self.dtype, self.device, slots.expert_bytes) if slots else None
+        )
+        routed = layer_experts(self.experts, self.spec, gates, self.dtype, config.expert_prefetch, slots, cold)
         self.spill: SpillStats | None = None  # streamed layers converted once into --offload-dir
         if config.offload_dir is not None:
             layout, self.spill = spill_layers(
@@ -213,6 +222,8 @@ class LLM:
     def close(self) -> None:
         """Let reads in flight land, write the KV blocks queued for disk, close the files. Not usable afterwards."""
         self.weights.close()
+        if self.expert_slots is not None:
+            self.expert_slots.close()  # copies from the host cache's buffers land before those go
         if self.experts is not None:
             self.experts.close()
         self.backend.close()

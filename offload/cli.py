@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from offload.common.config import EXPERT_PREFETCH, IO_BACKENDS, KV_GROUP_SIZES
+from offload.common.config import COLD_EXPERTS, EXPERT_PREFETCH, IO_BACKENDS, KV_GROUP_SIZES
 from offload.common.dtypes import KV_DTYPES
 from offload.common.errors import OffloadError
 from offload.planner.report import add_plan_parser
@@ -94,7 +94,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="part of the device budget for a mixture's routed experts, read only when the router chooses them and "
         "cached by selection frequency; the rest of each layer is placed like a dense layer (default 0: off, "
-        "whole layers stream; CPU device only)",
+        "whole layers stream)",
+    )
+    p.add_argument(
+        "--expert-host-memory",
+        default="0",
+        metavar="SIZE",
+        help="on CUDA, pinned host RAM keeping experts as read, from which the device's expert slots are filled "
+        "(default 0: as many experts as those slots)",
+    )
+    p.add_argument(
+        "--cold-experts",
+        choices=COLD_EXPERTS,
+        default="auto",
+        help="on CUDA, where a chosen expert not on the device runs: copied there (device), on the CPU from host RAM, "
+        "moving its tokens instead of its weights (cpu), or whichever the cost model prices faster for its tokens "
+        "(auto, default)",
     )
     p.add_argument(
         "--expert-prefetch",
@@ -177,6 +192,8 @@ def engine_config(args: argparse.Namespace):
         kv_disk_memory=parse_size(args.kv_disk_memory, "--kv-disk-memory"),
         expert_cache_memory=parse_size(args.expert_cache_memory, "--expert-cache-memory"),
         expert_prefetch=args.expert_prefetch,
+        expert_host_memory=parse_size(args.expert_host_memory, "--expert-host-memory"),
+        cold_experts=args.cold_experts,
     )
     fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
     if config.memory is not None and fixed:
@@ -303,6 +320,11 @@ def _summary(llm, completions) -> str:
             f"({x.prefetch_accuracy:.0%} accuracy); "
             f"{format_size(int(s.bytes_per_token))} of weights read per generated token"
         )
+        if llm.expert_slots is not None:
+            lines.append(
+                f"           on {llm.device}: {x.device_hits} hits in its expert slots, {format_size(x.h2d_bytes)} "
+                f"copied to it; {x.cpu_runs} cold experts run on the CPU (--cold-experts {llm.config.cold_experts})"
+            )
     io = f"i/o        backend {llm.io_backend.name} ({llm.io_backend.why})"
     if s.bytes_read:
         io += (
@@ -387,8 +409,13 @@ def _placement_table(llm) -> str:
         rows.append(
             f"experts: {'/'.join(map(str, n))} per sparse layer in {len(per_layer)} layers, streamed through a cache "
             f"of {llm.experts.slots} experts ({format_size(llm.experts.budget)} budget, "
-            f"{format_size(llm.experts.slot_cost)} each)"
+            f"{format_size(llm.experts.slot_cost)} each)" + ("" if llm.expert_slots is None else " in pinned host RAM")
         )
+        if (d := llm.expert_slots) is not None:
+            rows.append(
+                f"         and {d.slots} expert slots on {llm.device} ({format_size(d.budget)} budget, "
+                f"{format_size(d.slot_cost)} each), filled from there; cold experts: {llm.config.cold_experts}"
+            )
     return "\n".join(rows)
 
 

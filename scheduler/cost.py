@@ -211,10 +211,12 @@ def _layer_step(
     attention *= micro_batches
     if s.num_experts:  # the touched experts; with expert streaming the misses are read after the router chose them
         expert_bytes = ctx.weight_bytes(expert_params(s), cand.weight_bits)
-        slots, packed_experts = ctx.expert_slots(cand), packed and not cand.expert_cache
-        ex = expert_step(s, hw.device, ctx.dtype, expert_bytes, rows_per_mb, micro_batches, slots, packed_experts)
+        slots, cuda = ctx.expert_slots(cand), (hw.host, hw.host_to_device) if not ctx.on_cpu else ()
+        packed_ex = packed and not cand.expert_cache  # streamed experts are not packed
+        ex = expert_step(s, hw.device, ctx.dtype, expert_bytes, rows_per_mb, micro_batches, slots, packed_ex, *cuda)
         compute += ex.compute_seconds
         busy["serial"] = ex.read_bytes / hw.disk_read  # waits on the router: not overlapped with compute
+        busy["serial_link"] = ex.cold_seconds  # so do the misses' copies (or CPU runs) on CUDA
     if attn_unit is hw.host and not ctx.on_cpu:
         busy["host"] = attention  # the CPU attends while the device runs the GEMMs
         q_and_out = 2 * rows_per_mb * s.num_heads * s.head_dim * ctx.dtype_bytes * micro_batches
@@ -260,11 +262,10 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
         if not count:
             continue
         busy = _layer_step(ctx, cand, tier, micro_batches, seqs, context, prefill)
-        serial = busy.pop("serial", 0.0)
+        serial = {"disk": busy.pop("serial", 0.0), "link": busy.pop("serial_link", 0.0)}
         for k, v in busy.items():
-            total[k] += count * v
-        total["disk"] += count * serial
-        total["wall"] += count * (max(busy.values()) + serial)
+            total[k] += count * (v + serial.get(k, 0.0))
+        total["wall"] += count * (max(busy.values()) + sum(serial.values()))
     if cand.policy.embed_tier == "nvme":  # the step's token rows, read before the first layer (whole 4 KiB blocks)
         tokens = cand.batch * (prompt_len if prefill else 1)
         row = -(-ctx.embed_row_bytes // 4096) * 4096
@@ -306,6 +307,7 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     if ctx.ring_layers(cand.policy):
         device += ring * w
     host += (n_host * w if n_host else 0) + (ring * w if n_disk and not ctx.on_cpu else 0)
+    host += cand.expert_cache if not ctx.on_cpu else 0  # on CUDA, as many experts again in pinned host RAM
     if cand.kv_tier == "device":
         device += kv
     else:
@@ -389,8 +391,6 @@ def _unsupported(ctx: Context, cand: Candidate) -> tuple[str, ...]:
     missing = []  # 8- and 4-bit weights run from a checkpoint `offload convert` wrote
     if cand.kv_bits < 8 * ctx.dtype_bytes and cand.kv_bits not in (8, 4):
         missing.append(f"{cand.kv_bits}-bit KV cache")  # --kv-dtype int8 and int4 run
-    if cand.expert_cache and not ctx.on_cpu:
-        missing.append("expert streaming on CUDA")
     if ctx.shape.architecture in PLANNING_ONLY:
         missing.append(f"an engine that runs {ctx.shape.architecture}")
     return tuple(missing)

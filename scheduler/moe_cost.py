@@ -30,6 +30,9 @@ from scheduler.rates import gemm_seconds
 class ExpertStep(NamedTuple):
     compute_seconds: float  # the touched experts' GEMMs, every micro-batch of the step
     read_bytes: float  # experts read from disk in the step (expert streaming's misses; 0 without it)
+    # on CUDA, the misses' way onto the device: each copied over the link and run there, or run on the CPU from
+    # host RAM, whichever is priced faster (EngineConfig.cold_experts "auto"); waits on the router like the reads
+    cold_seconds: float = 0.0
 
 
 def expert_params(s: ModelSpec) -> int:
@@ -72,15 +75,39 @@ def expert_step(
     micro_batches: int,
     slots: int | None,
     packed: bool,
+    host: ComputeUnit | None = None,
+    link: float = 0.0,
 ) -> ExpertStep:
     """One sparse layer's routed experts in a step of `micro_batches` micro-batches of `rows_per_mb` tokens.
 
     expert_bytes: one expert's weight bytes at the candidate's width; slots: the expert cache's experts (None:
-    the experts are placed and streamed with their layer); packed: the experts are packed for the CPU's GEMM."""
+    the experts are placed and streamed with their layer); packed: the experts are packed for the CPU's GEMM;
+    host and link (bytes/s host -> device): a CUDA machine's CPU and link, which each miss crosses or runs on."""
     touched = distinct_experts(s, rows_per_mb)
     rows = max(math.ceil(rows_per_mb * s.experts_per_token / max(touched, 1e-9)), 1)
     per_expert = gemm_seconds(unit, dtype, expert_params(s), expert_bytes, rows, packed)
     compute = touched * per_expert * micro_batches
     if slots is None:
         return ExpertStep(compute, 0.0)
-    return ExpertStep(compute, read_bytes(s, rows_per_mb * micro_batches, slots, expert_bytes))
+    missed = read_bytes(s, rows_per_mb * micro_batches, slots, expert_bytes)
+    if host is None:
+        return ExpertStep(compute, missed)
+    cpu = cold_expert_seconds(s, host, dtype, expert_bytes, rows, link)
+    copied = copied_expert_seconds(s, unit, dtype, expert_bytes, rows, link) - per_expert  # its compute: counted
+    return ExpertStep(compute, missed, missed / expert_bytes * min(cpu - per_expert, copied))
+
+
+def cold_expert_seconds(
+    s: ModelSpec, host: ComputeUnit, dtype: str, expert_bytes: float, rows: int, link: float
+) -> float:
+    """One routed expert run on the CPU over `rows` tokens from host RAM (a cold expert on a CUDA machine): its
+    GEMMs on the host, and its tokens' rows moved to the host and its output back over the link (bytes/s)."""
+    act_bytes = 2 * rows * s.hidden_size * (4 if dtype == "float32" else 2)
+    return gemm_seconds(host, dtype, expert_params(s), expert_bytes, rows) + act_bytes / link
+
+
+def copied_expert_seconds(
+    s: ModelSpec, device: ComputeUnit, dtype: str, expert_bytes: float, rows: int, link: float
+) -> float:
+    """The same expert copied from host RAM to the device over the link (bytes/s) and run there."""
+    return expert_bytes / link + gemm_seconds(device, dtype, expert_params(s), expert_bytes, rows)

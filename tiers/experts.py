@@ -19,8 +19,14 @@ Prefetches come in two kinds: by frequency (an expert may displace only one sele
 experts the next sparse layer's router would choose for the current hidden state, offload/model/expert_streaming.py),
 which may displace any expert not in use and are kept until their layer is fetched.
 
+On a CUDA device (the staged path) this cache's buffers are pinned host RAM (the host tier, --expert-host-memory)
+and experts are computed from a second, smaller cache of device slots (tiers/expert_slots.py) that copies them
+from here, or, cold ones, on the CPU from here (offload/model/expert_streaming.py); a buffer then also waits for
+its last copy to the device before it takes another expert.
+
 Invariants: an expert a `fetch` returns is never evicted by that call, nor by a `prefetch` before the next fetch
-(compute may still read it); a buffer takes a new read only once the reads into it have landed.
+(compute may still read it); a buffer takes a new read only once the reads into it, and the copies from it, have
+landed.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 
 from offload.common.errors import OffloadError
 from tiers.checkpoint import TORCH_DTYPES
+from tiers.copy import Event
 from tiers.io.base import ReadBackend, ReadRequest
 from tiers.layout import GroupLayout, Weights
 from tiers.memory import MemoryTier
@@ -50,6 +57,9 @@ class ExpertStats:
     prefetches: int = 0  # expert reads started by prefetch
     prefetch_used: int = 0  # of those, the ones a fetch asked for before they were evicted
     stall_seconds: float = 0.0  # time a fetch waited for expert reads
+    device_hits: int = 0  # of the hits, experts a fetch found on the device (staged path; else every hit is)
+    h2d_bytes: int = 0  # bytes copied host -> device for experts (staged path)
+    cpu_runs: int = 0  # experts run on the CPU from host RAM instead of copied to the device (staged path)
 
     def __sub__(self, other: ExpertStats) -> ExpertStats:
         return ExpertStats(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
@@ -70,6 +80,7 @@ class _Entry:
     weights: Weights | None  # set once landed
     prefetched: bool  # read by prefetch, not asked for by a fetch since
     started: int  # how many entries' reads the cache had started before this one's: orders a fetch's landing
+    copied: Event | None = None  # the last copy from its buffer to the device (staged path)
 
 
 class ExpertCache:
@@ -86,19 +97,18 @@ class ExpertCache:
         tier: MemoryTier,
         budget: int,
         dtype: torch.dtype,
+        flag: str = "--expert-cache-memory",
     ) -> None:
         self.layouts, self.backend, self.tier, self.dtype, self.budget = layouts, backend, tier, dtype, budget
         read_bytes = max(g.slot_bytes for g in layouts.values())
         convert_bytes = max(_convert_bytes(g, dtype) for g in layouts.values())
-        self.slot_cost = tier.footprint(read_bytes) + (tier.footprint(convert_bytes) if convert_bytes else 0)  # bytes
+        self.slot_cost = slot_cost(layouts, tier, dtype)  # bytes
         self.slots = budget // self.slot_cost
         if self.slots == 0:
-            raise OffloadError(
-                f"--expert-cache-memory of {budget} bytes holds no expert (one expert takes {self.slot_cost} bytes)"
-            )
-        what = "the expert cache (--expert-cache-memory)"
-        self._bufs = [_take(tier, read_bytes, what) for _ in range(self.slots)]
-        self._scratch = [_take(tier, convert_bytes, what) if convert_bytes else None for _ in range(self.slots)]
+            raise OffloadError(f"{flag} of {budget} bytes holds no expert (one expert takes {self.slot_cost} bytes)")
+        what = f"the expert cache ({flag})"
+        self._bufs = [_take(tier, read_bytes, what, flag) for _ in range(self.slots)]
+        self._scratch = [_take(tier, convert_bytes, what, flag) if convert_bytes else None for _ in range(self.slots)]
         self._free = list(range(self.slots - 1, -1, -1))  # slot indices; pop() takes the lowest
         self._entries: dict[Key, _Entry] = {}
         self._starts = 0  # entries whose reads were started, over the whole run
@@ -126,16 +136,19 @@ class ExpertCache:
         self.start(layer, experts)
         return self.land(layer, experts)
 
-    def start(self, layer: int, experts: list[int]) -> None:
+    def start(self, layer: int, experts: list[int], on_device: list[int] = ()) -> None:
         """Begin a fetch of `experts` of `layer` (at most `slots` of them): count the selection, pin the experts
-        (released by the next start) and start every miss's reads, none waited for."""
+        (released by the next start) and start every miss's reads, none waited for. `on_device`: more experts of
+        the fetch, found in the device slots (staged path): counted as selected and hit, not looked up here."""
         if len(experts) > self.slots:
             raise ValueError(f"fetch of {len(experts)} experts from a cache of {self.slots} slots")
         keys = [(layer, e) for e in experts]
         self._pinned = set(keys)
         self._layer = layer
         self._ahead = {k for k in self._ahead if k[0] != layer}  # this layer's guesses are settled now
-        self.selections.update(keys)
+        self.selections.update([*keys, *((layer, e) for e in on_device)])
+        self._stats["hits"] += len(on_device)
+        self._stats["device_hits"] += len(on_device)
         for k in keys:
             entry = self._entries.get(k)
             if entry is None:
@@ -174,6 +187,38 @@ class ExpertCache:
             if guess:
                 self._ahead.add(k)
 
+    def landed(self, layer: int, expert: int) -> bool:
+        """Whether a cached expert's reads were waited for already (a lookup would not wait)."""
+        return not self._entries[(layer, expert)].requests
+
+    def weights(self, layer: int, expert: int) -> Weights:
+        """A fetched expert's weights where this cache holds them, in the compute dtype (waits for its reads)."""
+        key = (layer, expert)
+        return self._land(key, self._entries[key])
+
+    def raw(self, layer: int, expert: int) -> torch.Tensor:
+        """The buffer a fetched expert was read into, as read (waits for its reads): what a copy to the device
+        takes (staged path); `copied` must then be told the copy's event."""
+        key = (layer, expert)
+        entry = self._entries[key]
+        self._wait_reads(entry)
+        return self._bufs[entry.slot]
+
+    def copied(self, layer: int, expert: int, event: Event, nbytes: int) -> None:
+        """A copy of `nbytes` from the expert's buffer (`raw`) ends at `event`: the buffer takes no new read before."""
+        self._entries[(layer, expert)].copied = event
+        self._stats["h2d_bytes"] += nbytes
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add n to one of the ExpertStats counters (the staged path's device level counts here too)."""
+        self._stats[name] += n
+
+    def rank(self, key: Key) -> tuple:
+        """An expert's place in the eviction order, lowest first: selected least often, then the layer that comes
+        back last in the layer cycle (the device slots evict by it too)."""
+        n = max(self._experts) + 1  # layers in the cycle; the current one's come back after all the others
+        return self.selections[key], -((key[0] - self._layer - 1) % n), key
+
     def predict(self, layer: int, n: int) -> list[int]:
         """The (at most n) experts of `layer` selected most often so far, most often first (ties: lower number);
         never-selected experts are not predicted."""
@@ -205,14 +250,15 @@ class ExpertCache:
             candidates = [k for k in self._entries if k not in keep]
         if not candidates:
             return None
-        n = max(self._experts) + 1  # layers in the cycle; the current one's come back after all the others
-        victim = min(candidates, key=lambda k: (self.selections[k], -((k[0] - self._layer - 1) % n), k))
+        victim = min(candidates, key=self.rank)
         if below is not None and self.selections[victim] >= below:
             return None
         self._ahead.discard(victim)
         entry = self._entries.pop(victim)
         for r in entry.requests:  # a prefetch still landing in the buffer
             r.wait()
+        if entry.copied is not None:  # a copy to the device still reading it
+            entry.copied.synchronize()
         return entry.slot
 
     def _start(self, key: Key, slot: int, prefetched: bool) -> None:
@@ -221,13 +267,17 @@ class ExpertCache:
         self._starts += 1
         self._stats["bytes_read"] += layout.read_bytes
 
-    def _land(self, key: Key, entry: _Entry) -> Weights:
-        if entry.weights is None:
+    def _wait_reads(self, entry: _Entry) -> None:
+        if entry.requests:
             start = time.perf_counter()
             for r in entry.requests:
                 r.wait()
             self._stats["stall_seconds"] += time.perf_counter() - start
             entry.requests = []
+
+    def _land(self, key: Key, entry: _Entry) -> Weights:
+        if entry.weights is None:
+            self._wait_reads(entry)
             views = self.layouts[key].views(self._bufs[entry.slot])
             entry.weights = _converted(views, self.dtype, self._scratch[entry.slot])
         return entry.weights
@@ -242,8 +292,7 @@ class _Landing(Mapping[int, Weights]):
     def __getitem__(self, expert: int) -> Weights:
         if expert not in self._order:
             raise KeyError(expert)
-        key = (self._layer, expert)
-        return self._cache._land(key, self._cache._entries[key])
+        return self._cache.weights(self._layer, expert)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._order)
@@ -252,12 +301,20 @@ class _Landing(Mapping[int, Weights]):
         return len(self._order)
 
 
-def _take(tier: MemoryTier, nbytes: int, what: str) -> torch.Tensor:
+def slot_cost(layouts: dict[Key, GroupLayout], tier: MemoryTier, dtype: torch.dtype) -> int:
+    """Bytes of `tier` one slot of an ExpertCache over `layouts` takes: the largest expert as read, and the scratch
+    its tensors stored in another float dtype take converted to `dtype`."""
+    read_bytes = max(g.slot_bytes for g in layouts.values())
+    convert_bytes = max(_convert_bytes(g, dtype) for g in layouts.values())
+    return tier.footprint(read_bytes) + (tier.footprint(convert_bytes) if convert_bytes else 0)
+
+
+def _take(tier: MemoryTier, nbytes: int, what: str, flag: str) -> torch.Tensor:
     buf = tier.allocate(nbytes)
     if buf is None:
         raise OffloadError(
             f"--{tier.name}-memory budget of {tier.capacity} bytes cannot hold {what} ({tier.footprint(nbytes)} bytes "
-            f"a buffer; {tier.used} already in use): lower --expert-cache-memory or raise --{tier.name}-memory"
+            f"a buffer; {tier.used} already in use): lower {flag} or raise --{tier.name}-memory"
         )
     return buf
 

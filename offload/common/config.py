@@ -17,6 +17,7 @@ EMBED_READ_BUFFER = 2 << 20  # bytes; a stored embedding reads its rows through 
 READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py)
 IO_BACKENDS = ("auto", *READ_BACKENDS)  # what io_backend may say; "auto" resolves to a read backend
 EXPERT_PREFETCH = ("router", "frequency")  # how the next sparse layer's experts are chosen for prefetch
+COLD_EXPERTS = ("auto", "device", "cpu")  # on CUDA, where a chosen expert not in the device slots runs
 KV_GROUP_SIZES = (32, 64)  # values along head_dim sharing one scale in a quantized KV cache (kernels/kv_quant.py)
 
 
@@ -124,6 +125,13 @@ class EngineConfig:
     # how the next sparse layer's experts are prefetched while a layer computes: "router" (those its router chooses
     # for the current hidden state; offload/model/expert_streaming.py) or "frequency" (those selected most often)
     expert_prefetch: str = "router"
+    # on CUDA, pinned host RAM (charged to the host tier) keeping experts as read, which the device slots are filled
+    # from; 0 = as many experts as the device slots hold. Ignored on a CPU device, where experts are read in place
+    expert_host_memory: int = 0
+    # on CUDA, where a chosen expert that is not in the device slots runs: "device" copies it there from host RAM,
+    # "cpu" runs it on the CPU where it is (its tokens' rows move, not its weights), "auto" prices both by the cost
+    # model for the rows it has in the step
+    cold_experts: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -142,6 +150,8 @@ class EngineConfig:
             raise OffloadError(
                 f"expert_prefetch must be one of {', '.join(EXPERT_PREFETCH)}, got {self.expert_prefetch!r}"
             )
+        if self.cold_experts not in COLD_EXPERTS:
+            raise OffloadError(f"cold_experts must be one of {', '.join(COLD_EXPERTS)}, got {self.cold_experts!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise OffloadError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.kv_group_size not in KV_GROUP_SIZES:
@@ -159,6 +169,7 @@ class EngineConfig:
             ("kv_host_memory", self.kv_host_memory),
             ("kv_disk_memory", self.kv_disk_memory),
             ("expert_cache_memory", self.expert_cache_memory),
+            ("expert_host_memory", self.expert_host_memory),
         ):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise OffloadError(f"{name} must be a non-negative number of bytes, got {value!r}")

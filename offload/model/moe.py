@@ -16,7 +16,7 @@ dense (mlp_only_layers, decoder_sparse_step); those layers hold the Llama MLP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -84,10 +84,13 @@ def sparse_mlp(
     """The mixture's output for x [tokens, hidden] from one sparse layer's weights `w` -> [tokens, hidden]; its
     routed experts come from `experts` when given (the last fetch given `hidden`, the residual stream x is the
     norm of, to prefetch the next layer's experts by), else from `w`."""
-    if experts is None:
-        fetch, per_fetch = (lambda chosen, last: {e: sub_weights(w, f"expert{e}.") for e in chosen}), spec.num_experts
-    else:
-        fetch, per_fetch = (lambda chosen, last: experts.fetch(chosen, hidden if last else None)), experts.capacity
+
+    def fetch(chosen: list[int], last: bool, rows: list[int]) -> Mapping[int, Weights]:
+        if experts is None:
+            return {e: sub_weights(w, f"expert{e}.") for e in chosen}
+        return experts.fetch(chosen, hidden if last else None, rows)
+
+    per_fetch = spec.num_experts if experts is None else experts.capacity
     out = experts_forward(
         spec,
         x,
@@ -106,14 +109,16 @@ def experts_forward(
     spec: ModelSpec,
     x: torch.Tensor,
     router_logits: torch.Tensor,
-    fetch: Callable[[list[int], bool], dict[int, Weights]],
+    fetch: Callable[[list[int], bool, list[int]], Mapping[int, Weights]],
     routing_dtype: torch.dtype,
     per_fetch: int | None = None,
 ) -> torch.Tensor:
     """sum over each token's top-k experts of routing weight * expert(x), as x's dtype.
 
-    x: [tokens, hidden]; router_logits: [tokens, experts]; fetch(experts, last): each listed expert's "gate_proj",
-    "up_proj", "down_proj" (and their scales when quantized), `last` telling the layer's last call. Every expert
+    x: [tokens, hidden]; router_logits: [tokens, experts]; fetch(experts, last, rows): each listed expert's
+    "gate_proj", "up_proj", "down_proj" (and their scales when quantized), `last` telling the layer's last call,
+    `rows` how many tokens each expert runs over. An expert whose weights are on another device (the CPU, for a
+    cold expert on a CUDA machine) runs there on its tokens' rows, moved there and its output back. Every expert
     some token chose is fetched once, in ascending order, all in one call, or in calls of at most `per_fetch`
     experts (None: no limit), each batch run before the next is fetched. A batch's experts run in the order the
     fetched mapping gives (expert streaming puts those whose weights are ready first), and their outputs are
@@ -134,12 +139,16 @@ def experts_forward(
     out = torch.zeros_like(x)
     for start in range(0, len(chosen_experts), size):
         batch = chosen_experts[start : start + size]
-        fetched = fetch(batch, start + size >= len(chosen_experts))
         rows_of = dict(zip(batch, groups[start : start + size], strict=True))
+        fetched = fetch(batch, start + size >= len(chosen_experts), [len(rows_of[e]) for e in batch])
         ran: dict[int, torch.Tensor] = {}  # outputs waiting for a lower expert's to be added first
         added = 0  # batch[:added] are in `out`
         for e in fetched:
-            ran[e] = swiglu(spec, fetched[e], x[rows_of[e] // k]) * weights[rows_of[e], None]
+            w = fetched[e]
+            where = next(iter(w.values())).device
+            rows = rows_of[e].to(where)
+            y = swiglu(spec, w, x[rows_of[e] // k].to(where)) * weights.to(where)[rows, None]
+            ran[e] = y.to(x.device)
             while added < len(batch) and batch[added] in ran:
                 rows = rows_of[batch[added]]
                 out.index_add_(0, rows // k, ran.pop(batch[added]).to(out.dtype))  # rows // k: distinct tokens

@@ -39,11 +39,15 @@ class ExpertSource(Protocol):
     def capacity(self) -> int:
         """The most experts one fetch may ask for."""
 
-    def fetch(self, experts: list[int], hidden: torch.Tensor | None = None) -> Mapping[int, Weights]:
+    def fetch(
+        self, experts: list[int], hidden: torch.Tensor | None = None, rows: list[int] | None = None
+    ) -> Mapping[int, Weights]:
         """Expert e's "gate_proj", "up_proj", "down_proj" (and their scales) for each e of `experts` (ascending),
-        usable until the next fetch, iterated in the order to run them (those whose weights are ready first).
-        `hidden`, given with a layer's last fetch of a micro-batch: the residual stream before the layer's MLP
-        [tokens, hidden]; the source may start reading the next sparse layer's experts."""
+        usable until the next fetch, iterated in the order to run them (those whose weights are ready first); an
+        expert's weights may be on the CPU while the compute device is not (it then runs there, on its tokens'
+        rows moved to it). `hidden`, given with a layer's last fetch of a micro-batch: the residual stream before
+        the layer's MLP [tokens, hidden]; the source may start reading the next sparse layer's experts. `rows`:
+        how many tokens each expert runs over, which may decide where it runs."""
 
 
 @dataclass(slots=True)

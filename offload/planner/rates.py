@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from offload.common.hardware import ComputeUnit
+
 MIN_REPEATS = 3  # timed runs per measurement, after one warm-up run
 
 
@@ -231,3 +233,28 @@ def typical_seconds(fn: Callable[[], object], device: torch.device, min_seconds:
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def measure_expert_units(
+    device: torch.device, dtype: str, hidden: int, width: int, min_seconds: float = 0.05
+) -> tuple[ComputeUnit, ComputeUnit, float]:
+    """(host, device, host-to-device bytes/s), measured now at one routed expert's shape ([rows, hidden] x [hidden,
+    width]), for pricing where a cold expert runs when no saved CUDA profile has these rates: each processor's GEMM
+    curve over EXPERT_ROWS rows and its memory bandwidth, and the link for one expert's bytes. About a second."""
+    dt = getattr(torch, dtype)
+
+    def unit(where: torch.device) -> ComputeUnit:
+        curve = measure_matmul(where, dtype, EXPERT_ROWS, hidden, width, min_seconds)
+        bandwidth = measure_copy(where, 1 << 26, min_seconds)
+        return ComputeUnit(
+            memory=0,
+            memory_bandwidth=bandwidth,
+            matmul_flops={dtype: max(r for _, r in curve)},
+            matmul_curve={dtype: curve},
+        )
+
+    h2d, _ = measure_links(device, 3 * hidden * width * dt.itemsize, min_seconds)
+    return unit(torch.device("cpu")), unit(device), h2d
+
+
+EXPERT_ROWS = (1, 4, 16, 64, 256)  # the token counts a cold expert's price is measured at

@@ -14,7 +14,7 @@ from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.quant import WeightQuant
 from offload.convert import convert
-from offload.model.expert_streaming import Gate, expert_cache, model_layouts
+from offload.model.expert_streaming import Gate, model_layouts
 from offload.model.loader import load_spec
 from tiers.checkpoint import Checkpoint
 from tiers.device import DeviceTier
@@ -48,12 +48,13 @@ def checkpoint(request, tmp_path_factory):
     """(model dir, the resident run's tokens), fp32."""
     path = tmp_path_factory.mktemp(request.param)
     make_checkpoint(path, request.param)
-    with LLM(path, EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES)) as llm:
+    with LLM(path, EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES, device="cpu")) as llm:
         return path, [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
 
 
 def _config(**fields) -> EngineConfig:
-    return EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES, io_backend="pread", **fields)
+    """The direct path: a CPU device, experts read in place (tests/model/test_expert_streaming_staged.py: CUDA's)."""
+    return EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES, io_backend="pread", device="cpu", **fields)
 
 
 def test_streamed_experts_give_the_resident_tokens_reading_only_chosen_experts(checkpoint):
@@ -125,7 +126,7 @@ def test_a_cache_holding_every_expert_reads_each_once(checkpoint):
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])  # Qwen2-MoE: its shared expert stays in the layer
 def test_dense_parts_stream_too_and_the_device_budget_holds(family, tmp_path):
     make_checkpoint(tmp_path, family)
-    with LLM(tmp_path, EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES)) as llm:
+    with LLM(tmp_path, EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES, device="cpu")) as llm:
         resident = [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
     slot, _, fixed, layers = _sizes(tmp_path)
     budget = KV_BYTES + fixed + 2 * max(layers) + min(layers) // 2 + 2 * slot  # a two-slot ring: layers stream
@@ -153,7 +154,7 @@ def test_quantized_experts_stream_with_their_scales(tmp_path):
     make_checkpoint(tmp_path / "float", "qwen2_moe")
     convert(tmp_path / "float", tmp_path / "int8", WeightQuant(8, 0, "cpu"))
     model = tmp_path / "int8"
-    with LLM(model, EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES)) as llm:
+    with LLM(model, EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES, device="cpu")) as llm:
         resident = [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
     with LLM(model, _config(expert_cache_memory=1 << 20)) as llm:
         assert sorted(llm.experts.layouts[(0, 0)].views(torch.zeros(1 << 20, dtype=torch.uint8))) == [
@@ -166,13 +167,3 @@ def test_quantized_experts_stream_with_their_scales(tmp_path):
         ]
         assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
         assert llm.stats.experts.misses > 0
-
-
-def test_expert_streaming_on_cuda_is_refused_clearly(checkpoint):
-    path, _ = checkpoint
-    spec, family = load_spec(path)
-    with BufferedReader() as reader:
-        _, experts = model_layouts(Checkpoint(path, reader), family, spec, split=True)
-    tier = DeviceTier(1 << 30, torch.device("cuda"))  # no memory is touched before the refusal
-    with pytest.raises(OffloadError, match="--expert-cache-memory on CUDA"):
-        expert_cache(experts, None, tier, torch.float32, 1 << 20)

@@ -187,15 +187,15 @@ def test_experts_forward_reads_only_the_chosen_experts():
         logits[t, a], logits[t, b] = 2.0, 1.0
     asked = []
 
-    def fetch(chosen: list[int], last: bool):
-        asked.append((chosen, last))
+    def fetch(chosen: list[int], last: bool, rows: list[int]):
+        asked.append((chosen, last, rows))
         return {e: experts[e] for e in chosen}
 
     out = experts_forward(spec, x, logits, fetch, torch.float32)
-    assert asked == [([0, 3, 5], True)]
+    assert asked == [([0, 3, 5], True, [4, 4, 2])]  # each expert with the number of tokens routed to it
     asked.clear()
     torch.testing.assert_close(experts_forward(spec, x, logits, fetch, torch.float32, per_fetch=2), out)
-    assert asked == [([0, 3], False), ([5], True)]  # a cache of two slots: fetched in batches, each run first
+    assert asked == [([0, 3], False, [4, 4]), ([5], True, [2])]  # a cache of two slots: in batches, each run first
     w_first = torch.tensor(2.0).exp() / (torch.tensor(2.0).exp() + torch.tensor(1.0).exp())  # renormalized top-2
     for t, (a, b) in enumerate(choice):
         want = sum(
@@ -251,7 +251,7 @@ def test_experts_run_in_the_fetched_order_and_add_up_in_ascending_order():
     ran = []
 
     def fetch(order):
-        def f(chosen: list[int], last: bool):
+        def f(chosen: list[int], last: bool, rows: list[int]):
             fetched = {e: experts[e] for e in order(chosen)}
             ran.extend(fetched)
             return fetched

@@ -84,16 +84,31 @@ def test_auto_expert_cache_keeps_every_dense_part_resident_and_fills_the_budget(
     assert p.fits and budget - p.memory["device"] < 16  # the cache takes what the dense parts leave
 
 
-def test_search_offers_expert_streaming_for_mixtures_only_and_not_yet_on_cuda():
+def test_search_offers_expert_streaming_for_mixtures_only_on_either_device():
     work = Workload(prompt_len=16, gen_len=8)
     preds = search(MIXTRAL, cpu_machine(), work, budgets=Budgets(device=2 * MB), batches=[1, 4])
     assert {bool(p.candidate.expert_cache) for p in preds} == {False, True}
     assert all(not p.unsupported for p in preds)
     gpu = search(MIXTRAL, gpu_machine(device_memory=2 * MB), work, batches=[1])
-    assert all(("expert streaming on CUDA" in p.unsupported) == bool(p.candidate.expert_cache) for p in gpu)
+    assert {bool(p.candidate.expert_cache) for p in gpu} == {False, True} and all(not p.unsupported for p in gpu)
     dense = dataclasses.replace(MIXTRAL, num_experts=0, experts_per_token=0, architecture="LlamaForCausalLM")
     dense = dataclasses.replace(dense, params=None)
     assert not any(p.candidate.expert_cache for p in search(dense, cpu_machine(), work, batches=[1]))
+
+
+def test_on_cuda_each_miss_is_copied_or_run_on_the_cpu_whichever_is_priced_faster():
+    """A miss waits on the router for its read, then for its copy over the link or its run on the CPU; the host
+    keeps as many experts again, as read, in pinned RAM."""
+    work = Workload(prompt_len=1, gen_len=5)
+    misses = 5 * 4 * 2 * (1 - 8 / 32)  # as in the CPU case above
+    gpu = gpu_machine(device_memory=2 * MB)
+    fast = dataclasses.replace(gpu, host_to_device=1e13)  # a copy beats reading the expert on a 100 GB/s host
+    p = predict(MIXTRAL, fast, work, _streaming(1, 8))
+    assert p.resources["link"] == pytest.approx(misses * EXPERT_BYTES / 1e13, rel=1e-6)
+    assert p.memory["host"] >= 8 * EXPERT_BYTES
+    q = predict(MIXTRAL, gpu, work, _streaming(1, 8))  # a 10 GB/s link: the host reads the expert 10x faster
+    assert 0 < q.resources["link"] < misses * EXPERT_BYTES / 1e10 / 5  # the misses ran on the CPU instead
+    assert q.round_seconds > p.round_seconds
 
 
 def test_the_plan_names_the_expert_cache_flag_and_what_a_step_touches():

@@ -8,7 +8,8 @@
 #   moe      benchmarks/moe.py on CUDA, one round: expert streaming (cold experts by the cost model, all copied, all
 #            on the CPU) against whole layers
 # Results land in $OUT (when the device tool sets it) or benchmarks/results/.
-# Usage: bash benchmarks/gpu/check.sh [STEP ...]   (BUDGET=4GB TEST_ARGS="tests/tiers" in the environment)
+# Usage: bash benchmarks/gpu/check.sh [STEP ...]   (in the environment: BUDGET=4GB, TEST_ARGS="tests/tiers", and
+# TEST_LIMIT, KERNEL_LIMIT, MOE_LIMIT in seconds, MOE_BATCHES=1,8)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-benchmarks/results}"
@@ -38,11 +39,12 @@ for s in "${steps[@]}"; do
         tests) step tests "${TEST_LIMIT:-300}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
             --continue-on-collection-errors "${workers[@]}" "${timeouts[@]}" --junitxml "$out/gpu_junit.xml" \
             ${TEST_ARGS:-tests} ;;
-        kernels) step kernels 120 python3 benchmarks/gpu/bench_kernels.py --iters 20 --warmup 5 \
+        kernels) step kernels "${KERNEL_LIMIT:-120}" python3 benchmarks/gpu/bench_kernels.py --iters 20 --warmup 5 \
             --out "$out/gpu_kernels.json" ;;
         offload) step offload 420 python3 benchmarks/gpu/offload_vs_accelerate.py --budget "${BUDGET:-4GB}" \
             --out "$out/gpu_offload_vs_accelerate.json" ;;
-        moe) step moe 300 python3 benchmarks/moe.py --repeats 1 --new-tokens 16 --work-dir /tmp/offload-bench \
+        moe) step moe "${MOE_LIMIT:-300}" python3 benchmarks/moe.py --repeats 1 --batches "${MOE_BATCHES:-1,8}" \
+            --new-tokens 16 --work-dir /tmp/offload-bench \
             --engines experts,experts-cold-device,experts-cold-cpu,layers --out "$out/gpu_moe.json" ;;
         *) echo "unknown step $s (tests, kernels, offload, moe)"; exit 2 ;;
     esac

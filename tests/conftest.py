@@ -19,6 +19,12 @@ if not torch.cuda.is_available():
 
 from offload.common.model_config import ModelSpec, ParamCounts, RopeSpec
 
+# a test that hands a Triton kernel CPU tensors runs only in that interpreter; on a CUDA machine (no interpreter) the
+# tests marked gpu run the same kernels compiled, on CUDA tensors
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs a Triton kernel on CPU tensors, in Triton's interpreter"
+)
+
 TINY = dict(
     vocab_size=300,
     hidden_size=64,

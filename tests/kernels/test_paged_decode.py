@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import interpreted
+
 pytest.importorskip("triton")
 
 from test_paged_attention import Case, make_case  # noqa: E402
@@ -28,6 +30,7 @@ def naive_attention(case: Case, scale: float, window: int | None) -> torch.Tenso
     """softmax(q k^T * scale + mask) v per sequence, in float64 on each sequence's contiguous K/V: [T, Hq, D]."""
     q_heads, kv_heads = case.q.shape[1], case.keys[0].shape[1]
     out = torch.zeros(case.q.shape, dtype=torch.float64)
+    q = case.q.cpu()  # on the CPU, where the contiguous K/V are kept
     for s, ctx in enumerate(case.batch.context_lens):
         q0, q1 = case.batch.query_start[s], case.batch.query_start[s + 1]
         k = case.keys[s].double().repeat_interleave(q_heads // kv_heads, dim=1)  # [ctx, Hq, D]
@@ -36,7 +39,7 @@ def naive_attention(case: Case, scale: float, window: int | None) -> torch.Tenso
         k_pos = torch.arange(ctx)[None, :]  # [1, ctx]
         lo = torch.zeros_like(q_pos) if window is None else q_pos - window + 1
         mask = torch.where((k_pos <= q_pos) & (k_pos >= lo), 0.0, float("-inf")).double()  # [q_len, ctx]
-        scores = torch.einsum("thd,nhd->htn", case.q[q0:q1].double(), k) * scale + mask
+        scores = torch.einsum("thd,nhd->htn", q[q0:q1].double(), k) * scale + mask
         out[q0:q1] = torch.einsum("htn,nhd->thd", scores.softmax(-1), v)
     return out
 
@@ -47,7 +50,7 @@ def decode_case(contexts, block_size, q_heads, kv_heads, head_dim, dtype, seed=0
 
 
 def run(case: Case, scale: float, window: int | None, partition_size: int | None, launch=paged_decode):
-    tables, lens = case.batch.block_tables, torch.tensor(case.batch.context_lens)
+    tables, lens = case.batch.block_tables, torch.tensor(case.batch.context_lens, device=case.q.device)
     return launch(case.q, case.k_cache, case.v_cache, tables, lens, scale, window, partition_size)
 
 
@@ -60,6 +63,7 @@ def assert_matches(case: Case, out: torch.Tensor, scale: float, window: int | No
     torch.testing.assert_close(out.double(), naive, atol=ATOL[dtype], rtol=RTOL[dtype])
 
 
+@interpreted
 @pytest.mark.parametrize("partition_size", [None, 32], ids=["one-partition", "split-32"])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize(("block_size", "q_heads", "kv_heads", "head_dim"), GEOMETRIES)
@@ -69,6 +73,7 @@ def test_decode_matches_ref_and_naive(block_size, q_heads, kv_heads, head_dim, w
     assert_matches(case, run(case, scale, window, partition_size), scale, window)
 
 
+@interpreted
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_decode_dtypes(dtype: torch.dtype, window: int | None) -> None:
@@ -76,12 +81,14 @@ def test_decode_dtypes(dtype: torch.dtype, window: int | None) -> None:
     assert_matches(case, run(case, 0.125, window, 32), 0.125, window)
 
 
+@interpreted
 def test_decode_large_context_over_many_partitions() -> None:
     """1,500 positions in partitions of 256 (6 of them), next to a context shorter than one partition."""
     case = decode_case((1500, 1029, 3), 16, 8, 2, 128, torch.bfloat16, seed=2)
     assert_matches(case, run(case, 128**-0.5, None, 256), 128**-0.5, None)
 
 
+@interpreted
 def test_partitioning_does_not_change_the_result() -> None:
     case = decode_case((150, 45), 16, 4, 1, 64, torch.float32, seed=3)
     whole = run(case, 0.1, None, 512)
@@ -89,6 +96,7 @@ def test_partitioning_does_not_change_the_result() -> None:
         torch.testing.assert_close(run(case, 0.1, None, partition_size), whole, atol=1e-6, rtol=1e-6)
 
 
+@interpreted
 def test_window_one_returns_own_value() -> None:
     """With window 1 the query sees only its own position: the output is that position's V, for each head."""
     case = decode_case((1, 40, 97), 16, 4, 2, 32, torch.float32, seed=4)
@@ -97,14 +105,16 @@ def test_window_one_returns_own_value() -> None:
         torch.testing.assert_close(out[s], case.values[s][ctx - 1].repeat_interleave(2, dim=0), atol=1e-6, rtol=0)
 
 
+@interpreted
 def test_int32_tables_and_lengths_give_the_same_result() -> None:
     case = decode_case((3, 50), 16, 4, 2, 32, torch.float32, seed=5)
-    tables, lens = case.batch.block_tables, torch.tensor(case.batch.context_lens)
+    tables, lens = case.batch.block_tables, torch.tensor(case.batch.context_lens, device=case.q.device)
     wide = paged_decode(case.q, case.k_cache, case.v_cache, tables, lens, 0.2, partition_size=32)
     narrow = paged_decode(case.q, case.k_cache, case.v_cache, tables.int(), lens.int(), 0.2, partition_size=32)
     assert torch.equal(wide, narrow)
 
 
+@interpreted
 def test_query_with_strided_heads() -> None:
     """q need only be contiguous in head_dim: a view into a wider qkv projection is read in place."""
     case = decode_case((5, 70), 16, 4, 2, 32, torch.float32, seed=6)
@@ -139,11 +149,13 @@ def last_dim_strided(t: torch.Tensor) -> torch.Tensor:
     return wide[..., 0]
 
 
+@interpreted
 def test_small_case_is_accepted() -> None:
     case = small()
     torch.testing.assert_close(call(case).double(), naive_attention(case, 1.0, None), atol=1e-5, rtol=1e-5)
 
 
+@interpreted
 @pytest.mark.parametrize(
     ("bad", "message"),
     [

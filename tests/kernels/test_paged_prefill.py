@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import interpreted
+
 pytest.importorskip("triton")
 
 from test_paged_attention import Case, make_case  # noqa: E402
@@ -35,6 +37,7 @@ def run(case: Case, scale: float, window: int | None) -> torch.Tensor:
     return paged_prefill(case.q, case.k_cache, case.v_cache, case.batch, scale, window)
 
 
+@interpreted
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(("block_size", "q_heads", "kv_heads", "head_dim"), GEOMETRIES)
 def test_prefill_matches_ref_and_naive(block_size, q_heads, kv_heads, head_dim, window) -> None:
@@ -43,6 +46,7 @@ def test_prefill_matches_ref_and_naive(block_size, q_heads, kv_heads, head_dim, 
     assert_matches(case, run(case, scale, window), scale, window)
 
 
+@interpreted
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_prefill_dtypes(dtype: torch.dtype, window: int | None) -> None:
@@ -50,12 +54,14 @@ def test_prefill_dtypes(dtype: torch.dtype, window: int | None) -> None:
     assert_matches(case, run(case, 0.125, window), 0.125, window)
 
 
+@interpreted
 def test_prefill_large_context() -> None:
     """A 48-token chunk at the end of a 1,100-token context (69 blocks), next to a short full prefill."""
     case = make_case(((1100, 48), (40, 40)), 16, 4, 2, 128, torch.bfloat16, seed=2)
     assert_matches(case, run(case, 128**-0.5, None), 128**-0.5, None)
 
 
+@interpreted
 def test_window_one_returns_own_value() -> None:
     case = make_case(SEQS, 16, 4, 2, 32, torch.float32, seed=3)
     out = run(case, 0.5, 1)
@@ -65,6 +71,7 @@ def test_window_one_returns_own_value() -> None:
         torch.testing.assert_close(out[q0:q1], own, atol=1e-6, rtol=0)
 
 
+@interpreted
 def test_one_query_sequences_agree_with_decode() -> None:
     case = make_case(((40, 1), (7, 1), (100, 1)), 16, 4, 2, 32, torch.float32, seed=4)
     tables, lens = case.batch.block_tables, torch.tensor(case.batch.context_lens)
@@ -72,6 +79,7 @@ def test_one_query_sequences_agree_with_decode() -> None:
     torch.testing.assert_close(run(case, 0.2, 9), decoded, atol=1e-6, rtol=1e-6)
 
 
+@interpreted
 def test_chosen_sequences_fill_their_rows_only() -> None:
     case = make_case(SEQS, 16, 4, 2, 32, torch.float32, seed=5)
     out = torch.full_like(case.q, 7.0)
@@ -126,6 +134,7 @@ def triton_dispatch(monkeypatch) -> list[str]:
     return launched
 
 
+@interpreted
 @pytest.mark.parametrize(
     ("seqs", "kernels"),
     [
@@ -169,11 +178,13 @@ def with_batch(case: Case, **changes) -> dict:
     return {"batch": PagedBatch(**(fields | changes), slot_mapping=b.slot_mapping)}
 
 
+@interpreted
 def test_small_case_is_accepted() -> None:
     case = small()
     torch.testing.assert_close(call(case).double(), naive_attention(case, 1.0, None), atol=1e-5, rtol=1e-5)
 
 
+@interpreted
 @pytest.mark.parametrize(
     ("bad", "message"),
     [

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import interpreted
+
 pytest.importorskip("triton")
 
 import kernels.quant_matmul as qm  # noqa: E402
@@ -65,6 +67,7 @@ def check(y: torch.Tensor, x, qweight, scales, bits, bias) -> None:
 ROWS_AND_GROUPS = [(1, 32), (1, 128), (3, 64), (16, 32), (16, 128), (67, 64), (67, 128)]
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("m", "group_size"), ROWS_AND_GROUPS)
 @pytest.mark.parametrize("bits", [4, 8])
@@ -85,12 +88,14 @@ def test_decode_splits_k_and_prefill_does_not() -> None:
     assert 32 % decode.block_k == 0 and 32 % prefill.block_k == 0
 
 
+@interpreted
 def test_large() -> None:
     """Prefill tiles of 128 rows, several N tiles with a ragged last one, 8 K tiles per group row."""
     x, qweight, scales, b = case(300, 130, 1024, 4, 128, torch.bfloat16, bias=True)
     check(quant_matmul_triton(x, qweight, scales, 4, b), x, qweight, scales, 4, b)
 
 
+@interpreted
 def test_rows_with_a_stride() -> None:
     """x rows need unit stride along K only: a slice of a wider tensor works as is."""
     x, qweight, scales, _ = case(5, 40, 128, 8, 64, torch.float32, bias=False)

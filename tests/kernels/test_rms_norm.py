@@ -4,10 +4,10 @@ launcher's checks; and the CPU dispatcher against offload/model/llama.rms_norm b
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from conftest import interpreted
 
 pytest.importorskip("triton")
 
@@ -24,9 +24,6 @@ REF_TOL = {torch.float32: (4e-6, 1e-6), torch.bfloat16: (8e-3, 0.0), torch.float
 NAIVE_TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-6), torch.float16: (2e-3, 1e-6)}
 SIZES = [(1, 64), (3, 96), (5, 100), (9, 2048), (2, 5120), (4, 1)]
 
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernel in Triton's CPU interpreter"
-)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -135,6 +132,7 @@ def test_zero_rows_and_zero_input():
     assert torch.equal(zeros, torch.zeros(2, 64))  # eps keeps the scale finite
 
 
+@interpreted
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -189,6 +187,7 @@ def test_compiled_on_gpu(tokens, hidden, dtype, with_residual):
     ref_normed, ref_h = rms_norm_residual_ref(x, weight, EPS, residual)
     assert torch.equal(h, ref_h)
     # a GPU's rsqrt and sum order differ from torch's in the last places of float32
-    assert_close(normed, ref_normed, {**REF_TOL, torch.float32: (2e-5, 1e-5)}[dtype])
+    # (float16: 2 units in the last place, seen on an H200 in 4 of 2M values: a rsqrt 1 unit off, then the weight)
+    assert_close(normed, ref_normed, {**REF_TOL, torch.float32: (2e-5, 1e-5), torch.float16: (2e-3, 0.0)}[dtype])
     if dtype != torch.float32:
         assert (normed != ref_normed).float().mean() < 1e-2

@@ -4,10 +4,10 @@ q/k views and each dtype; the launcher's checks; and the CPU dispatcher against 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from conftest import interpreted
 
 pytest.importorskip("triton")
 
@@ -22,9 +22,6 @@ NAIVE_TOL = {torch.float32: 1e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 # (tokens, q heads, kv heads, head_dim): one token, heads past one program's 16, head_dim/2 not a power of two
 SHAPES = [(1, 4, 2, 16), (5, 3, 1, 6), (9, 32, 8, 128), (3, 40, 8, 96), (2, 1, 1, 2)]
 
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernel in Triton's CPU interpreter"
-)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -86,6 +83,7 @@ def test_no_tokens():
     assert q_rot.shape == (0, 4, 16) and k_rot.shape == (0, 2, 16)
 
 
+@interpreted
 @pytest.mark.parametrize(
     "change, match",
     [

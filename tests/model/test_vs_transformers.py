@@ -31,7 +31,7 @@ def test_prefill_logits_ragged_batch(family_checkpoint, micro_batch_tokens):
     batch = prompts((5, 17, 30, 1))
     for ids, ours in zip(batch, llm.score(batch), strict=True):
         assert ours.shape == (len(ids), 300)
-        torch.testing.assert_close(ours, reference_logits(model, ids), atol=ATOL, rtol=0)
+        torch.testing.assert_close(ours.cpu(), reference_logits(model, ids), atol=ATOL, rtol=0)
     llm.tables.check_integrity()
     assert llm.tables.num_used == 0
 
@@ -49,7 +49,7 @@ def test_decode_logits_through_the_paged_cache(family_checkpoint):
         chunks.append(SeqChunk(seq_id, tuple(ids[:n]), 0, tuple(table)))
     out = llm.engine.step(StepPlan(split_micro_batches(chunks, 4096)))
     for row, seq_id in enumerate(out.seq_ids):
-        torch.testing.assert_close(out.logits[row], refs[seq_id][prefix[seq_id] - 1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.logits[row].cpu(), refs[seq_id][prefix[seq_id] - 1], atol=ATOL, rtol=0)
     for pos in range(min(prefix), max(len(ids) for ids in full)):
         chunks = []
         for seq_id, ids in enumerate(full):
@@ -60,7 +60,7 @@ def test_decode_logits_through_the_paged_cache(family_checkpoint):
             continue
         out = llm.engine.step(StepPlan(split_micro_batches(chunks, 4096)))
         for row, seq_id in enumerate(out.seq_ids):
-            torch.testing.assert_close(out.logits[row], refs[seq_id][pos], atol=ATOL, rtol=0)
+            torch.testing.assert_close(out.logits[row].cpu(), refs[seq_id][pos], atol=ATOL, rtol=0)
     llm.tables.check_integrity()
 
 

@@ -19,6 +19,7 @@ from offload.model.engine import Engine
 from offload.model.expert_streaming import expert_caches, layer_experts, model_layouts, read_gates
 from offload.model.loader import load_spec
 from offload.planner.cold_experts import cold_experts
+from offload.planner.host_attention import choose_host_attention
 from offload.planner.profiles import saved_read_rates
 from offload.run_stats import KV_COUNTERS, RunStats
 from scheduler.batcher import BatchLimits
@@ -175,7 +176,12 @@ class LLM:
         kv_blocks = max(self.kv.num_blocks, self.host_tables.pool.num_blocks if self.host_tables else 0)
         self.max_model_len = min(self.spec.max_position, kv_blocks * config.block_size)
         host_kv = self.kv_tiers.host_kv if self.host_tables is not None else None
-        self.engine = Engine(self.spec, self.family, self.weights, self.kv, self.device, self.dtype, host_kv, routed)
+        where = host_kv and choose_host_attention(
+            config.host_kv_attention, self.spec, self.dtype, self.device, config.kv_dtype, config.block_size
+        )  # where host-resident micro-batches attend
+        self.engine = Engine(
+            self.spec, self.family, self.weights, self.kv, self.device, self.dtype, host_kv, routed, where
+        )
         limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, self.max_model_len)
         tokenizer = (lambda: self.tokenizer) if has_tokenizer(self.model_dir) else None
         if tokenizer is not None:

@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from offload.common.config import COLD_EXPERTS, EXPERT_PREFETCH, IO_BACKENDS, KV_GROUP_SIZES
+from offload.common.config import COLD_EXPERTS, EXPERT_PREFETCH, HOST_KV_ATTENTION, IO_BACKENDS, KV_GROUP_SIZES
 from offload.common.dtypes import KV_DTYPES
 from offload.common.errors import OffloadError
 from offload.planner.report import add_plan_parser
@@ -80,6 +80,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default="0",
         metavar="SIZE",
         help="host RAM for KV blocks demoted from the KV cache, kept for prefix reuse (default 0)",
+    )
+    p.add_argument(
+        "--host-kv-attention",
+        choices=HOST_KV_ATTENTION,
+        default="auto",
+        help="on CUDA, where sequences whose KV is in --kv-host-memory attend: on the CPU where the KV is (cpu), on "
+        "the GPU over their blocks copied there each layer (device), or whichever the cost model prices faster for "
+        "each micro-batch (auto, default: prompt chunks on the GPU, decode on the CPU where no profile is saved)",
     )
     p.add_argument(
         "--kv-disk-memory",
@@ -194,6 +202,7 @@ def engine_config(args: argparse.Namespace):
         expert_prefetch=args.expert_prefetch,
         expert_host_memory=parse_size(args.expert_host_memory, "--expert-host-memory"),
         cold_experts=args.cold_experts,
+        host_kv_attention=args.host_kv_attention,
     )
     fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
     if config.memory is not None and fixed:
@@ -365,6 +374,11 @@ def _prefix_line(llm, s) -> str:
         line += (
             f"; {' and '.join(parts)} below, {format_size(s.kv_bytes_down)} moved down, "
             f"{format_size(s.kv_bytes_up)} brought back"
+        )
+    if (where := llm.engine.host_attention) is not None:
+        line += (
+            f"; host-RAM micro-batches attended on {llm.device} {llm.engine.staged_micro_batches} times "
+            f"(--host-kv-attention {where.mode})"
         )
     return line
 

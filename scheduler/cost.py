@@ -202,7 +202,7 @@ def _layer_step(
     compute += _elementwise_seconds(ctx, rows_per_mb)
     if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
         compute += s.params.active_layer * ctx.dtype_bytes / hw.device.memory_bandwidth
-    attention = seqs_per_mb * _attention_seconds(ctx, attn_unit, cand.kv_bits, context, prefill)
+    attention = seqs_per_mb * attention_seconds(ctx, attn_unit, cand.kv_bits, context, prefill)
     if floor := hw.device.layer_floor.get(ctx.dtype):  # a small layer costs its calls, not its bytes
         on_device = compute + (attention if attn_unit is hw.device else 0.0)
         compute += max(floor - on_device, 0.0)
@@ -227,7 +227,7 @@ def _layer_step(
     return busy
 
 
-def _attention_seconds(ctx: Context, unit: ComputeUnit, kv_bits: int, context: int, prefill: bool) -> float:
+def attention_seconds(ctx: Context, unit: ComputeUnit, kv_bits: int, context: int, prefill: bool) -> float:
     """One sequence's attention in one layer: its whole prompt of `context` tokens (causal: half of the square),
     or one decode query over a cache of `context` tokens (memory-bound)."""
     s = ctx.shape

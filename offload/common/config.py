@@ -18,6 +18,7 @@ READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py
 IO_BACKENDS = ("auto", *READ_BACKENDS)  # what io_backend may say; "auto" resolves to a read backend
 EXPERT_PREFETCH = ("router", "frequency")  # how the next sparse layer's experts are chosen for prefetch
 COLD_EXPERTS = ("auto", "device", "cpu")  # on CUDA, where a chosen expert not in the device slots runs
+HOST_KV_ATTENTION = ("auto", "cpu", "device")  # on CUDA, where a micro-batch whose KV is in host RAM attends
 KV_GROUP_SIZES = (32, 64)  # values along head_dim sharing one scale in a quantized KV cache (kernels/kv_quant.py)
 
 
@@ -132,6 +133,9 @@ class EngineConfig:
     # "cpu" runs it on the CPU where it is (its tokens' rows move, not its weights), "auto" prices both by the cost
     # model for the rows it has in the step
     cold_experts: str = "auto"
+    # on CUDA, where a micro-batch of sequences whose KV lives in the host part attends: "cpu" (where the KV is, the
+    # query moved), "device" (its blocks copied to the device each layer), "auto" (priced per micro-batch and step)
+    host_kv_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -152,6 +156,10 @@ class EngineConfig:
             )
         if self.cold_experts not in COLD_EXPERTS:
             raise OffloadError(f"cold_experts must be one of {', '.join(COLD_EXPERTS)}, got {self.cold_experts!r}")
+        if self.host_kv_attention not in HOST_KV_ATTENTION:
+            raise OffloadError(
+                f"host_kv_attention must be one of {', '.join(HOST_KV_ATTENTION)}, got {self.host_kv_attention!r}"
+            )
         if self.kv_dtype not in KV_DTYPES:
             raise OffloadError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.kv_group_size not in KV_GROUP_SIZES:

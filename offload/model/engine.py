@@ -8,6 +8,7 @@ import torch
 
 from kernels.paged_batch import PagedBatch
 from offload.common.model_config import ModelSpec
+from offload.model.host_attention import HostAttention, Staging, staging
 from offload.model.registry import ExpertSource, Family, LayerInput
 from offload.model.rope import cos_sin, inverse_frequencies
 from scheduler.plan import MicroBatch, StepPlan
@@ -30,6 +31,7 @@ class _Prepared:
     batch: PagedBatch  # on the device of the micro-batch's KV cache
     logit_rows: torch.Tensor  # [rows] indices into the micro-batch's tokens
     kv_tier: str
+    staging: Staging | None  # a host micro-batch attending on the compute device
 
 
 class Engine:
@@ -43,11 +45,16 @@ class Engine:
         dtype: torch.dtype,
         host_kv: KVCache | None = None,
         experts: dict[int, ExpertSource] | None = None,
+        host_attention: HostAttention | None = None,
     ) -> None:
         """`host_kv`: the host part of the KV pool, for micro-batches of sequences whose KV lives in host RAM (their
-        attention runs where it lives, on the CPU: the query moves, not the cache). `experts`: each sparse layer's
-        routed experts when they stream apart from the layer's weights (offload/model/expert_streaming.py)."""
+        attention runs where it lives, on the CPU: the query moves, not the cache; or, where `host_attention` says
+        so, on the compute device over their blocks copied there: offload/model/host_attention.py). `experts`: each
+        sparse layer's routed experts when they stream apart from the layer's weights
+        (offload/model/expert_streaming.py)."""
         self.experts = experts or {}
+        self.host_attention = host_attention
+        self.staged_micro_batches = 0  # host micro-batches that attended on the compute device, over the run
         self.spec, self.family, self.weights, self.kv = spec, family, weights, kv
         self.caches = {"device": kv} | ({"host": host_kv} if host_kv is not None else {})
         self.device, self.dtype = device, dtype
@@ -62,7 +69,7 @@ class Engine:
             w = self.weights.acquire(layer)
             kvs = {tier: cache.layer(layer) for tier, cache in self.caches.items()}
             for i, p in enumerate(prepared):
-                inp = LayerInput(p.cos, p.sin, p.batch, kvs[p.kv_tier], self.experts.get(layer))
+                inp = LayerInput(p.cos, p.sin, p.batch, kvs[p.kv_tier], self.experts.get(layer), p.staging)
                 hidden[i] = self.family.layer(self.spec, layer, w, hidden[i], inp)
             self.weights.release(layer)
         rows = torch.cat([h[p.logit_rows] for h, p in zip(hidden, prepared, strict=True)])
@@ -98,4 +105,9 @@ class Engine:
             block_tables=torch.tensor(tables, dtype=torch.int64, device=cache_device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=cache_device),
         )
-        return _Prepared(tensor(token_ids), cos, sin, batch, tensor(rows), mb.kv_tier)
+        staged, contexts, where = None, batch.context_lens, self.host_attention
+        if mb.kv_tier == "host" and where is not None and where.stage(len(token_ids), len(contexts), sum(contexts)):
+            tables_used = [c.block_table for c in mb.chunks]
+            staged = staging(tables_used, contexts, batch, block_size, cache_device, self.device)
+            self.staged_micro_batches += 1
+        return _Prepared(tensor(token_ids), cos, sin, batch, tensor(rows), mb.kv_tier, staged)

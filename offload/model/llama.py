@@ -93,10 +93,15 @@ class LlamaFamily:
             k = rms_norm(k, w["k_norm"], spec.rms_norm_eps)
         q, k = apply_rotary(q, k, inp.cos, inp.sin)
         # write this step's keys and values into their cache slots, then attend over the whole context, where the
-        # cache lives (a host-resident cache on CUDA: the query goes to the CPU, the output comes back)
+        # cache lives (a host-resident cache on CUDA: the query goes to the CPU, the output comes back), or, staged
+        # (offload/model/host_attention.py), on the compute device over the blocks copied there
         at = inp.kv.device
         inp.kv.write(inp.batch.slot_mapping, k.to(at), v.to(at))
-        out = paged_attention(q.to(at), inp.kv.k, inp.kv.v, inp.batch, d**-0.5, spec.window(layer)).to(x.device)
+        if (s := inp.staging) is not None:
+            k_staged, v_staged = s.gather(inp.kv.k, x.device), s.gather(inp.kv.v, x.device)
+            out = paged_attention(q, k_staged, v_staged, s.batch, d**-0.5, spec.window(layer))
+        else:
+            out = paged_attention(q.to(at), inp.kv.k, inp.kv.v, inp.batch, d**-0.5, spec.window(layer)).to(x.device)
         return project(spec, w, "o_proj", out.reshape(tokens, spec.q_size), "o_bias")
 
     def head(self, spec: ModelSpec, w: Weights, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from kernels.quant_linear import SCALES_SUFFIX
 from offload.common.errors import OffloadError
 from offload.common.model_config import PLANNING_ONLY, ModelSpec
 from offload.common.quant import WeightQuant
+from offload.model.host_attention import Staging
 from tiers.checkpoint import ModelTensors, TensorGroup, TensorSpec
 from tiers.kv import KVLayer
 from tiers.layout import Weights
@@ -52,14 +53,16 @@ class ExpertSource(Protocol):
 
 @dataclass(slots=True)
 class LayerInput:
-    """What every layer of one micro-batch shares: rotary tables, the paged-cache view, the layer's KV, and a
-    sparse layer's experts when they stream apart from its weights."""
+    """What every layer of one micro-batch shares: rotary tables, the paged-cache view, the layer's KV, a sparse
+    layer's experts when they stream apart from its weights, and whether host-resident KV is staged to the device."""
 
     cos: torch.Tensor  # [tokens, head_dim]
     sin: torch.Tensor  # [tokens, head_dim]
     batch: PagedBatch
     kv: KVLayer  # this layer's cache: read by the attention, written with the micro-batch's new keys and values
     experts: ExpertSource | None = None  # None: the experts are in the layer's weights ("expert{e}.*")
+    # a host-resident micro-batch attending on the compute device: the blocks it reads, copied there each layer
+    staging: Staging | None = None
 
 
 class Family(Protocol):

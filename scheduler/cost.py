@@ -10,7 +10,6 @@ code where the profile has them, else at the memory bandwidth and the GEMM rate.
 
 A micro-batch is a token budget, as in the engine: a prefill of `batch` prompts runs in `micro_batches` pieces,
 and a decode step's one token per sequence fills as few micro-batches of that budget as it needs (usually one).
-
 Plain numbers in, plain numbers out: no tensors, no files. The search over policies is `scheduler.search`.
 """
 
@@ -68,7 +67,7 @@ class Candidate:
     batch: int  # sequences advanced together by each step
     micro_batches: int  # the batch runs as this many micro-batches, each reusing the layer's loaded weights
     policy: Policy  # each decoder layer's tier, and the device ring that streamed layers pass through
-    kv_tier: str = "device"  # "host" on CUDA: attention runs on the CPU next to the cache (FlexGen's choice)
+    kv_tier: str = "device"  # "host" on CUDA: attention on the CPU next to the cache, or the cache copied up
     weight_bits: int = 16
     kv_bits: int = 16
     # bytes of the device budget for a mixture's expert cache: its routed experts leave their layers and are read
@@ -217,10 +216,15 @@ def _layer_step(
         compute += ex.compute_seconds
         busy["serial"] = ex.read_bytes / hw.disk_read  # waits on the router: not overlapped with compute
         busy["serial_link"] = ex.cold_seconds  # so do the misses' copies (or CPU runs) on CUDA
-    if attn_unit is hw.host and not ctx.on_cpu:
-        busy["host"] = attention  # the CPU attends while the device runs the GEMMs
-        q_and_out = 2 * rows_per_mb * s.num_heads * s.head_dim * ctx.dtype_bytes * micro_batches
-        busy["link"] += q_and_out / hw.host_to_device
+    if attn_unit is hw.host and not ctx.on_cpu:  # host KV: the CPU attends, or the blocks go to the device, as the
+        # engine chooses (offload/model/host_attention.py): whichever is faster, the query and output or K/V moving
+        q_and_out = 2 * rows_per_mb * s.num_heads * s.head_dim * ctx.dtype_bytes * micro_batches / hw.host_to_device
+        kv = micro_batches * seqs_per_mb * context * 2 * s.num_kv_heads * s.head_dim * cand.kv_bits / 8
+        staged = micro_batches * seqs_per_mb * attention_seconds(ctx, hw.device, cand.kv_bits, context, prefill)
+        if staged + kv / hw.host_to_device < attention + q_and_out:
+            compute, busy["link"] = compute + staged, busy["link"] + kv / hw.host_to_device
+        else:
+            busy["host"], busy["link"] = attention, busy["link"] + q_and_out  # the CPU attends beside the GEMMs
     else:
         compute += attention
     busy["compute"] = compute

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -257,6 +258,20 @@ def test_host_kv_on_cuda_is_searched_and_runnable():
     assert not any(p.unsupported for p in preds)
     runnable = best(preds, runnable_only=True)
     assert runnable is best(preds)
+
+
+def test_host_kv_on_cuda_attends_where_the_engine_would():
+    """Host KV on CUDA: a prompt's attention (compute) is priced on the device with its K/V crossing the link; a
+    decode step's stays on the CPU (host busy, only the query and output cross) when the link is slower than the
+    CPU's reads of the cache, and moves to the device when the link is fast."""
+    hw = gpu_machine(device_memory=30 * MB, host_memory=2000 * MB)  # host: 100 GB/s, 1 TFLOP/s; link 10 GB/s
+    cand = Candidate(8, 1, Policy.from_counts(4, 0, 0), kv_tier="host")
+    prompt = predict(SHAPE, hw, Workload(prompt_len=2048, gen_len=1), cand)
+    assert prompt.resources["host"] == 0.0  # the prompt's attention ran on the device
+    slow = predict(SHAPE, hw, Workload(prompt_len=16, gen_len=64), cand)
+    assert slow.resources["host"] > 0.0  # decode attends on the CPU: the link would carry the cache
+    fast = dataclasses.replace(hw, host_to_device=1e13)
+    assert predict(SHAPE, fast, Workload(prompt_len=16, gen_len=64), cand).resources["host"] == 0.0
 
 
 def test_cpu_machine_shares_one_ram_between_device_arena_and_host_tier():

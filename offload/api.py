@@ -176,9 +176,11 @@ class LLM:
         kv_blocks = max(self.kv.num_blocks, self.host_tables.pool.num_blocks if self.host_tables else 0)
         self.max_model_len = min(self.spec.max_position, kv_blocks * config.block_size)
         host_kv = self.kv_tiers.host_kv if self.host_tables is not None else None
-        where = host_kv and choose_host_attention(
-            config.host_kv_attention, self.spec, self.dtype, self.device, config.kv_dtype, config.block_size
-        )  # where host-resident micro-batches attend
+        where = None  # where host-resident micro-batches attend
+        if host_kv is not None:
+            where = choose_host_attention(
+                config.host_kv_attention, self.spec, self.dtype, self.device, config.kv_dtype, config.block_size
+            )
         self.engine = Engine(
             self.spec, self.family, self.weights, self.kv, self.device, self.dtype, host_kv, routed, where
         )

@@ -20,20 +20,15 @@ from dataclasses import dataclass, field
 from offload.common.config import TIERS, Policy, embed_read_buffer
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
-from offload.common.hardware import ComputeUnit, HardwareProfile
+from offload.common.hardware import HardwareProfile
 from offload.common.model_config import PLANNING_ONLY, ModelSpec
+from scheduler.attention_cost import attention_seconds, host_kv_attention
 from scheduler.moe_cost import expert_params, expert_step, routed_params
 from scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds, matmul_rate
 
 # Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
 # the call; what the layer itself costs at the least is the profile's measured layer_floor, where it has one.
 LAYER_OVERHEAD = 150e-6
-# Where the profile has no measured attention curves (published cards): per sequence per layer, the paged attention
-# reference attends each prefill chunk in its own call and builds each step's decode groups from Python lists
-# (seconds); and the passes over a decode step's K/V bytes: the torch reference gathers each sequence's blocks (a
-# read and a write) before the fused kernel reads the copy; a kernel reading the blocks in place would make this 1
-SEQ_OVERHEAD = 40e-6
-DECODE_KV_PASSES = 3
 QUANT_GROUP = 64  # weights per scale and zero point when weights are quantized (FlexGen's group size)
 KV_QUANT_GROUP = 32  # KV values per scale in --kv-dtype int8/int4 (kernels/kv_quant.py GROUP_SIZE)
 
@@ -217,33 +212,16 @@ def _layer_step(
         busy["serial"] = ex.read_bytes / hw.disk_read  # waits on the router: not overlapped with compute
         busy["serial_link"] = ex.cold_seconds  # so do the misses' copies (or CPU runs) on CUDA
     if attn_unit is hw.host and not ctx.on_cpu:  # host KV: the CPU attends, or the blocks go to the device, as the
-        # engine chooses (offload/model/host_attention.py): whichever is faster, the query and output or K/V moving
-        q_and_out = 2 * rows_per_mb * s.num_heads * s.head_dim * ctx.dtype_bytes * micro_batches / hw.host_to_device
-        kv = micro_batches * seqs_per_mb * context * 2 * s.num_kv_heads * s.head_dim * cand.kv_bits / 8
-        staged = micro_batches * seqs_per_mb * attention_seconds(ctx, hw.device, cand.kv_bits, context, prefill)
-        if staged + kv / hw.host_to_device < attention + q_and_out:
-            compute, busy["link"] = compute + staged, busy["link"] + kv / hw.host_to_device
-        else:
-            busy["host"], busy["link"] = attention, busy["link"] + q_and_out  # the CPU attends beside the GEMMs
+        # engine chooses (offload/model/host_attention.py)
+        h = host_kv_attention(ctx, cand.kv_bits, rows_per_mb, seqs_per_mb, context, prefill)
+        if h.staged:
+            compute, busy["link"] = compute + micro_batches * h.device, busy["link"] + micro_batches * h.kv_link
+        else:  # the CPU attends beside the GEMMs
+            busy["host"], busy["link"] = attention, busy["link"] + micro_batches * h.query_link
     else:
         compute += attention
     busy["compute"] = compute
     return busy
-
-
-def attention_seconds(ctx: Context, unit: ComputeUnit, kv_bits: int, context: int, prefill: bool) -> float:
-    """One sequence's attention in one layer: its whole prompt of `context` tokens (causal: half of the square),
-    or one decode query over a cache of `context` tokens (memory-bound)."""
-    s = ctx.shape
-    if prefill:
-        flops = 2.0 * (2 * s.num_heads * s.head_dim) * context * context / 2  # QK and PV
-        if curve := unit.prefill_attention_curve.get(ctx.dtype):
-            return flops / curve_rate(curve, context)
-        return flops / matmul_rate(unit, ctx.dtype, context) + SEQ_OVERHEAD
-    kv_bytes = context * 2 * s.num_kv_heads * s.head_dim * kv_bits / 8
-    if kv_bits >= 8 * ctx.dtype_bytes and (curve := unit.decode_attention_curve.get(ctx.dtype)):
-        return kv_bytes / curve_rate(curve, context)
-    return DECODE_KV_PASSES * kv_bytes / unit.memory_bandwidth + SEQ_OVERHEAD
 
 
 def _elementwise_seconds(ctx: Context, rows: int) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from offload.common.dtypes import DTYPE_BYTES
 from offload.common.hardware import ComputeUnit
 from offload.common.model_config import ModelSpec
 from scheduler.rates import gemm_seconds
@@ -102,7 +103,7 @@ def cold_expert_seconds(
 ) -> float:
     """One routed expert run on the CPU over `rows` tokens from host RAM (a cold expert on a CUDA machine): its
     GEMMs on the host, and its tokens' rows moved to the host and its output back over the link (bytes/s)."""
-    act_bytes = 2 * rows * s.hidden_size * (4 if dtype == "float32" else 2)
+    act_bytes = 2 * rows * s.hidden_size * DTYPE_BYTES[dtype]
     return gemm_seconds(host, dtype, expert_params(s), expert_bytes, rows) + act_bytes / link
 
 

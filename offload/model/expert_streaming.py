@@ -91,7 +91,7 @@ def expert_caches(
     slots, the least that lets every slot be filled from it in one fetch)."""
     if layouts is None:
         return None, None
-    if not (device_tier.device.type != "cpu" if staged is None else staged):
+    if not (staged if staged is not None else device_tier.device.type != "cpu"):
         return ExpertCache(layouts, backend, device_tier, budget, dtype), None
     slots = DeviceExperts(layouts, make_copy_engine(device_tier.device), device_tier, budget, dtype)
     host_budget = host_budget or slots.slots * slot_cost(layouts, host_tier, dtype)

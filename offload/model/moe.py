@@ -144,10 +144,9 @@ def experts_forward(
         ran: dict[int, torch.Tensor] = {}  # outputs waiting for a lower expert's to be added first
         added = 0  # batch[:added] are in `out`
         for e in fetched:
-            w = fetched[e]
-            where = next(iter(w.values())).device
-            rows = rows_of[e].to(where)
-            y = swiglu(spec, w, x[rows_of[e] // k].to(where)) * weights.to(where)[rows, None]
+            w, picked = fetched[e], rows_of[e]
+            where = next(iter(w.values())).device  # the CPU for a cold expert run where its weights are
+            y = swiglu(spec, w, x[picked // k].to(where)) * weights[picked, None].to(where)
             ran[e] = y.to(x.device)
             while added < len(batch) and batch[added] in ran:
                 rows = rows_of[batch[added]]

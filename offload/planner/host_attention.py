@@ -1,6 +1,6 @@
 """The prices EngineConfig.host_kv_attention "auto" compares on CUDA (offload/model/host_attention.py): one layer's
 attention of a host-resident micro-batch on the CPU against its blocks copied over the link and attended on the
-device, from the cost model (scheduler/cost.attention_seconds) and this machine's saved CUDA profile."""
+device, from the cost model (scheduler/attention_cost.py) and this machine's saved CUDA profile."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from offload.common.model_config import ModelSpec
 from offload.model.host_attention import HostAttention
 from offload.planner.autoconfig import KV_BITS
 from offload.planner.profiles import load_profile, local_profile_path
-from scheduler.cost import Context, attention_seconds, make_context
+from scheduler.attention_cost import HostKVAttention, host_kv_attention
+from scheduler.cost import Context, make_context
 
 
 def choose_host_attention(
@@ -31,24 +32,23 @@ def choose_host_attention(
         return HostAttention("auto")
     ctx = make_context(spec, profile, name, block)
     kv_bits = KV_BITS.get(kv_dtype, 8 * DTYPE_BYTES[name])
-    link = profile.host_to_device
 
     def cpu(queries: int, seqs: int, context: int) -> float:
-        moved = 2 * queries * spec.num_heads * spec.head_dim * ctx.dtype_bytes  # the query there, the output back
-        return _attention(ctx, profile.host, kv_bits, queries, seqs, context) + moved / link
+        h = _prices(ctx, kv_bits, queries, seqs, context)
+        return h.cpu + h.query_link
 
     def staged(queries: int, seqs: int, context: int) -> float:
-        kv_bytes = context * 2 * spec.num_kv_heads * spec.head_dim * kv_bits / 8  # one layer's K and V
-        return kv_bytes / link + _attention(ctx, profile.device, kv_bits, queries, seqs, context)
+        h = _prices(ctx, kv_bits, queries, seqs, context)
+        return h.device + h.kv_link
 
     return HostAttention("auto", cpu, staged)
 
 
-def _attention(ctx: Context, unit, kv_bits: int, queries: int, seqs: int, context: int) -> float:
-    """One layer's attention of `seqs` sequences averaging queries / seqs queries over context / seqs tokens: decode
-    queries at their context, prompt chunks as that share of a whole prompt's causal square (a chunk of q queries
-    over c tokens does 2q/c of the c^2/2 a whole prompt of c does)."""
+def _prices(ctx: Context, kv_bits: int, queries: int, seqs: int, context: int) -> HostKVAttention:
+    """The cost model's prices of one layer's attention of a micro-batch of `seqs` sequences averaging queries /
+    seqs queries over context / seqs tokens: decode queries at their context, prompt chunks as that share of a whole
+    prompt's causal square (a chunk of q queries over c tokens does 2q/c of the c^2/2 a whole prompt of c does)."""
     q, c = queries / seqs, max(context / seqs, 1.0)
-    if q <= 1:
-        return seqs * attention_seconds(ctx, unit, kv_bits, round(c), prefill=False)
-    return seqs * attention_seconds(ctx, unit, kv_bits, round(c), prefill=True) * min(1.0, 2 * q / c)
+    h = host_kv_attention(ctx, kv_bits, queries, seqs, round(c), prefill=q > 1)
+    share = min(1.0, 2 * q / c) if q > 1 else 1.0
+    return h._replace(cpu=h.cpu * share, device=h.device * share)

@@ -12,7 +12,8 @@ from conftest import toy_spec
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
-from scheduler.cost import LAYER_OVERHEAD, SEQ_OVERHEAD, Budgets, Candidate, Workload, matmul_rate, predict
+from scheduler.attention_cost import SEQ_OVERHEAD
+from scheduler.cost import LAYER_OVERHEAD, Budgets, Candidate, Workload, matmul_rate, predict
 from scheduler.search import RING_SLOTS, best, place_layers, search
 
 MB = 10**6

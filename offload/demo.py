@@ -18,7 +18,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,7 +117,8 @@ def _remove_stale_builds(root: Path) -> None:
 
 
 def _read_corpus() -> str:
-    return files("offload").joinpath("demo_corpus.txt").read_text(encoding="utf-8")
+    # next to this file, not files("offload"): under pytest, tests/offload can shadow the package's name
+    return Path(__file__).with_name("demo_corpus.txt").read_text(encoding="utf-8")
 
 
 def _build_into(out_dir: Path, recipe: DemoRecipe) -> None:

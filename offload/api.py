@@ -238,6 +238,7 @@ class LLM:
         if self.embed_backend is not None:
             self.embed_backend.close()
         if self.kv_tiers is not None:
+            self.kv_tiers.settle(self.tables.pool)  # the last step's computed blocks, not yet written through
             self.kv_tiers.close()
 
     def __enter__(self) -> LLM:

@@ -105,6 +105,18 @@ def test_a_restarted_engine_starts_warm_from_disk(model_dir, tmp_path) -> None:
     assert len(files) >= 11
 
 
+def test_the_last_steps_blocks_reach_the_disk_at_close(model_dir, tmp_path) -> None:
+    """A request that finishes in its prompt's step: its blocks are registered after the step and written through
+    when the engine closes, not only at a next step that never comes."""
+    with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
+        per_block = probe.kv.bytes_per_block
+    config = disk_config(tmp_path, per_block)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    run(model_dir, [SYSTEM + QUESTIONS[0]], one, **config)
+    _, stats = run(model_dir, [SYSTEM + QUESTIONS[1]], one, **config)
+    assert stats.prefix_hit_tokens == 44 and stats.kv_bytes_up == 11 * per_block
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "foreign"])
 def test_a_damaged_disk_block_is_dropped_and_recomputed(model_dir, tmp_path, damage) -> None:
     prompts = [SYSTEM + QUESTIONS[0]]

@@ -97,6 +97,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "(default 0)",
     )
     p.add_argument(
+        "--no-kv-prefetch",
+        action="store_true",
+        help="read cached KV blocks from --kv-disk-memory only when a request is admitted, instead of while the "
+        "step before computes",
+    )
+    p.add_argument(
         "--expert-cache-memory",
         default="0",
         metavar="SIZE",
@@ -198,6 +204,7 @@ def engine_config(args: argparse.Namespace):
         prefix_cache=not args.no_prefix_cache,
         kv_host_memory=parse_size(args.kv_host_memory, "--kv-host-memory"),
         kv_disk_memory=parse_size(args.kv_disk_memory, "--kv-disk-memory"),
+        kv_prefetch=not args.no_kv_prefetch,
         expert_cache_memory=parse_size(args.expert_cache_memory, "--expert-cache-memory"),
         expert_prefetch=args.expert_prefetch,
         expert_host_memory=parse_size(args.expert_host_memory, "--expert-host-memory"),
@@ -341,6 +348,8 @@ def _summary(llm, completions) -> str:
             f"compute {s.compute_seconds:.3f} s, "
             f"stalled on reads {s.stall_seconds:.3f} s, overlap efficiency {s.overlap_efficiency:.2f}"
         )
+    if llm.backend.lock_note:  # the ring asked the backend for page-locked buffers and was refused
+        io += f"; {llm.backend.lock_note}"
     lines.append(io)
     if kernels := dispatch.summary():
         lines.append(f"kernels    {kernels}")
@@ -375,6 +384,8 @@ def _prefix_line(llm, s) -> str:
             f"; {' and '.join(parts)} below, {format_size(s.kv_bytes_down)} moved down, "
             f"{format_size(s.kv_bytes_up)} brought back"
         )
+        if tiers.disk is not None:
+            line += f", {s.kv_blocks_prefetched} disk blocks read while a step computed"
     if (where := llm.engine.host_attention) is not None:
         line += (
             f"; host-RAM micro-batches attended on {llm.device} {llm.engine.staged_micro_batches} times "

@@ -102,6 +102,7 @@ class CoreCounters:
     prefix_hit_tokens: int = 0  # of those, tokens whose keys and values came from cached blocks, not computed
     kv_bytes_down: int = 0  # KV bytes moved from the device part of the pool to host RAM or disk
     kv_bytes_up: int = 0  # KV bytes brought back to the device
+    kv_blocks_prefetched: int = 0  # cached KV blocks read from disk while a step computed, ahead of their admission
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -122,6 +123,7 @@ _FROM_PARTS = (
     "prefix_hit_tokens",
     "kv_bytes_down",
     "kv_bytes_up",
+    "kv_blocks_prefetched",
 )
 
 
@@ -253,6 +255,7 @@ class EngineCore:
             prefix_hit_tokens=sum(c.hit_tokens for c in parts),
             kv_bytes_down=moved.bytes_down if moved else 0,
             kv_bytes_up=moved.bytes_up if moved else 0,
+            kv_blocks_prefetched=moved.prefetched if moved else 0,
         )
 
     # ---- the loop ---------------------------------------------------------------------------------

@@ -6,7 +6,14 @@ from dataclasses import dataclass
 
 from tiers.experts import ExpertStats
 
-KV_COUNTERS = ("prefill_tokens", "prefix_hit_tokens", "prefix_lookup_tokens", "kv_bytes_down", "kv_bytes_up")
+KV_COUNTERS = (
+    "prefill_tokens",
+    "prefix_hit_tokens",
+    "prefix_lookup_tokens",
+    "kv_bytes_down",
+    "kv_bytes_up",
+    "kv_blocks_prefetched",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +41,7 @@ class RunStats:
     prefix_lookup_tokens: int = 0  # prompt tokens looked up (admissions; a re-admission after preemption too)
     kv_bytes_down: int = 0  # KV bytes moved to host RAM or disk
     kv_bytes_up: int = 0  # KV bytes brought back to the device
+    kv_blocks_prefetched: int = 0  # cached KV blocks read from disk while a step computed, ahead of their admission
     moved_down: int = 0  # running sequences whose KV moved to host RAM instead of being preempted
     moved_up: int = 0  # running sequences whose KV came back to the device part
     experts: ExpertStats | None = None  # the expert cache's counters over the run (None: expert streaming off)

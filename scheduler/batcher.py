@@ -17,7 +17,9 @@ preempted one.
 With prefix reuse (tables with a chain root, tiers/blocks.py), a sequence is admitted at the end of its longest
 cached prefix and computes only the rest; among the waiting sequences of the head's class the one with the longest
 cached prefix goes first, unless one ahead of it has been passed over MAX_SKIPS times; a sequence whose next block
-a chunk of this step is computing waits one step and then shares it. A preempted sequence's full blocks stay cached
+a chunk of this step is computing waits one step and then shares it. The cached blocks of the first LOOKAHEAD
+waiting sequences that only a lower tier holds start coming up while the step computes (`BlockTables.prefetch`),
+and are placed before the next step's admissions (`BlockTables.land`). A preempted sequence's full blocks stay cached
 (and go down to host RAM or disk when evicted, with lower tiers), so it comes back to them instead of recomputing.
 """
 
@@ -90,6 +92,7 @@ class Batcher:
         chunks: list[SeqChunk] = []
         planned: set[int] = set()
         preemptions = self.num_preemptions
+        self.tables.land()
         self._move_up()
         for state in (SeqState.DECODING, SeqState.PREFILLING):
             for seq in [s for s in self.running if s.state is state]:
@@ -133,6 +136,8 @@ class Batcher:
             budget -= end - seq.num_cached
         for seq in reversed(deferred):  # back where they were, ahead of later arrivals
             self._requeue(seq)
+        for seq in itertools.islice(self.waiting, LOOKAHEAD):  # their cached blocks come up while the step computes
+            self.tables.prefetch(seq.seq_id, seq.token_ids)
         return StepPlan(split_micro_batches(chunks, self.limits.micro_batch_tokens))
 
     def _next_waiting(self) -> Sequence:

@@ -200,6 +200,21 @@ class BlockTables:
         below = self.lower.count(keys[on_device:]) if self.lower is not None and on_device < len(keys) else 0
         return (on_device + below) * self.block_size
 
+    def prefetch(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Have the lower tiers start bringing up the cached blocks an admission of `seq_id` now would fetch from
+        them (the leading blocks the pool holds left out)."""
+        if self.root is None or self.lower is None:
+            return
+        keys = self.keys(seq_id, token_ids)[: (len(token_ids) - 1) // self.block_size]
+        on_device = len(self.pool.lookup(keys))
+        if on_device < len(keys):
+            self.lower.prefetch(keys[on_device:], self.pool)
+
+    def land(self) -> None:
+        """Make the blocks the lower tiers brought up since the last call findable, before this step's admissions."""
+        if self.root is not None and self.lower is not None:
+            self.lower.land(self.pool)
+
     def admit(self, seq_id: int, token_ids: Sequence[int], budget: int) -> tuple[list[int], int, int] | None:
         """Start the table of a sequence not in the cache: its longest cached prefix (short of the last token), then
         fresh blocks for up to `budget` more tokens. Returns (table, cached tokens, end of the first chunk), or None

@@ -66,7 +66,7 @@ def make_kv_pool(
                     pin=True,
                     group_size=config.kv_group_size,
                 )
-        tiers = KVTiers(kv, host_kv, host, disk)
+        tiers = KVTiers(kv, host_kv, host, disk, prefetch=config.kv_prefetch)
     root = chain_root(key) if config.prefix_cache else None
     pool = BlockPool(kv.num_blocks, record=tiers is not None)
     host_tables = None

@@ -22,6 +22,14 @@ host part's (the disk only); fetched payloads are verified copies.
 Reading a block back is not always cheaper than computing it again: host RAM always is (a copy), the disk is when
 a block's bytes read faster than its tokens prefill. Both rates are measured as the engine runs (`disk_seconds`
 per block read here, `prefill_rate` from the core's prefill steps); until both are known, the disk is read.
+
+Disk reads need not wait for admission. After planning a step, the scheduler names the cached blocks the next
+waiting sequences will ask for (`prefetch`); a reader thread reads and verifies those only the disk holds while the
+step computes, and at the next step boundary, before admissions (`land`), they become cached blocks in host RAM
+(evicting the least recent cached ones there, whose copies the disk already holds) or, without a host part, in
+the device part's empty blocks. An admission then finds them above the disk and copies instead of reading. What
+is read ahead is bounded by the room it lands in (PREFETCH_SHARE of it); a block that finds no room when it
+lands, or is already there, is dropped (`prefetch_dropped`).
 """
 
 from __future__ import annotations
@@ -37,9 +45,11 @@ import torch
 
 from tiers.blocks import BlockPool
 from tiers.kv import KVCache
+from tiers.kv_readahead import ReadAhead
 from tiers.memory import MemoryTier
 
 WRITE_QUEUE = 256  # blocks waiting for the disk writer; a block that finds the queue full is not written through
+PREFETCH_SHARE = 0.5  # of the blocks a read-ahead may land in (host part: not held; device part: empty)
 
 
 @dataclass(slots=True)
@@ -56,6 +66,8 @@ class KVTierCounters:
     writes_skipped: int = 0  # write-through blocks dropped because the disk writer was behind
     disk_seconds: float = 0.0  # spent reading blocks back from disk
     recomputed_not_read: int = 0  # admissions that left disk blocks unread: recomputing them was predicted cheaper
+    prefetched: int = 0  # blocks read from disk ahead of admission and placed above it (in promoted_disk too)
+    prefetch_dropped: int = 0  # blocks read ahead that found no room when they landed, or were already above
 
 
 class _DiskOnly:
@@ -72,13 +84,22 @@ class _DiskOnly:
     def fetch(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
         return self.tiers.fetch(keys, disk_only=True)
 
+    def prefetch(self, keys: Sequence[bytes], pool: BlockPool) -> None:
+        self.tiers.prefetch(keys, pool)
+
+    def land(self, pool: BlockPool) -> None:
+        self.tiers.land(pool)
+
 
 class KVTiers:
     """The host and disk parts of the KV pool; either may be absent (no host cache / no store)."""
 
-    def __init__(self, kv: KVCache, host_kv: KVCache | None, host: MemoryTier | None, disk=None) -> None:
+    def __init__(
+        self, kv: KVCache, host_kv: KVCache | None, host: MemoryTier | None, disk=None, prefetch: bool = True
+    ) -> None:
         """`host_kv`: the host part, a KVCache in host RAM of `kv`'s format (None: no host part), charged to `host`
-        (the --kv-host-memory budget). `disk`: a KVDiskStore or None."""
+        (the --kv-host-memory budget). `disk`: a KVDiskStore or None. `prefetch`: read the disk blocks the
+        scheduler names ahead of admission (else only when an admission asks)."""
         self.kv = kv
         self.disk = disk
         self.row_bytes = kv.bytes_per_block
@@ -96,10 +117,13 @@ class KVTiers:
         self._disk_lock = threading.Lock()  # the store is used by the scheduler's thread and the writer
         self._writes: queue.Queue | None = None
         self._writer: threading.Thread | None = None
+        self._ahead: ReadAhead | None = None
         if disk is not None:
             self._writes = queue.Queue(WRITE_QUEUE)
             self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
             self._writer.start()
+            if prefetch:
+                self._ahead = ReadAhead(disk, self._disk_lock)
 
     @property
     def host_blocks(self) -> int:
@@ -172,6 +196,60 @@ class KVTiers:
         write-through's fsync. A block evicted meanwhile fails its read in `fetch`, which ends the run."""
         return self.disk is not None and key in self.disk
 
+    # ---- read-ahead ---------------------------------------------------------------------------------------
+
+    def prefetch(self, keys: Sequence[bytes], pool: BlockPool) -> None:
+        """Start reading, in the background, the blocks of `keys` (in the order an admission asks for them) that
+        only the disk holds, up to the first it lacks and as many as their landing room allows: the host part's
+        blocks not held, else `pool`'s (the device part's) empty ones."""
+        if self._ahead is None or not self.disk_pays():
+            return
+        room = self.host_pool.num_free if self.host_kv is not None else pool.num_empty
+        budget = int(room * PREFETCH_SHARE) - self._ahead.outstanding
+        wanted = []
+        for key in keys:
+            if len(wanted) >= budget:
+                break
+            if self._ahead.asked(key) or self.host_pool.lookup([key]) or pool.lookup([key]):
+                continue
+            if not self._on_disk(key):
+                break  # an admission takes a run of blocks from the first: none past a missing one
+            wanted.append(key)
+        if wanted:
+            self._ahead.ask(wanted)
+
+    def land(self, pool: BlockPool) -> None:
+        """Place the blocks read ahead so far as cached blocks above the disk, before this step's admissions: in the
+        host part (written now, after the host part's pending events are carried out, so none of them reads a
+        block this reuses), else in `pool`'s (the device part's) empty blocks, written before the next step
+        (event "promote")."""
+        if self._ahead is None:
+            return
+        rows, seconds = self._ahead.take()
+        if not rows:
+            return
+        c = self.counters
+        c.disk_seconds += seconds
+        if self.host_kv is not None:
+            self._replay(self.host_pool, self.host_kv, self._evict_host)
+        for key, row in rows.items():
+            if self.host_pool.lookup([key]) or pool.lookup([key]):
+                c.prefetch_dropped += 1
+                continue
+            if self.host_kv is not None:
+                placed = self._place_host(key, row)
+            elif placed := pool.num_empty > 0:
+                block = pool.allocate(1)
+                pool.register(block[0], key)
+                pool.events.append(("promote", key, block[0], row))
+                pool.free(block)
+                c.bytes_up += self.row_bytes
+            if not placed:
+                c.prefetch_dropped += 1
+                continue
+            c.prefetched += 1
+            c.promoted_disk += 1
+
     # ---- the step boundary ----------------------------------------------------------------------------
 
     def settle(self, pool: BlockPool) -> None:
@@ -226,8 +304,10 @@ class KVTiers:
             self.counters.dropped += 1
 
     def clear_host(self) -> None:
-        """Forget the prefix blocks cached in host RAM (the disk keeps its own)."""
+        """Forget the prefix blocks cached in host RAM and those read ahead (the disk keeps its own)."""
         self.host_pool.drop_cached()
+        if self._ahead is not None:
+            self._ahead.clear()
 
     def _demote(self, key: bytes, row: torch.Tensor) -> None:
         """An evicted device block: into host RAM (evicting the least recent cached block there, to disk), else
@@ -235,19 +315,26 @@ class KVTiers:
         held = self.host_pool.lookup([key])
         if held:
             self._touch(held)
-            return
-        block = self.host_pool.allocate(1) if self.host_kv is not None else None
-        if block is None:  # no host part, or every host block is held by a host-resident sequence
+        elif self._place_host(key, row):
+            self.counters.demoted_host += 1
+            self.counters.bytes_down += self.row_bytes
+        else:  # no host part, or every host block is held by a host-resident sequence
             self._evict_host(key, row)
-            return
+
+    def _place_host(self, key: bytes, row: torch.Tensor) -> bool:
+        """Write `row` into a host block cached under `key`, evicting the least recent cached block there (its
+        bytes to disk first); False when there is no host part or every host block is held. The host part's
+        event log must be empty (carried out)."""
+        block = self.host_pool.allocate(1) if self.host_kv is not None else None
+        if block is None:
+            return False
         for event in self.host_pool.events:  # the cached block this allocation evicted: its bytes go first
             self._evict_host(event[1], self.host_kv.read_blocks([event[2]])[0])
         self.host_pool.events.clear()
         self.host_kv.write_blocks(block, row[None])
         self.host_pool.register(block[0], key)
         self.host_pool.free(block)
-        self.counters.demoted_host += 1
-        self.counters.bytes_down += self.row_bytes
+        return True
 
     def _to_disk(self, key: bytes, row: torch.Tensor) -> bool:
         """Synchronously, for a block about to leave the host: True if the disk holds it afterwards."""
@@ -284,7 +371,9 @@ class KVTiers:
                 self.disk.flush()
 
     def close(self) -> None:
-        """Drain the writer, close the disk store and give the host slab back."""
+        """Stop the reader, drain the writer, close the disk store and give the host slab back."""
+        if self._ahead is not None:
+            self._ahead.close()
         if self._writer is not None:
             self._writes.put(None)
             self._writer.join()

@@ -42,6 +42,14 @@ class LowerTiers(Protocol):
     def fetch(self, keys: Sequence[bytes]) -> list[object]:
         """Payloads of the longest run of `keys`, from the first, that a lower tier holds intact (possibly none)."""
 
+    def prefetch(self, keys: Sequence[bytes], pool) -> None:
+        """Start bringing up, in the background, blocks of `keys` (those `pool` lacks) that an admission may soon
+        ask for."""
+
+    def land(self, pool) -> None:
+        """Make what `prefetch` brought up so far findable (in `pool`, or in a lower tier that `fetch` copies
+        from), before admissions."""
+
 
 @dataclass(slots=True)
 class PrefixCounters:

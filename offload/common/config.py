@@ -119,6 +119,8 @@ class EngineConfig:
     kv_host_memory: int = 0  # host RAM for KV blocks demoted from the device part (kept for reuse); 0 = none
     # local disk, in offload_dir, for KV blocks demoted from host RAM; they persist, so later runs start warm; 0 = none
     kv_disk_memory: int = 0
+    # read the cached blocks waiting requests will take from the disk part while a step computes, not at admission
+    kv_prefetch: bool = True
     # bytes of the device budget for a mixture's routed experts, cached by (layer, expert) and read when the router
     # chooses them (tiers/experts.py); the rest of each sparse layer is placed like a dense layer. 0 = off: whole
     # layers are placed and streamed

@@ -126,3 +126,8 @@ class _CoreCollector:
         kv.add_metric(["down"], c.kv_bytes_down)
         kv.add_metric(["up"], c.kv_bytes_up)
         yield kv
+        yield counter(
+            "offload_kv_blocks_prefetched",
+            "Cached KV blocks read from disk while a step computed, ahead of their admission",
+            c.kv_blocks_prefetched,
+        )

@@ -1,0 +1,95 @@
+"""Reading KV blocks from the disk tier ahead of the admissions that will ask for them (tiers/kv_tiers.py).
+
+The scheduler's thread asks for blocks (`ask`) and later takes what was read (`take`); one reader thread reads and
+verifies them through the disk store meanwhile, under the lock every user of the store holds. A block asked for
+counts as asked until it is taken, or until its read finds it gone or bad (the store deletes a bad block; an
+admission then computes it), so it is never read twice at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+
+class ReadAhead:
+    """Blocks of a KVDiskStore read by a thread of their own, waiting to be taken."""
+
+    def __init__(self, disk, disk_lock: threading.Lock) -> None:
+        """`disk`: the KVDiskStore; `disk_lock`: held around every call into it."""
+        self.disk = disk
+        self._disk_lock = disk_lock
+        self._lock = threading.Lock()  # guards the three below
+        self._asked: set[bytes] = set()  # keys asked for and not yet taken
+        self._read: dict[bytes, torch.Tensor] = {}  # key -> row, read and verified, in the order read
+        self._seconds = 0.0  # spent reading since the last take
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = threading.Thread(target=self._loop, name="kv-disk-reader", daemon=True)
+        self._thread.start()
+
+    @property
+    def outstanding(self) -> int:
+        """Blocks asked for and not yet taken (read or still reading)."""
+        with self._lock:
+            return len(self._asked)
+
+    def asked(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._asked
+
+    def ask(self, keys: Sequence[bytes]) -> None:
+        """Start reading `keys` (none of them asked for already)."""
+        with self._lock:
+            self._asked.update(keys)
+        self._jobs.put(list(keys))
+
+    def take(self) -> tuple[dict[bytes, torch.Tensor], float]:
+        """The blocks read since the last take (key -> row) and the seconds their reads took."""
+        with self._lock:
+            rows, self._read = self._read, {}
+            self._asked.difference_update(rows)
+            seconds, self._seconds = self._seconds, 0.0
+        return rows, seconds
+
+    def wait(self) -> None:
+        """Block until every read asked for so far is done."""
+        self._jobs.join()
+
+    def clear(self) -> None:
+        """Forget the blocks read and not yet taken (reads in flight still land)."""
+        self.take()
+
+    def close(self) -> None:
+        """Stop the thread after the reads asked for so far. Closing twice is harmless."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while (keys := self._jobs.get()) is not None:
+            try:
+                self._read_blocks(keys)
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+    def _read_blocks(self, keys: list[bytes]) -> None:
+        start = time.perf_counter()
+        try:
+            with self._disk_lock:
+                rows = self.disk.get_many(keys)
+        except Exception:  # the store failed (e.g. the disk went away): nothing read; admissions will ask again
+            rows = [None] * len(keys)
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._seconds += seconds
+            for key, row in zip(keys, rows, strict=True):
+                if row is None:  # evicted meanwhile, or found bad (and deleted): an admission computes it
+                    self._asked.discard(key)
+                else:
+                    self._read[key] = row

@@ -56,8 +56,19 @@ class Staging:
         """One layer's K or V of the staged blocks, [n, block_size, kv_heads, head_dim], copied to `device` as stored
         (a quantized cache's records, dequantized there by the attention)."""
         if isinstance(cache, QuantizedKV):
-            return QuantizedKV(cache.records.index_select(0, self.blocks).to(device), cache.fmt, cache.dtype)
-        return cache.index_select(0, self.blocks).to(device)
+            return QuantizedKV(_copy_up(cache.records, self.blocks, device), cache.fmt, cache.dtype)
+        return _copy_up(cache, self.blocks, device)
+
+
+def _copy_up(cache: torch.Tensor, blocks: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rows `blocks` of `cache` on `device`. To CUDA they are gathered into page-locked memory and copied without
+    waiting: the CPU goes on to queue this layer's attention and gather the next layer's blocks while the copy
+    engine moves these (torch keeps the page-locked buffer from reuse until its copy is done)."""
+    if device.type != "cuda":
+        return cache.index_select(0, blocks).to(device)
+    staged = torch.empty((blocks.numel(), *cache.shape[1:]), dtype=cache.dtype, pin_memory=True)
+    torch.index_select(cache, 0, blocks, out=staged)
+    return staged.to(device, non_blocking=True)
 
 
 def staging(

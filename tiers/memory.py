@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from offload.common.errors import OffloadError
 from tiers.io.base import ALIGN, aligned_buffer, aligned_span
 
 
@@ -21,6 +22,11 @@ class MemoryTier:
         self.used = 0  # bytes
         self.peak = 0  # bytes
         self._live: dict[int, int] = {}  # _key(buffer) -> bytes charged
+
+    @property
+    def pins(self) -> bool:
+        """Whether its buffers come page-locked by torch: CPU buffers asked pinned, where CUDA is there to pin them."""
+        return self.pin and self.device.type == "cpu" and torch.cuda.is_available()
 
     @property
     def num_free(self) -> int | None:
@@ -72,6 +78,17 @@ class MemoryTier:
     def check_integrity(self) -> None:
         assert self.used == sum(self._live.values()), f"{self.name}: used does not match live buffers"
         assert self.capacity is None or self.used <= self.capacity, f"{self.name}: over budget"
+
+
+def take(tier: MemoryTier, nbytes: int, what: str) -> torch.Tensor:
+    """A buffer of `nbytes` from `tier`, or an OffloadError naming the flag that sets its budget."""
+    buf = tier.allocate(nbytes)
+    if buf is None:
+        raise OffloadError(
+            f"--{tier.name}-memory budget of {tier.capacity} bytes cannot hold {what} ({tier.footprint(nbytes)} "
+            f"bytes; {tier.used} already in use)"
+        )
+    return buf
 
 
 def _key(t: torch.Tensor) -> int:

@@ -4,7 +4,8 @@ Both read layers ahead of the engine in cyclic order (the last layers of a step,
 memory never grows with model size or run length, and neither ever reads a layer the engine did not place off
 the device. `DirectRing` (CPU device): NVMe reads land straight in device slots, which are host RAM.
 `StagedRing` (CUDA, or any device when asked): NVMe -> pinned host staging slot -> device slot via the copy
-engine; "host" layers skip the disk and are only copied.
+engine; "host" layers skip the disk and are only copied. The buffers NVMe reads land in (device slots, staging
+slots) are tiers/landing.py's: page-locked by the read backend where it reads into those faster.
 """
 
 from __future__ import annotations
@@ -19,20 +20,10 @@ import torch
 from offload.common.errors import OffloadError
 from tiers.copy import DONE, CopyEngine, Event
 from tiers.io.base import ReadBackend, ReadRequest
+from tiers.landing import LandingBuffers
 from tiers.layout import GroupLayout, Weights
-from tiers.memory import MemoryTier
+from tiers.memory import MemoryTier, take
 from tiers.slot import SlotLayout, slot_layout
-
-
-def take(tier: MemoryTier, nbytes: int, what: str) -> torch.Tensor:
-    """A buffer of `nbytes` from `tier`, or an OffloadError naming the flag that sets its budget."""
-    buf = tier.allocate(nbytes)
-    if buf is None:
-        raise OffloadError(
-            f"--{tier.name}-memory budget of {tier.capacity} bytes cannot hold {what} ({tier.footprint(nbytes)} "
-            f"bytes; {tier.used} already in use)"
-        )
-    return buf
 
 
 def read(backend: ReadBackend, layout: GroupLayout, buf: torch.Tensor) -> list[ReadRequest]:
@@ -44,9 +35,9 @@ class Ring(ABC):
     """Hands out layers in the engine's order. Invariant: every acquire is followed by a release of that layer
     before the same layer is acquired again; acquiring out of order is allowed and restarts the read-ahead.
 
-    Subclasses say where a drained read's buffer goes back (`_give_back`) and how reading resumes after a
-    restart (`_read_ahead`); a ring that copies extends `settle` and `_restart_at` to wait for and drop its
-    copies."""
+    Subclasses say where a drained read's buffer goes back (`_give_back`), how reading resumes after a restart
+    (`_read_ahead`) and what closing gives back (`_close_buffers`); a ring that copies extends `settle` and
+    `_restart_at` to wait for and drop its copies."""
 
     def __init__(self, order: list[int]) -> None:
         self.order = order  # the layers through the ring, in the engine's order
@@ -54,6 +45,7 @@ class Ring(ABC):
         self.h2d_bytes = 0  # bytes copied host -> device (copies issued)
         self._reading: deque[_Reading] = deque()  # the next layers in order, reads started (a host layer's: none)
         self._next = 0  # index into order of the next layer to read
+        self._closed = False
 
     @abstractmethod
     def acquire(self, layer: int) -> Weights:
@@ -70,9 +62,30 @@ class Ring(ABC):
                 req.wait()
 
     def close(self) -> None:
-        """Wait for reads and copies in flight (their buffers must outlive them) and forget them."""
-        self.settle()
+        """Wait for every read and copy in flight, then give the ring's buffers back (weights acquired from it are
+        not to be used afterwards). Closing again does nothing; a read that failed is raised once all have ended."""
+        if self._closed:
+            return
+        self._closed = True
+        failed: OffloadError | None = None
+        for r in self._reading:
+            for req in r.requests:
+                try:
+                    req.wait()
+                except OffloadError as exc:  # that read has ended all the same: nothing lands in its buffer later
+                    failed = failed or exc
         self._reading.clear()
+        self._close_buffers()
+        if failed is not None:
+            raise failed
+
+    @abstractmethod
+    def _close_buffers(self) -> None:
+        """Every read has landed: wait for copies in flight, and give back the buffers the ring allocated."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadError("the weight ring is closed: its buffers are gone")
 
     def _wait(self, requests: list[ReadRequest]) -> None:
         start = time.perf_counter()
@@ -120,7 +133,9 @@ class DirectRing(Ring):
         super().__init__(sorted(layouts))  # the streamed layers
         self.layouts, self.backend, self.device_tier, self.dtype = layouts, backend, device_tier, dtype
         slot_bytes = max((g.slot_bytes for g in layouts.values()), default=0)
-        self._free = [take(device_tier, slot_bytes, "a ring slot for streamed layers") for _ in self.order[:1] * slots]
+        count = slots if self.order else 0
+        self._landing = LandingBuffers(device_tier, backend, slot_bytes, count, "a ring slot for streamed layers")
+        self._free = list(self._landing.buffers)
         self._acquired: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # layer -> (slot, converted)
         self._read_ahead()
 
@@ -133,6 +148,7 @@ class DirectRing(Ring):
             self._reading.append(_Reading(layer, slot, read(self.backend, self.layouts[layer], slot)))
 
     def acquire(self, layer: int) -> Weights:
+        self._check_open()
         if not self._reading or self._reading[0].layer != layer:
             self._restart_at(layer)
         head = self._reading.popleft()
@@ -146,11 +162,16 @@ class DirectRing(Ring):
         slot, converted = self._acquired.pop(layer)
         for t in converted:
             self.device_tier.free(t)
-        self._free.append(slot)
-        self._read_ahead()
+        if not self._closed:  # a closed ring's slots are given back already
+            self._free.append(slot)
+            self._read_ahead()
 
     def _give_back(self, drained: _Reading) -> None:
         self._free.append(drained.buf)
+
+    def _close_buffers(self) -> None:
+        self._free.clear()
+        self._landing.close()
 
 
 def convert(views: Weights, dtype: torch.dtype, tier: MemoryTier, keep: list[torch.Tensor]) -> Weights:
@@ -216,9 +237,10 @@ class StagedRing(Ring):
                 self._host[i] = take(host_tier, layouts[i].slot_bytes, f"layer {i} in host RAM")
                 self._wait(read(backend, layouts[i], self._host[i]))
         streamed = [layouts[i].slot_bytes for i in self.order if tiers[i] == "nvme"]
-        self._staging: deque[tuple[torch.Tensor, Event]] = deque(
-            (take(host_tier, max(streamed), "a staging buffer for streamed layers"), DONE) for _ in streamed[:1] * slots
-        )
+        count = slots if streamed else 0
+        what = "a staging buffer for streamed layers"
+        self._landing = LandingBuffers(host_tier, backend, max(streamed, default=0), count, what)
+        self._staging: deque[tuple[torch.Tensor, Event]] = deque((buf, DONE) for buf in self._landing.buffers)
         slot_bytes = max((p.nbytes for p in self.packed.values()), default=0)
         # device slot -> the event after which it may be overwritten (None: never used)
         self._slots: deque[tuple[torch.Tensor, Event | None]] = deque(
@@ -232,6 +254,7 @@ class StagedRing(Ring):
         self._advance()
 
     def acquire(self, layer: int) -> Weights:
+        self._check_open()
         self._advance()  # staging slots whose copies landed since the last call take reads before any wait
         if not self._copied or self._copied[0].layer != layer:
             self._bring(layer)
@@ -248,6 +271,11 @@ class StagedRing(Ring):
     def settle(self) -> None:
         super().settle()
         self.copier.synchronize()
+
+    def _close_buffers(self) -> None:
+        self.copier.synchronize()  # copies out of the staging slots have landed
+        self._staging.clear()
+        self._landing.close()
 
     def _bring(self, layer: int) -> None:
         """Copy `layer` next: it is the next one due (waiting for its reads), or the ring restarts at it."""

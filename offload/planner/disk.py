@@ -1,6 +1,7 @@
 """The probe's disk test: a file written with O_DIRECT and fsync, dropped from the page cache, then read back cold
 through each read backend (the pread pool, and aio where its op is already built), several large requests in
-flight; the file is always removed. The fastest backend's rate is what io_backend="auto" takes.
+flight, into the buffers the engine's ring would read into (page-locked by the aio op where RLIMIT_MEMLOCK allows,
+tiers/landing.py); the file is always removed. The fastest backend's rate is what io_backend="auto" takes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from offload.common.sizes import format_size
 from tiers.io.aio import aio_built
 from tiers.io.backends import make_backend
 from tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache
+from tiers.landing import LandingBuffers
+from tiers.memory import MemoryTier
 
 MiB = 1 << 20
 DISK_HEADROOM = 64 * MiB  # bytes the disk test leaves free beyond its own file
@@ -108,8 +111,12 @@ def _open_for_write(path: Path) -> int:
 def _read_test_file(path: Path, nbytes: int, extent: int, depth: int, backend_name: str) -> tuple[float, bool]:
     """Seconds to read `path` through `backend_name`, `depth` requests of `extent` in flight; and whether direct."""
     backend = make_backend(backend_name)
+    # a ring's buffers: pinned by torch where CUDA is present, else page-locked by the backend where it reads those
+    # faster (the aio op, within RLIMIT_MEMLOCK), else plain
+    host = MemoryTier("probe", None, torch.device("cpu"), pin=True)
+    landing = LandingBuffers(host, backend, extent, depth, "the probe's read buffers")
     try:
-        bufs = [aligned_buffer(extent, pin=torch.cuda.is_available()) for _ in range(depth)]
+        bufs = landing.buffers
         in_flight: deque = deque()
         start = time.perf_counter()
         for i, offset in enumerate(range(0, nbytes, extent)):
@@ -121,4 +128,7 @@ def _read_test_file(path: Path, nbytes: int, extent: int, depth: int, backend_na
         seconds = time.perf_counter() - start
         return seconds, backend.is_direct(path)
     finally:
-        backend.close()
+        try:
+            backend.close()  # every read has ended: nothing lands in the buffers any more
+        finally:
+            landing.close()

@@ -3,7 +3,8 @@
 
 - disk: a test file written with O_DIRECT and fsync, dropped from the page cache, then read back cold through each
   backend (tiers.io: the pread pool, and aio where its op is built, which the probe never waits to do) in
-  large extents, several in flight, into aligned buffers; io_backend="auto" takes the faster; the file is removed.
+  large extents, several in flight, into the buffers the engine's ring reads into (on a CPU-only machine
+  page-locked by the aio op where RLIMIT_MEMLOCK allows); io_backend="auto" takes the faster; the file is removed.
 - memory bandwidth: a large tensor copy, counted as bytes read + bytes written per second.
 - matmul: [rows, k] x [k, n] through kernels.linear per dtype, the median of a few runs after a warm-up; every row
   count goes into matmul_curve, the largest one's rate is matmul_flops.

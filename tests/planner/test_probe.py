@@ -227,6 +227,25 @@ def test_disk_test_leaves_out_aio_where_it_cannot_read_and_says_why(tmp_path, mo
     assert "(aio not measured: " in probe(tmp_path, TINY).source  # the saved profile says why
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="where CUDA is present the probe reads into torch-pinned buffers")
+def test_disk_test_reads_aio_into_buffers_the_op_locked_as_the_engines_ring_does(tmp_path, monkeypatch):
+    from tiers.io.aio import aio_ready
+
+    if not aio_ready():
+        pytest.skip("the aio op is not built here (make aio-op)")
+    made = []
+
+    def recorded(name):
+        made.append(make_backend(name))
+        return made[-1]
+
+    monkeypatch.setattr(disk_mod, "make_backend", recorded)
+    speed = measure_disk(tmp_path, 4 * MiB, 1 * MiB, 2)
+    (aio,) = [b for b in made if b.name == "aio"]
+    assert "aio" in speed.by_backend and aio.bytes_read == 4 * MiB
+    assert aio.bounced_bytes == 0 and aio.locked_bytes == 0  # no read copied through a bounce buffer; all given back
+
+
 def test_full_disk_is_one_line_and_leaves_no_file(tmp_path, monkeypatch):
     def full(*args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -8,9 +8,11 @@ What the op (DeepSpeed 0.19) does and does not do, and how this backend fits aro
   shares; the remainder (under aio_threads * ALIGN bytes, with the file's partial last page) goes to the pool.
 - `wait()` reaps every op in flight on the handle, not one: requests carry a ticket, and the first wait()
   covering a ticket reaps all outstanding ops. Destroying a handle with ops in flight aborts, hence `close()`.
-- A buffer that is not page-locked (torch-pinned or the op's own) is read through a bounce buffer the op
-  allocates and mlocks per read, then copied: correct, slower, and bounded by RLIMIT_MEMLOCK (checked here,
-  since a failed mlock aborts inside the op).
+- A buffer that is not page-locked (torch-pinned, or inside one the op locked itself, `new_cpu_locked_tensor`)
+  is read through a bounce buffer the op allocates and mlocks per read, then copied: correct, slower, and bounded
+  by RLIMIT_MEMLOCK (checked here, since a failed mlock aborts inside the op). `locked_buffer` hands out buffers
+  the op locks for good (a ring's, on a CPU device, where torch cannot pin), within half of that limit; the op
+  frees them only when told (`free_locked`), never on its own, so their owner gives them back.
 Files on filesystems without O_DIRECT are read by the preadv pool, buffered; `is_direct(path)` says which.
 """
 
@@ -22,17 +24,19 @@ import os
 import resource
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
 from offload.common.errors import OffloadError
 from offload.common.quiet import quiet_deepspeed_import
-from tiers.io.base import ALIGN, OpenFile
+from tiers.io.base import ALIGN, OpenFile, aligned_span
 from tiers.io.direct import PreadBackend
 
 
@@ -128,9 +132,12 @@ class AioBackend(PreadBackend):
         # block_size: bytes per iocb; queue_depth: iocbs in flight per handle thread
         self._handle = op.aio_handle(block_size, queue_depth, False, True, aio_threads)
         self._share = aio_threads * ALIGN  # bytes; the op's reads divide into aio_threads aligned shares
-        self._lock_limit = _memlock_limit()  # bytes the op may mlock for bounce buffers; None: no limit
-        self._aio_lock = threading.Lock()  # serializes submit and reap on the handle
-        self._pending: list[tuple[int, bool]] = []  # (bytes, bounced) of each op submitted and not yet reaped
+        self._lock_limit = _memlock_limit()  # bytes the op may mlock for bounce and locked buffers; None: no limit
+        self._aio_lock = threading.Lock()  # serializes submit, reap, and locking and freeing buffers on the handle
+        self.locked_bytes = 0  # bytes of locked_buffer's buffers not yet given back
+        self._locked: dict[int, int] = {}  # data_ptr -> bytes of each of them
+        self.bounced_bytes = 0  # bytes the op has read through a bounce buffer (into memory it had not locked)
+        self._pending: list[_Op] = []  # each op submitted and not yet reaped
         self._submitted = 0  # tickets handed out; op k is reaped once _reaped >= k
         self._reaped = 0
         # the op aborts the process when a handle is destroyed with reads in flight, and a ring always has reads
@@ -145,10 +152,11 @@ class AioBackend(PreadBackend):
         tail = super()._start(file, start + bulk, region[bulk:]) if bulk < region.numel() else (lambda: 0)
         if bulk == 0:
             return tail
-        bounced = not region.is_pinned()
+        target = region[:bulk]  # the op's buffer; a view of its own, so its references are the op's and ours
+        bounced = not self._handle.is_pinned(target)  # the op's own test: torch-pinned, or locked by it
         with self._aio_lock:
             if bounced:
-                locked = sum(n for n, b in self._pending if b)
+                locked = self._locked_now()
                 if self._lock_limit is not None and locked + bulk > self._lock_limit:
                     tail()
                     raise OffloadError(
@@ -157,11 +165,12 @@ class AioBackend(PreadBackend):
                         "buffer, raise `ulimit -l`, or use the pread backend"
                     )
             self._io_begin()
-            if self._handle.async_pread(region[:bulk], str(file.path), start) != 0:
+            if self._handle.async_pread(target, str(file.path), start) != 0:
                 self._io_end(0)
                 tail()
                 raise OffloadError(f"{file.path}: aio read of bytes {start}..{start + bulk} did not start")
-            self._pending.append((bulk, bounced))
+            self._pending.append(_Op(bulk, bounced, target))
+            self.bounced_bytes += bulk if bounced else 0
             self._submitted += 1
             ticket = self._submitted
 
@@ -178,10 +187,48 @@ class AioBackend(PreadBackend):
             if self._reaped >= ticket:
                 return
             self._handle.wait()
-            for nbytes, _ in self._pending:
-                self._io_end(nbytes)
+            _await_release(self._pending)
+            for op in self._pending:
+                self._io_end(op.nbytes)
             self._pending.clear()
             self._reaped = self._submitted
+
+    def locked_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer page-locked by the op, which reads into it with no bounce copy; None where it would take this
+        backend's locked memory past half of RLIMIT_MEMLOCK (the other half stays for the bounce buffers of reads
+        into other memory), said once in `lock_note`. Give it back with `free_locked` before the backend goes."""
+        size = aligned_span(0, nbytes).length  # bytes; the op's buffers start on a page
+        with self._aio_lock:
+            locked = self._locked_now()
+            if size == 0 or (self._lock_limit is not None and locked + size > self._lock_limit // 2):
+                if size and not self.lock_note:
+                    self.lock_note = (
+                        f"aio read buffers not page-locked: {size} bytes more would take locked memory past half of "
+                        f"RLIMIT_MEMLOCK ({self._lock_limit} bytes, {locked} locked); reads into them bounce through "
+                        "a copy (raise `ulimit -l`)"
+                    )
+                return None
+            buf = self._handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+            if buf.data_ptr() == 0:  # the op's allocation or mlock failed (it printed why)
+                return None
+            self._locked[buf.data_ptr()] = size
+            self.locked_bytes += size
+        return buf
+
+    def free_locked(self, buf: torch.Tensor) -> None:
+        """Give back a buffer from `locked_buffer`, after the reads in flight on the handle have landed."""
+        self._reap(self._submitted)
+        with self._aio_lock:
+            size = self._locked.pop(buf.data_ptr(), None)
+            if size is None:
+                raise ValueError(f"aio: buffer {buf.data_ptr():#x} was not locked here")
+            self._handle.free_cpu_locked_tensor(buf)
+            self.locked_bytes -= size
+
+    def _locked_now(self) -> int:
+        """Bytes this backend has the op hold mlocked: its locked buffers and the bounce buffers of reads in flight.
+        Memory other code in the process locks is not seen."""
+        return self.locked_bytes + sum(op.nbytes for op in self._pending if op.bounced)
 
     def close(self) -> None:
         self._reap(self._submitted)
@@ -189,11 +236,31 @@ class AioBackend(PreadBackend):
         super().close()
 
 
-def _drain(handle: object, pending: list, lock: threading.Lock) -> None:
+class _Op(NamedTuple):
+    """A read submitted to the op."""
+
+    nbytes: int
+    bounced: bool  # read through a bounce buffer the op locked for it
+    target: torch.Tensor  # [nbytes] uint8, the buffer handed to the op
+
+
+def _await_release(ops: list[_Op]) -> None:
+    """After wait(): let the op's worker threads drop their references to the reaped reads' buffers (up to a second).
+    A worker drops its last one just after wait() returns and needs the GIL to do so (the tensor came from Python);
+    a worker still waiting for it when the interpreter finalizes aborts the process ("terminate called without an
+    active exception"), so no reap returns before they are dropped, the GIL let go meanwhile."""
+    deadline = time.monotonic() + 1.0
+    for op in ops:
+        while op.target._use_count() > 1 and time.monotonic() < deadline:  # 1: our own reference alone
+            time.sleep(1e-5)
+
+
+def _drain(handle: object, pending: list[_Op], lock: threading.Lock) -> None:
     """Wait for a handle's reads in flight, if any (the op also aborts on a wait with none pending)."""
     with lock:
         if pending:
             handle.wait()
+            _await_release(pending)
             pending.clear()
 
 

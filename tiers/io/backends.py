@@ -29,8 +29,10 @@ def choose_backend(name: str, measured: Mapping[str, float] | None = None) -> Ba
     `measured` (backend -> bytes/s of cold reads, what `offload probe` saved for this machine) holds both, takes
     the faster (pread on a tie, or where aio's op is not built: an automatic choice never waits minutes for
     DeepSpeed's JIT build, `make aio-op` does it); without both rates, the default rule: aio only
-    on CUDA machines, where buffers are page-locked: on a CPU-only machine the op locks and copies through a
-    bounce buffer per read, and measured slower than pread (benchmarks/results/io_bandwidth.json)."""
+    on CUDA machines, where buffers are page-locked. On a CPU-only machine torch pins nothing: a ring's buffers are
+    the op's own locked ones where RLIMIT_MEMLOCK allows (tiers/landing.py), which the probe measures as the engine
+    uses them; elsewhere the op copies through a bounce buffer per read, measured slower than pread
+    (benchmarks/results/io_bandwidth.json)."""
     if name in READ_BACKENDS:
         return BackendChoice(name, "asked")
     if name != "auto":

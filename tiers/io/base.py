@@ -112,6 +112,7 @@ class ReadBackend(ABC):
 
     def __init__(self) -> None:
         self.bytes_read = 0  # bytes
+        self.lock_note = ""  # why a buffer asked of locked_buffer was refused, said once; "" while none was
         self._read_seconds = 0.0  # closed busy intervals; see read_seconds
         self._files: dict[Path, OpenFile] = {}
         self._lock = threading.Lock()  # guards _files and the counters
@@ -140,6 +141,16 @@ class ReadBackend(ABC):
         view = buf[offset - span.start : offset - span.start + nbytes]
         reap = self._start(file, span.start, region) if nbytes else lambda: 0
         return ReadRequest(path, offset, nbytes, span.start, view, reap)
+
+    def locked_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """An ALIGN-aligned uint8 buffer of `nbytes` rounded up to ALIGN, page-locked by this backend, that its reads
+        fill faster than other memory; None where it has none to give (this one reads as fast into any aligned
+        buffer). Each goes back through `free_locked` once the last read into it has been waited for."""
+        return None
+
+    def free_locked(self, buf: torch.Tensor) -> None:
+        """Give back a buffer from `locked_buffer`; nothing may read into it any more."""
+        raise ValueError(f"{self.name}: buffer {buf.data_ptr():#x} was not locked here")
 
     def file_size(self, path: Path) -> int:
         """Size of `path` in bytes, as at its first open."""

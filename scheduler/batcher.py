@@ -17,10 +17,11 @@ preempted one.
 With prefix reuse (tables with a chain root, tiers/blocks.py), a sequence is admitted at the end of its longest
 cached prefix and computes only the rest; among the waiting sequences of the head's class the one with the longest
 cached prefix goes first, unless one ahead of it has been passed over MAX_SKIPS times; a sequence whose next block
-a chunk of this step is computing waits one step and then shares it. The cached blocks of the first LOOKAHEAD
-waiting sequences that only a lower tier holds start coming up while the step computes (`BlockTables.prefetch`),
-and are placed before the next step's admissions (`BlockTables.land`). A preempted sequence's full blocks stay cached
-(and go down to host RAM or disk when evicted, with lower tiers), so it comes back to them instead of recomputing.
+a chunk of this step is computing waits one step and then shares it. The cached blocks that only a lower tier
+holds, of the waiting sequences likely admitted next (as many as can run at once), start coming up while the step
+computes (`BlockTables.prefetch`), and are placed before the next step's admissions (`BlockTables.land`). A
+preempted sequence's full blocks stay cached (and go down to host RAM or disk when evicted, with lower tiers), so
+it comes back to them instead of recomputing.
 """
 
 from __future__ import annotations
@@ -136,9 +137,22 @@ class Batcher:
             budget -= end - seq.num_cached
         for seq in reversed(deferred):  # back where they were, ahead of later arrivals
             self._requeue(seq)
-        for seq in itertools.islice(self.waiting, LOOKAHEAD):  # their cached blocks come up while the step computes
+        for seq in self._next_in_line(self.limits.max_running):  # their cached blocks come up while the step computes
             self.tables.prefetch(seq.seq_id, seq.token_ids)
         return StepPlan(split_micro_batches(chunks, self.limits.micro_batch_tokens))
+
+    def _next_in_line(self, n: int) -> list[Sequence]:
+        """The `n` waiting sequences likely admitted next, in that order: without prefix reuse the queue's first;
+        with it, as `_next_waiting` picks them (the longest cached prefix first among the head's class), not counting
+        skips. As many as can run at once: what lands for sequences further back would be evicted for the blocks of
+        those admitted before them."""
+        if not self.tables.prefix_caching or not self.waiting or n <= 0:
+            return list(itertools.islice(self.waiting, n))
+        head = self.waiting[0].priority
+        same = list(itertools.takewhile(lambda s: s.priority == head, itertools.islice(self.waiting, LOOKAHEAD)))
+        cached = {s.seq_id: self.tables.cached_prefix(s.seq_id, s.token_ids) for s in same}
+        ranked = sorted(same, key=lambda s: -cached[s.seq_id])  # stable: queue order among equals
+        return list(itertools.islice(itertools.chain(ranked, itertools.islice(self.waiting, len(same), None)), n))
 
     def _next_waiting(self) -> Sequence:
         """The waiting sequence to admit next: the head of the queue, or, with prefix reuse, the one of the head's

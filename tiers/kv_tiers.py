@@ -26,10 +26,10 @@ per block read here, `prefill_rate` from the core's prefill steps); until both a
 Disk reads need not wait for admission. After planning a step, the scheduler names the cached blocks the next
 waiting sequences will ask for (`prefetch`); a reader thread reads and verifies those only the disk holds while the
 step computes, and at the next step boundary, before admissions (`land`), they become cached blocks in host RAM
-(evicting the least recent cached ones there, whose copies the disk already holds) or, without a host part, in
-the device part's empty blocks. An admission then finds them above the disk and copies instead of reading. What
-is read ahead is bounded by the room it lands in (PREFETCH_SHARE of it); a block that finds no room when it
-lands, or is already there, is dropped (`prefetch_dropped`).
+or, without a host part, in the device part (evicting the least recent cached blocks there, as a promotion does).
+An admission then finds them above the disk and copies instead of reading. What is read ahead is bounded by the
+room it lands in (PREFETCH_SHARE of the blocks no sequence holds there); a block that finds no room when it lands,
+or is already there, is dropped (`prefetch_dropped`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from tiers.kv_readahead import ReadAhead
 from tiers.memory import MemoryTier
 
 WRITE_QUEUE = 256  # blocks waiting for the disk writer; a block that finds the queue full is not written through
-PREFETCH_SHARE = 0.5  # of the blocks a read-ahead may land in (host part: not held; device part: empty)
+PREFETCH_SHARE = 0.5  # of the blocks a read-ahead may land in: those no sequence holds
 
 
 @dataclass(slots=True)
@@ -200,11 +200,11 @@ class KVTiers:
 
     def prefetch(self, keys: Sequence[bytes], pool: BlockPool) -> None:
         """Start reading, in the background, the blocks of `keys` (in the order an admission asks for them) that
-        only the disk holds, up to the first it lacks and as many as their landing room allows: the host part's
-        blocks not held, else `pool`'s (the device part's) empty ones."""
+        only the disk holds, up to the first it lacks and as many as their landing room allows: the blocks no
+        sequence holds in the host part, else in `pool` (the device part)."""
         if self._ahead is None or not self.disk_pays():
             return
-        room = self.host_pool.num_free if self.host_kv is not None else pool.num_empty
+        room = (self.host_pool if self.host_kv is not None else pool).num_free
         budget = int(room * PREFETCH_SHARE) - self._ahead.outstanding
         wanted = []
         for key in keys:
@@ -219,10 +219,10 @@ class KVTiers:
             self._ahead.ask(wanted)
 
     def land(self, pool: BlockPool) -> None:
-        """Place the blocks read ahead so far as cached blocks above the disk, before this step's admissions: in the
-        host part (written now, after the host part's pending events are carried out, so none of them reads a
-        block this reuses), else in `pool`'s (the device part's) empty blocks, written before the next step
-        (event "promote")."""
+        """Place the blocks read ahead so far as cached blocks above the disk, before this step's admissions, each
+        evicting the least recent cached block there if need be: in the host part (written now, after the host
+        part's pending events are carried out, so none of them reads a block this reuses), else in `pool` (the
+        device part; written before the next step, event "promote", after what it evicted is handed down)."""
         if self._ahead is None:
             return
         rows, seconds = self._ahead.take()
@@ -238,8 +238,8 @@ class KVTiers:
                 continue
             if self.host_kv is not None:
                 placed = self._place_host(key, row)
-            elif placed := pool.num_empty > 0:
-                block = pool.allocate(1)
+            elif placed := pool.num_free > 0:
+                block = pool.allocate(1)  # evicting the least recent cached block, handed down at the step boundary
                 pool.register(block[0], key)
                 pool.events.append(("promote", key, block[0], row))
                 pool.free(block)

@@ -105,4 +105,6 @@ def test_a_damaged_block_read_ahead_is_recomputed(model_dir, tmp_path, expected,
     got, stats, moved = run_one_at_a_time(model_dir, config)
     assert got == expected  # never a wrong token from a bad block
     assert stats.prefix_hit_tokens == 44 + 3 * 4 + 44  # the second request reuses the three blocks before the bad one
-    assert moved.prefetched == 3 + 11 + 7  # its blocks after the bad one landed too, and were left unused
+    # read ahead: the second request's blocks but the bad one (those after it landed, and were left unused); then,
+    # its cached prefix now the shorter, the third's, admitted before it
+    assert moved.prefetched == 10 + 11 and moved.promoted_disk == 11 + 21

@@ -153,7 +153,8 @@ class EngineCore:
         `host_tables`: its host part's tables, for sequences admitted when the device part is full."""
         self.engine, self.tables, self.limits, self.weights = engine, tables, limits, weights
         self.kv_tiers = kv_tiers
-        self.batcher = Batcher(tables, limits, eos_ids, host_tables)
+        swap_pays = kv_tiers.swap_pays if kv_tiers is not None else None
+        self.batcher = Batcher(tables, limits, eos_ids, host_tables, swap_pays)
         self._tokenizer = tokenizer
         self._requests: dict[int, _Request] = {}
         self._next_id = 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
@@ -58,9 +59,12 @@ class Batcher:
         limits: BatchLimits,
         eos_ids: tuple[int, ...] = (),
         host_tables: BlockTables | None = None,
+        swap_pays: Callable[[int, int], bool] | None = None,
     ) -> None:
         """`host_tables`: blocks in host RAM for sequences admitted when the device's do not fit (their KV lives
-        there and their attention runs there); None: the device's only."""
+        there and their attention runs there); None: the device's only. `swap_pays(blocks, tokens)`: whether moving
+        a sequence's `blocks` down to host RAM is predicted cheaper than computing its `tokens` again (None: always
+        move when there is room)."""
         largest = max(tables.pool.num_blocks, host_tables.pool.num_blocks if host_tables is not None else 0)
         if tables.blocks_for(limits.max_model_len) > largest:
             raise ValueError(f"max_model_len {limits.max_model_len} does not fit the KV cache")
@@ -73,6 +77,8 @@ class Batcher:
         self.num_preemptions = 0
         self.num_moved_down = 0  # running sequences whose blocks went to the host part instead of being preempted
         self.num_moved_up = 0  # running sequences whose blocks came back from the host part
+        self.num_priced_out = 0  # preemptions where the host part had room but recomputing was predicted cheaper
+        self.swap_pays = swap_pays
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens >= self.limits.max_model_len:
@@ -212,10 +218,14 @@ class Batcher:
 
     def _move_down(self, seq: Sequence) -> bool:
         """Give `seq`'s blocks in the device part copies in the host part (made before the next step) and free the
-        device ones: it keeps running from host RAM instead of being preempted. False if the host part lacks room."""
+        device ones: it keeps running from host RAM instead of being preempted. False if the host part lacks room,
+        or if copying them is predicted dearer than computing its cached tokens again (`swap_pays`)."""
         if self.host_tables is None or seq.kv_tier != "device":
             return False
         device_blocks = list(self.tables.table(seq.seq_id))
+        if self.swap_pays is not None and not self.swap_pays(len(device_blocks), seq.num_cached):
+            self.num_priced_out += 1
+            return False
         host_blocks = self.host_tables.grow(seq.seq_id, len(device_blocks) * self.tables.block_size)
         if host_blocks is None:
             return False

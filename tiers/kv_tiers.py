@@ -20,8 +20,10 @@ bytes are still its own. `count` and `fetch` answer the device part's admissions
 host part's (the disk only); fetched payloads are verified copies.
 
 Reading a block back is not always cheaper than computing it again: host RAM always is (a copy), the disk is when
-a block's bytes read faster than its tokens prefill. Both rates are measured as the engine runs (`disk_seconds`
-per block read here, `prefill_rate` from the core's prefill steps); until both are known, the disk is read.
+a block's bytes read faster than its tokens prefill (`disk_pays`); a running sequence moves down rather than being
+preempted when copying its blocks is faster than prefilling its tokens again (`swap_pays`). The rates are measured
+as the engine runs (here, the seconds per block read or moved; `prefill_rate` from the core's prefill steps); until
+they are, the disk is read and sequences move.
 
 Disk reads need not wait for admission. After planning a step, the scheduler names the cached blocks the next
 waiting sequences will ask for (`prefetch`); a reader thread reads and verifies those only the disk holds while the
@@ -35,7 +37,6 @@ or is already there, is dropped (`prefetch_dropped`).
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ import torch
 
 from tiers.blocks import BlockPool
 from tiers.kv import KVCache
-from tiers.kv_readahead import ReadAhead
+from tiers.kv_disk_threads import ReadAhead, WriteThrough
 from tiers.memory import MemoryTier
 
 WRITE_QUEUE = 256  # blocks waiting for the disk writer; a block that finds the queue full is not written through
@@ -66,6 +67,8 @@ class KVTierCounters:
     writes_skipped: int = 0  # write-through blocks dropped because the disk writer was behind
     disk_seconds: float = 0.0  # spent reading blocks back from disk
     recomputed_not_read: int = 0  # admissions that left disk blocks unread: recomputing them was predicted cheaper
+    moved_blocks: int = 0  # blocks of running sequences copied device -> host (moved down instead of preempted)
+    move_seconds: float = 0.0  # spent copying them
     prefetched: int = 0  # blocks read from disk ahead of admission and placed above it (in promoted_disk too)
     prefetch_dropped: int = 0  # blocks read ahead that found no room when they landed, or were already above
 
@@ -115,13 +118,10 @@ class KVTiers:
         self.below_host = _DiskOnly(self)  # what the host part's own tables fetch from
         self.prefill_rate: float | None = None  # prefill tokens per second, as the core measures them
         self._disk_lock = threading.Lock()  # the store is used by the scheduler's thread and the writer
-        self._writes: queue.Queue | None = None
-        self._writer: threading.Thread | None = None
+        self._writer: WriteThrough | None = None
         self._ahead: ReadAhead | None = None
         if disk is not None:
-            self._writes = queue.Queue(WRITE_QUEUE)
-            self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
-            self._writer.start()
+            self._writer = WriteThrough(self._to_disk, WRITE_QUEUE)
             if prefetch:
                 self._ahead = ReadAhead(disk, self._disk_lock)
 
@@ -143,6 +143,14 @@ class KVTiers:
                     break
             n += 1
         return n
+
+    def swap_pays(self, blocks: int, tokens: int) -> bool:
+        """Whether moving a running sequence's `blocks` down to host RAM is predicted cheaper than computing its
+        `tokens` again after a preemption, at the copy and prefill rates measured so far (True until both are)."""
+        c = self.counters
+        if self.prefill_rate is None or not c.moved_blocks or c.move_seconds <= 0:
+            return True
+        return blocks * c.move_seconds / c.moved_blocks < tokens / self.prefill_rate
 
     def disk_pays(self) -> bool:
         """Whether reading a block from disk is predicted faster than prefilling its tokens (True until both rates
@@ -272,8 +280,10 @@ class KVTiers:
         # ("move", None, host block, device block): a running sequence's blocks moved down, read before any write
         moved = [e for e in events if e[0] == "move"]
         rows = {}
+        start = time.perf_counter()
         if moved:
             rows = dict(zip((e[2] for e in moved), self.kv.read_blocks([e[3] for e in moved]), strict=True))
+        read_seconds = time.perf_counter() - start
         for event in events:
             kind, key, block = event[:3]
             if kind == "promote":
@@ -297,7 +307,12 @@ class KVTiers:
             else:
                 self._write_through(key, row)
         if overlay:
+            start = time.perf_counter()
             kv.write_blocks(list(overlay), torch.stack(list(overlay.values())))
+            if moved:  # the copy's price: its reads, and its share of the writes
+                write_seconds = (time.perf_counter() - start) * len(moved) / len(overlay)
+                self.counters.move_seconds += read_seconds + write_seconds
+                self.counters.moved_blocks += len(moved)
 
     def _evict_host(self, key: bytes, row: torch.Tensor) -> None:
         if not self._to_disk(key, row):
@@ -350,23 +365,13 @@ class KVTiers:
         return kept
 
     def _write_through(self, key: bytes, row: torch.Tensor) -> None:
-        try:
-            self._writes.put_nowait((key, row))
-        except queue.Full:
+        if not self._writer.offer(key, row):
             self.counters.writes_skipped += 1
-
-    def _write_loop(self) -> None:
-        while (item := self._writes.get()) is not None:
-            try:
-                self._to_disk(*item)
-            finally:
-                self._writes.task_done()
-        self._writes.task_done()
 
     def flush(self) -> None:
         """Wait for the write-through queue to drain and make the disk store's index durable."""
-        if self._writes is not None:
-            self._writes.join()
+        if self._writer is not None:
+            self._writer.join()
             with self._disk_lock:
                 self.disk.flush()
 
@@ -375,8 +380,7 @@ class KVTiers:
         if self._ahead is not None:
             self._ahead.close()
         if self._writer is not None:
-            self._writes.put(None)
-            self._writer.join()
+            self._writer.close()
             self._writer = None
             with self._disk_lock:
                 self.disk.close()

@@ -78,6 +78,26 @@ def test_host_sequences_move_back_up_when_the_device_part_frees(tiny_llama, per_
     assert got == want
 
 
+@pytest.mark.parametrize("copying_pays", [True, False])
+def test_a_sequence_that_cannot_grow_moves_down_or_is_recomputed_by_price(
+    tiny_llama, per_block, all_device, monkeypatch, copying_pays
+) -> None:
+    """A device sequence that cannot grow moves to host RAM while copying its blocks is priced below computing its
+    tokens again (KVTiers.swap_pays), and is preempted otherwise; the tokens are the all-device run's either way."""
+    from tiers.kv_tiers import KVTiers
+
+    monkeypatch.setattr(KVTiers, "swap_pays", lambda self, blocks, tokens: copying_pays)
+    config = EngineConfig(block_size=4, kv_cache_bytes=40 * per_block, kv_host_memory=200 * per_block)
+    with LLM(tiny_llama, config) as llm:
+        got = [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
+        stats, priced_out = llm.stats, llm.core.batcher.num_priced_out
+    assert got == all_device
+    if copying_pays:
+        assert stats.moved_down > 0 and stats.preemptions == 0 and priced_out == 0
+    else:
+        assert stats.moved_down == 0 and stats.preemptions == priced_out > 0
+
+
 def test_without_a_host_part_the_same_budget_preempts(tiny_llama, per_block, all_device) -> None:
     with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=12 * per_block)) as llm:
         out = llm.generate_ids(PROMPTS, GREEDY)

@@ -874,3 +874,30 @@ def test_a_host_sequence_moves_up_only_when_every_device_sequence_can_grow_this_
     assert chunk.kv_tier == "device" and chunk.block_table[:3] == tuple(new) and b.num_moved_down == 0
     tables.check_integrity()
     host.check_integrity()
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_a_sequence_that_cannot_grow_moves_down_only_where_copying_pays(pays) -> None:
+    """With room in the host part, a device sequence that cannot grow moves there when `swap_pays` says copying its
+    blocks beats recomputing its tokens; otherwise it is preempted, and the refusal is counted."""
+    block = 4
+    tables = BlockTables(BlockPool(4, record=True), block)
+    host = BlockTables(BlockPool(8, record=True), block)
+    limits = BatchLimits(max_num_seqs=8, max_step_tokens=64, micro_batch_tokens=1000, max_model_len=24)
+    asked = []
+    b = Batcher(tables, limits, (EOS,), host_tables=host, swap_pays=lambda n, t: asked.append((n, t)) or pays)
+    old, new = make_seq(0, 9), make_seq(1, 9)
+    for seq in (old, new):  # 8 tokens cached in 2 blocks each: the device part is full, and each needs a third
+        seq.state, seq.num_cached = SeqState.DECODING, 8
+        tables.grow(seq.seq_id, 8)
+        b.running.append(seq)
+    plan = b.schedule()
+    assert asked == [(2, 8)]  # the latest admitted, with its 2 blocks and 8 cached tokens
+    if pays:
+        assert new.kv_tier == "host" and b.num_moved_down == 1 and b.num_preemptions == 0
+        assert {c.seq_id for c in plan.chunks} == {0, 1}
+    else:
+        assert new.state is SeqState.WAITING and b.num_preemptions == 1 and b.num_priced_out == 1
+        assert b.num_moved_down == 0 and [c.seq_id for c in plan.chunks] == [0] and host.pool.num_free == 8
+    tables.check_integrity()
+    host.check_integrity()

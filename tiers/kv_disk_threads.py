@@ -1,9 +1,15 @@
-"""Reading KV blocks from the disk tier ahead of the admissions that will ask for them (tiers/kv_tiers.py).
+"""The disk tier's two background threads (tiers/kv_tiers.py): blocks written through, and blocks read ahead.
 
-The scheduler's thread asks for blocks (`ask`) and later takes what was read (`take`); one reader thread reads and
-verifies them through the disk store meanwhile, under the lock every user of the store holds. A block asked for
-counts as asked until it is taken, or until its read finds it gone or bad (the store deletes a bad block; an
-admission then computes it), so it is never read twice at once.
+WriteThrough: computed blocks handed over at the step boundary are stored by a thread of their own, through a
+bounded queue, so a step never waits on an fsync; a block that finds the queue full is not written (the caller
+counts it).
+
+ReadAhead: the scheduler's thread asks for blocks (`ask`) that admissions will soon want, and later takes what was
+read (`take`); one reader thread reads and verifies them through the disk store meanwhile. A block asked for counts
+as asked until it is taken, or until its read finds it gone or bad (the store deletes a bad block; an admission then
+computes it), so it is never read twice at once.
+
+Both hold the lock every user of the store holds around each call into it.
 """
 
 from __future__ import annotations
@@ -11,9 +17,47 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+
+class WriteThrough:
+    """`put(key, row)` called for each block offered, in order, on a thread of its own."""
+
+    def __init__(self, put: Callable[[bytes, torch.Tensor], object], depth: int) -> None:
+        """`depth`: blocks that may wait for `put`."""
+        self._put = put
+        self._jobs: queue.Queue = queue.Queue(depth)
+        self._thread: threading.Thread | None = threading.Thread(target=self._loop, name="kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    def offer(self, key: bytes, row: torch.Tensor) -> bool:
+        """Queue the block; False (nothing queued) when `depth` blocks are waiting already."""
+        try:
+            self._jobs.put_nowait((key, row))
+        except queue.Full:
+            return False
+        return True
+
+    def join(self) -> None:
+        """Block until every block offered so far is stored."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Store what was offered, then stop the thread. Closing twice is harmless."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            try:
+                self._put(*item)
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
 
 
 class ReadAhead:

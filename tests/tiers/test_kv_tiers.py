@@ -1,6 +1,7 @@
-"""Reading cached KV blocks from disk ahead of admission (tiers/kv_tiers.py `prefetch` / `land`, tiers/kv_readahead.py):
-what is read lands byte-identical above the disk, within its room, stops at the first block the disk lacks, skips bad
-blocks, and never lets a pending write-through read a block the landing reused."""
+"""The KV pool below the device (tiers/kv_tiers.py, tiers/kv_disk_threads.py). Read-ahead: what is read lands
+byte-identical above the disk, within its room, stops at the first block the disk lacks, skips bad blocks, and never
+lets a pending write-through read a block the landing reused. Moves: a running sequence's blocks copied down are
+timed, and moving is chosen while it beats recomputing."""
 
 from __future__ import annotations
 
@@ -117,4 +118,27 @@ def test_landing_in_host_ram_carries_out_pending_write_throughs_before_reusing_t
     got = tiers.fetch([key(0), key(1)])
     assert [torch.equal(g, row(kv, i)) for i, g in enumerate(got)] == [True, True]
     assert tiers.counters.promoted_host == 2
+    tiers.close()
+
+
+def test_a_sequence_moves_down_while_copying_its_blocks_beats_recomputing_its_tokens(tmp_path) -> None:
+    kv, tiers, pool = tiers_over(tmp_path, device_blocks=16, host_blocks=8, on_disk=range(0))
+    assert tiers.swap_pays(4, 16)  # nothing measured yet: move
+    c = tiers.counters
+    c.moved_blocks, c.move_seconds = 10, 0.010  # a block copied in a millisecond
+    tiers.prefill_rate = 1000.0  # tokens per second
+    assert tiers.swap_pays(4, 16)  # 4 ms of copies against 16 ms of prefill
+    assert not tiers.swap_pays(4, 3)  # against 3 ms: recomputing is cheaper
+    tiers.close()
+
+
+def test_moving_a_sequence_down_measures_the_copy(tmp_path) -> None:
+    kv, tiers, pool = tiers_over(tmp_path, device_blocks=16, host_blocks=8, on_disk=range(0))
+    src = pool.allocate(3)
+    kv.write_blocks(src, torch.stack([row(kv, i) for i in range(3)]))
+    dst = tiers.host_pool.allocate(3)
+    tiers.host_pool.events.extend(("move", None, d, s) for d, s in zip(dst, src, strict=True))
+    tiers.settle(pool)
+    assert [torch.equal(tiers.host_kv.read_blocks([d])[0], row(kv, i)) for i, d in enumerate(dst)] == [True] * 3
+    assert tiers.counters.moved_blocks == 3 and tiers.counters.move_seconds > 0
     tiers.close()

@@ -163,6 +163,29 @@ def test_reads_into_locked_buffers_are_not_bounced(data, monkeypatch):
     backend.close()
 
 
+@pytest.mark.parametrize("kind", ["locked", "plain"])
+def test_waiting_for_one_buffers_read_does_not_wait_for_anothers(data, kind):
+    """The op's wait() reaps every read on its handle: reads into different buffers (a ring's slots) go to different
+    handles, so waiting for one slot's layer leaves the next slot's read in flight while that layer computes."""
+    path, payload = data
+    backend = aio_backend()
+    if kind == "locked":
+        a, b = backend.locked_buffer(256 * KiB), backend.locked_buffer(256 * KiB)
+    else:
+        a, b = aligned_buffer(256 * KiB), aligned_buffer(256 * KiB)
+    first = backend.submit(path, 0, 256 * KiB, a)
+    second = backend.submit(path, 256 * KiB, 256 * KiB, b)
+    assert first.wait().numpy().tobytes() == payload[: 256 * KiB]
+    in_flight = [op.target.data_ptr() for lane in backend._lanes for op in lane.pending]
+    assert in_flight == [b.data_ptr()]  # the second read was not reaped with the first
+    assert second.wait().numpy().tobytes() == payload[256 * KiB : 512 * KiB]
+    assert backend.bounced_bytes == (0 if kind == "locked" else 512 * KiB)
+    if kind == "locked":
+        backend.free_locked(a)
+        backend.free_locked(b)
+    backend.close()
+
+
 # ---- the engine ----------------------------------------------------------------------------------------------
 
 KV = 1 << 20

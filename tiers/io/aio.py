@@ -108,8 +108,25 @@ def aio_ready() -> bool:
     return aio_built() and aio_unavailable() is None
 
 
+LANES = 4  # aio handles per backend: reads into different buffers are reaped independently
+
+
+class _Lane:
+    """One aio_handle and the reads in flight on it. The op's wait() reaps every read on its handle, so reads that
+    must land at different times (a ring's slots) go to different lanes: waiting for one slot's layer then does not
+    wait for the next slot's read, which keeps reading while the layer computes."""
+
+    def __init__(self, handle: object) -> None:
+        self.handle = handle
+        self.lock = threading.Lock()  # serializes submit, reap, and locking and freeing buffers on the handle
+        self.pending: list[_Op] = []  # each op submitted and not yet reaped
+        self.submitted = 0  # tickets handed out; op k is reaped once reaped >= k
+        self.reaped = 0
+
+
 class AioBackend(PreadBackend):
-    """libaio reads through a DeepSpeed aio_handle; the preadv pool takes partial tails and non-O_DIRECT files."""
+    """libaio reads through DeepSpeed aio_handles (one lane per buffer, up to LANES); the preadv pool takes partial
+    tails and non-O_DIRECT files."""
 
     name = "aio"
 
@@ -130,19 +147,33 @@ class AioBackend(PreadBackend):
             raise ValueError(f"aio_threads must be >= 1, got {aio_threads}")
         super().__init__(threads, chunk_bytes)
         # block_size: bytes per iocb; queue_depth: iocbs in flight per handle thread
-        self._handle = op.aio_handle(block_size, queue_depth, False, True, aio_threads)
+        self._lanes = [_Lane(op.aio_handle(block_size, queue_depth, False, True, aio_threads)) for _ in range(LANES)]
         self._share = aio_threads * ALIGN  # bytes; the op's reads divide into aio_threads aligned shares
         self._lock_limit = _memlock_limit()  # bytes the op may mlock for bounce and locked buffers; None: no limit
-        self._aio_lock = threading.Lock()  # serializes submit, reap, and locking and freeing buffers on the handle
+        self._assign_lock = threading.Lock()  # guards the lane assignments and the locked-buffer registry
+        self._lane_of: dict[int, int] = {}  # storage data_ptr -> lane, for buffers the op did not lock
+        self._next_lane = 0
         self.locked_bytes = 0  # bytes of locked_buffer's buffers not yet given back
-        self._locked: dict[int, int] = {}  # data_ptr -> bytes of each of them
+        self._locked: dict[int, tuple[int, int]] = {}  # data_ptr -> (bytes, lane) of each of them
         self.bounced_bytes = 0  # bytes the op has read through a bounce buffer (into memory it had not locked)
-        self._pending: list[_Op] = []  # each op submitted and not yet reaped
-        self._submitted = 0  # tickets handed out; op k is reaped once _reaped >= k
-        self._reaped = 0
         # the op aborts the process when a handle is destroyed with reads in flight, and a ring always has reads
-        # ahead: whoever drops the backend without close() (or exits), the handle is drained first
-        self._drain = weakref.finalize(self, _drain, self._handle, self._pending, self._aio_lock)
+        # ahead: whoever drops the backend without close() (or exits), every handle is drained first
+        self._drain = weakref.finalize(self, _drain, self._lanes)
+
+    def _lane_for(self, region: torch.Tensor) -> _Lane:
+        """The lane of the buffer `region` lies in: the one that locked it, else one per buffer, round-robin (a
+        buffer the op locked is only known as locked to the handle that locked it)."""
+        key = region.untyped_storage().data_ptr()
+        with self._assign_lock:
+            if key in self._locked:
+                return self._lanes[self._locked[key][1]]
+            lane = self._lane_of.get(key)
+            if lane is None:
+                if len(self._lane_of) >= 1024:  # forget buffers long gone; reads in flight keep their lane
+                    self._lane_of.clear()
+                lane = self._lane_of[key] = self._next_lane
+                self._next_lane = (self._next_lane + 1) % LANES
+        return self._lanes[lane]
 
     def _start(self, file: OpenFile, start: int, region: torch.Tensor) -> Callable[[], int]:
         if not file.direct:
@@ -153,8 +184,9 @@ class AioBackend(PreadBackend):
         if bulk == 0:
             return tail
         target = region[:bulk]  # the op's buffer; a view of its own, so its references are the op's and ours
-        bounced = not self._handle.is_pinned(target)  # the op's own test: torch-pinned, or locked by it
-        with self._aio_lock:
+        lane = self._lane_for(region)
+        bounced = not lane.handle.is_pinned(target)  # the op's own test: torch-pinned, or locked by this handle
+        with lane.lock:
             if bounced:
                 locked = self._locked_now()
                 if self._lock_limit is not None and locked + bulk > self._lock_limit:
@@ -165,40 +197,44 @@ class AioBackend(PreadBackend):
                         "buffer, raise `ulimit -l`, or use the pread backend"
                     )
             self._io_begin()
-            if self._handle.async_pread(target, str(file.path), start) != 0:
+            if lane.handle.async_pread(target, str(file.path), start) != 0:
                 self._io_end(0)
                 tail()
                 raise OffloadError(f"{file.path}: aio read of bytes {start}..{start + bulk} did not start")
-            self._pending.append(_Op(bulk, bounced, target))
+            lane.pending.append(_Op(bulk, bounced, target))
             self.bounced_bytes += bulk if bounced else 0
-            self._submitted += 1
-            ticket = self._submitted
+            lane.submitted += 1
+            ticket = lane.submitted
 
         def reap() -> int:
-            self._reap(ticket)
+            self._reap(lane, ticket)
             self._check_unchanged(file)  # the op reports no short reads: a file that shrank under it must not pass
             return bulk + tail()
 
         return reap
 
-    def _reap(self, ticket: int) -> None:
-        """Block until op `ticket` is complete, reaping every op in flight with it."""
-        with self._aio_lock:
-            if self._reaped >= ticket:
+    def _reap(self, lane: _Lane, ticket: int) -> None:
+        """Block until op `ticket` of `lane` is complete, reaping every op in flight on its handle with it."""
+        with lane.lock:
+            if lane.reaped >= ticket:
                 return
-            self._handle.wait()
-            _await_release(self._pending)
-            for op in self._pending:
+            lane.handle.wait()
+            _await_release(lane.pending)
+            for op in lane.pending:
                 self._io_end(op.nbytes)
-            self._pending.clear()
-            self._reaped = self._submitted
+            lane.pending.clear()
+            lane.reaped = lane.submitted
+
+    def _reap_all(self) -> None:
+        for lane in self._lanes:
+            self._reap(lane, lane.submitted)
 
     def locked_buffer(self, nbytes: int) -> torch.Tensor | None:
         """A buffer page-locked by the op, which reads into it with no bounce copy; None where it would take this
         backend's locked memory past half of RLIMIT_MEMLOCK (the other half stays for the bounce buffers of reads
         into other memory), said once in `lock_note`. Give it back with `free_locked` before the backend goes."""
         size = aligned_span(0, nbytes).length  # bytes; the op's buffers start on a page
-        with self._aio_lock:
+        with self._assign_lock:
             locked = self._locked_now()
             if size == 0 or (self._lock_limit is not None and locked + size > self._lock_limit // 2):
                 if size and not self.lock_note:
@@ -208,30 +244,31 @@ class AioBackend(PreadBackend):
                         "a copy (raise `ulimit -l`)"
                     )
                 return None
-            buf = self._handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+            index, self._next_lane = self._next_lane, (self._next_lane + 1) % LANES
+            buf = self._lanes[index].handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
             if buf.data_ptr() == 0:  # the op's allocation or mlock failed (it printed why)
                 return None
-            self._locked[buf.data_ptr()] = size
+            self._locked[buf.data_ptr()] = (size, index)
             self.locked_bytes += size
         return buf
 
     def free_locked(self, buf: torch.Tensor) -> None:
-        """Give back a buffer from `locked_buffer`, after the reads in flight on the handle have landed."""
-        self._reap(self._submitted)
-        with self._aio_lock:
-            size = self._locked.pop(buf.data_ptr(), None)
+        """Give back a buffer from `locked_buffer`, after the reads in flight have landed."""
+        self._reap_all()
+        with self._assign_lock:
+            size, index = self._locked.pop(buf.data_ptr(), (None, None))
             if size is None:
                 raise ValueError(f"aio: buffer {buf.data_ptr():#x} was not locked here")
-            self._handle.free_cpu_locked_tensor(buf)
+            self._lanes[index].handle.free_cpu_locked_tensor(buf)
             self.locked_bytes -= size
 
     def _locked_now(self) -> int:
         """Bytes this backend has the op hold mlocked: its locked buffers and the bounce buffers of reads in flight.
         Memory other code in the process locks is not seen."""
-        return self.locked_bytes + sum(op.nbytes for op in self._pending if op.bounced)
+        return self.locked_bytes + sum(op.nbytes for lane in self._lanes for op in list(lane.pending) if op.bounced)
 
     def close(self) -> None:
-        self._reap(self._submitted)
+        self._reap_all()
         self._drain.detach()
         super().close()
 
@@ -255,13 +292,14 @@ def _await_release(ops: list[_Op]) -> None:
             time.sleep(1e-5)
 
 
-def _drain(handle: object, pending: list[_Op], lock: threading.Lock) -> None:
-    """Wait for a handle's reads in flight, if any (the op also aborts on a wait with none pending)."""
-    with lock:
-        if pending:
-            handle.wait()
-            _await_release(pending)
-            pending.clear()
+def _drain(lanes: list[_Lane]) -> None:
+    """Wait for each handle's reads in flight, if any (the op also aborts on a wait with none pending)."""
+    for lane in lanes:
+        with lane.lock:
+            if lane.pending:
+                lane.handle.wait()
+                _await_release(lane.pending)
+                lane.pending.clear()
 
 
 CAP_IPC_LOCK = 14  # capability bit: mlock without limit

@@ -27,13 +27,11 @@ import json
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from bench_common import ensure_checkpoint, machine, timestamp, write_report
-from prefix_cache import QUICK_SHAPE, SHAPE
+from prefix_cache import QUICK_SHAPE, SHAPE, add_run_args, run_child
 
 RESULTS = Path(__file__).parent / "results" / "kv_prefetch.json"
 RUNS = ("admission", "prefetch")
@@ -98,12 +96,7 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def run_child(args: argparse.Namespace, run: str, kv_dir: Path) -> dict:
-    cmd = [sys.executable, __file__, "--child", run, "--model", str(args.model), "--kv-dir", str(kv_dir)]
-    for flag in ("requests", "history", "question", "new_tokens", "max_num_seqs", "kv_cache", "kv_disk", "vocab"):
-        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=args.timeout)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+CHILD_FLAGS = ("requests", "history", "question", "new_tokens", "max_num_seqs", "kv_cache", "kv_disk", "vocab")
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -116,14 +109,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache", type=int, default=1024, help="MiB of device KV cache")
     p.add_argument("--kv-disk", type=int, default=4096, help="MiB of disk for KV blocks")
-    p.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench").expanduser())
-    p.add_argument("--quick", action="store_true", help="a small model and workload (the tests)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--child", choices=(*RUNS, "seed"), help=argparse.SUPPRESS)
-    p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--kv-dir", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help=argparse.SUPPRESS)
+    add_run_args(p, RUNS, RESULTS)
     args = p.parse_args(argv)
     if args.child:
         args.run = args.child
@@ -139,8 +125,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     for i in range(args.repeats):
         kv_dir = Path(tempfile.mkdtemp(prefix="prefetch-kv-", dir=args.work_dir))
         try:
-            seeded = run_child(args, "seed", kv_dir)["disk_blocks"]
-            round_ = {run: run_child(args, run, kv_dir) for run in (RUNS if i % 2 == 0 else RUNS[::-1])}
+            seeded = run_child(args, "seed", kv_dir, CHILD_FLAGS, __file__)["disk_blocks"]
+            order = RUNS if i % 2 == 0 else RUNS[::-1]
+            round_ = {run: run_child(args, run, kv_dir, CHILD_FLAGS, __file__) for run in order}
             round_["seeded_blocks"] = seeded
         finally:
             shutil.rmtree(kv_dir, ignore_errors=True)

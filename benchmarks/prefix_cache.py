@@ -111,12 +111,30 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def run_child(args: argparse.Namespace, run: str, kv_dir: Path) -> dict:
-    cmd = [sys.executable, __file__, "--child", run, "--model", str(args.model), "--kv-dir", str(kv_dir)]
-    for flag in ("requests", "system", "question", "new_tokens", "kv_cache", "kv_disk", "vocab"):
+CHILD_FLAGS = ("requests", "system", "question", "new_tokens", "kv_cache", "kv_disk", "vocab")
+
+
+def run_child(
+    args: argparse.Namespace, run: str, kv_dir: Path, flags: tuple[str, ...] = CHILD_FLAGS, script: str = __file__
+) -> dict:
+    """`script --child run` in a fresh process with `args`' values of `flags`; its last line of output, as JSON."""
+    cmd = [sys.executable, script, "--child", run, "--model", str(args.model), "--kv-dir", str(kv_dir)]
+    for flag in flags:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=args.timeout)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def add_run_args(p: argparse.ArgumentParser, runs: tuple[str, ...], results: Path) -> None:
+    """The options of a benchmark whose runs are child processes (`--child RUN`), and the children's own."""
+    p.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench").expanduser())
+    p.add_argument("--quick", action="store_true", help="a small model and workload (the tests)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    p.add_argument("--out", type=Path, default=results)
+    p.add_argument("--child", choices=(*runs, "seed"), help=argparse.SUPPRESS)
+    p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--kv-dir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help=argparse.SUPPRESS)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -128,14 +146,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache", type=int, default=1024, help="MiB of device KV cache")
     p.add_argument("--kv-disk", type=int, default=2048, help="MiB of disk for KV blocks (restart run)")
-    p.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench").expanduser())
-    p.add_argument("--quick", action="store_true", help="a small model and workload (the tests)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--child", choices=(*RUNS, "seed"), help=argparse.SUPPRESS)
-    p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--kv-dir", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help=argparse.SUPPRESS)
+    add_run_args(p, RUNS, RESULTS)
     args = p.parse_args(argv)
     if args.child:
         args.run = args.child

@@ -22,15 +22,45 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-class WriteThrough:
+class _Worker:
+    """A thread of its own doing `_do(job)` for each job put, in order."""
+
+    def __init__(self, name: str, depth: int = 0) -> None:
+        """`depth`: jobs that may wait (0: no bound)."""
+        self._jobs: queue.Queue = queue.Queue(depth)
+        self._thread: threading.Thread | None = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until every job put so far is done."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Do the jobs put so far, then stop the thread. Closing twice is harmless."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _do(self, job) -> None:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._do(job)
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+
+class WriteThrough(_Worker):
     """`put(key, row)` called for each block offered, in order, on a thread of its own."""
 
     def __init__(self, put: Callable[[bytes, torch.Tensor], object], depth: int) -> None:
         """`depth`: blocks that may wait for `put`."""
         self._put = put
-        self._jobs: queue.Queue = queue.Queue(depth)
-        self._thread: threading.Thread | None = threading.Thread(target=self._loop, name="kv-disk-writer", daemon=True)
-        self._thread.start()
+        super().__init__("kv-disk-writer", depth)
 
     def offer(self, key: bytes, row: torch.Tensor) -> bool:
         """Queue the block; False (nothing queued) when `depth` blocks are waiting already."""
@@ -40,27 +70,11 @@ class WriteThrough:
             return False
         return True
 
-    def join(self) -> None:
-        """Block until every block offered so far is stored."""
-        self._jobs.join()
-
-    def close(self) -> None:
-        """Store what was offered, then stop the thread. Closing twice is harmless."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
-
-    def _loop(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            try:
-                self._put(*item)
-            finally:
-                self._jobs.task_done()
-        self._jobs.task_done()
+    def _do(self, job: tuple[bytes, torch.Tensor]) -> None:
+        self._put(*job)
 
 
-class ReadAhead:
+class ReadAhead(_Worker):
     """Blocks of a KVDiskStore read by a thread of their own, waiting to be taken."""
 
     def __init__(self, disk, disk_lock: threading.Lock) -> None:
@@ -71,9 +85,7 @@ class ReadAhead:
         self._asked: set[bytes] = set()  # keys asked for and not yet taken
         self._read: dict[bytes, torch.Tensor] = {}  # key -> row, read and verified, in the order read
         self._seconds = 0.0  # spent reading since the last take
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = threading.Thread(target=self._loop, name="kv-disk-reader", daemon=True)
-        self._thread.start()
+        super().__init__("kv-disk-reader")
 
     @property
     def outstanding(self) -> int:
@@ -99,30 +111,11 @@ class ReadAhead:
             seconds, self._seconds = self._seconds, 0.0
         return rows, seconds
 
-    def wait(self) -> None:
-        """Block until every read asked for so far is done."""
-        self._jobs.join()
-
     def clear(self) -> None:
         """Forget the blocks read and not yet taken (reads in flight still land)."""
         self.take()
 
-    def close(self) -> None:
-        """Stop the thread after the reads asked for so far. Closing twice is harmless."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
-
-    def _loop(self) -> None:
-        while (keys := self._jobs.get()) is not None:
-            try:
-                self._read_blocks(keys)
-            finally:
-                self._jobs.task_done()
-        self._jobs.task_done()
-
-    def _read_blocks(self, keys: list[bytes]) -> None:
+    def _do(self, keys: list[bytes]) -> None:
         start = time.perf_counter()
         try:
             with self._disk_lock:

@@ -371,7 +371,7 @@ class KVTiers:
     def flush(self) -> None:
         """Wait for the write-through queue to drain and make the disk store's index durable."""
         if self._writer is not None:
-            self._writer.join()
+            self._writer.wait()
             with self._disk_lock:
                 self.disk.flush()
 

@@ -30,8 +30,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench_common import ensure_checkpoint, machine, timestamp, write_report
-from prefix_cache import QUICK_SHAPE, SHAPE, add_run_args, run_child
+from bench_common import machine, timestamp, write_report
+from prefix_cache import add_run_args, bench_model, run_child
 
 RESULTS = Path(__file__).parent / "results" / "kv_prefetch.json"
 RUNS = ("admission", "prefetch")
@@ -114,13 +114,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.child:
         args.run = args.child
         return child(args)
-    shape = QUICK_SHAPE if args.quick else SHAPE
     if args.quick:
         args.requests, args.history, args.question, args.new_tokens, args.repeats = 8, 128, 8, 4, 1
         args.max_num_seqs, args.kv_cache, args.kv_disk = 2, 64, 64
-    name = "llama-{num_hidden_layers}L-{hidden_size}-bf16".format(**shape)
-    args.model = ensure_checkpoint(args.work_dir / name, shape)
-    args.vocab = shape["vocab_size"]
+    shape = bench_model(args)
     rounds: list[dict[str, dict]] = []
     for i in range(args.repeats):
         kv_dir = Path(tempfile.mkdtemp(prefix="prefetch-kv-", dir=args.work_dir))

@@ -125,6 +125,16 @@ def run_child(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def bench_model(args: argparse.Namespace) -> dict:
+    """The model's shape (QUICK_SHAPE with --quick), its checkpoint built once in the work dir as `args.model`, and
+    its vocabulary size as `args.vocab`."""
+    shape = QUICK_SHAPE if args.quick else SHAPE
+    name = "llama-{num_hidden_layers}L-{hidden_size}-bf16".format(**shape)
+    args.model = ensure_checkpoint(args.work_dir / name, shape)
+    args.vocab = shape["vocab_size"]
+    return shape
+
+
 def add_run_args(p: argparse.ArgumentParser, runs: tuple[str, ...], results: Path) -> None:
     """The options of a benchmark whose runs are child processes (`--child RUN`), and the children's own."""
     p.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench").expanduser())
@@ -151,13 +161,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.child:
         args.run = args.child
         return child(args)
-    shape = QUICK_SHAPE if args.quick else SHAPE
     if args.quick:
         args.requests, args.system, args.question, args.new_tokens, args.repeats = 8, 128, 16, 4, 1
         args.kv_cache, args.kv_disk = 64, 64
-    name = "llama-{num_hidden_layers}L-{hidden_size}-bf16".format(**shape)
-    args.model = ensure_checkpoint(args.work_dir / name, shape)
-    args.vocab = shape["vocab_size"]
+    shape = bench_model(args)
     rounds: list[dict[str, dict]] = []
     for _ in range(args.repeats):
         kv_dir = Path(tempfile.mkdtemp(prefix="prefix-kv-", dir=args.work_dir))

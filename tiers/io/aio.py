@@ -118,7 +118,7 @@ class _Lane:
 
     def __init__(self, handle: object) -> None:
         self.handle = handle
-        self.lock = threading.Lock()  # serializes submit, reap, and locking and freeing buffers on the handle
+        self.lock = threading.Lock()  # serializes every call on the handle: submit, reap, lock and free a buffer
         self.pending: list[_Op] = []  # each op submitted and not yet reaped
         self.submitted = 0  # tickets handed out; op k is reaped once reaped >= k
         self.reaped = 0
@@ -245,7 +245,8 @@ class AioBackend(PreadBackend):
                     )
                 return None
             index, self._next_lane = self._next_lane, (self._next_lane + 1) % LANES
-            buf = self._lanes[index].handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+            with self._lanes[index].lock:
+                buf = self._lanes[index].handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
             if buf.data_ptr() == 0:  # the op's allocation or mlock failed (it printed why)
                 return None
             self._locked[buf.data_ptr()] = (size, index)
@@ -259,7 +260,8 @@ class AioBackend(PreadBackend):
             size, index = self._locked.pop(buf.data_ptr(), (None, None))
             if size is None:
                 raise ValueError(f"aio: buffer {buf.data_ptr():#x} was not locked here")
-            self._lanes[index].handle.free_cpu_locked_tensor(buf)
+            with self._lanes[index].lock:
+                self._lanes[index].handle.free_cpu_locked_tensor(buf)
             self.locked_bytes -= size
 
     def _locked_now(self) -> int:

@@ -143,8 +143,9 @@ class Batcher:
             budget -= end - seq.num_cached
         for seq in reversed(deferred):  # back where they were, ahead of later arrivals
             self._requeue(seq)
-        for seq in self._next_in_line(self.limits.max_running):  # their cached blocks come up while the step computes
-            self.tables.prefetch(seq.seq_id, seq.token_ids)
+        if self.tables.reads_ahead:  # the cached blocks of those next in line come up while the step computes
+            for seq in self._next_in_line(self.limits.max_running):
+                self.tables.prefetch(seq.seq_id, seq.token_ids)
         return StepPlan(split_micro_batches(chunks, self.limits.micro_batch_tokens))
 
     def _next_in_line(self, n: int) -> list[Sequence]:

@@ -210,6 +210,11 @@ class BlockTables:
         if on_device < len(keys):
             self.lower.prefetch(keys[on_device:], self.pool)
 
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether `prefetch` can bring anything up: prefix reuse over lower tiers that read ahead."""
+        return self.root is not None and self.lower is not None and self.lower.reads_ahead
+
     def land(self) -> None:
         """Make the blocks the lower tiers brought up since the last call findable, before this step's admissions."""
         if self.root is not None and self.lower is not None:

@@ -87,6 +87,10 @@ class _DiskOnly:
     def fetch(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
         return self.tiers.fetch(keys, disk_only=True)
 
+    @property
+    def reads_ahead(self) -> bool:
+        return self.tiers.reads_ahead
+
     def prefetch(self, keys: Sequence[bytes], pool: BlockPool) -> None:
         self.tiers.prefetch(keys, pool)
 
@@ -205,6 +209,11 @@ class KVTiers:
         return self.disk is not None and key in self.disk
 
     # ---- read-ahead ---------------------------------------------------------------------------------------
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether `prefetch` reads anything (a disk part, read-ahead on)."""
+        return self._ahead is not None
 
     def prefetch(self, keys: Sequence[bytes], pool: BlockPool) -> None:
         """Start reading, in the background, the blocks of `keys` (in the order an admission asks for them) that

@@ -42,6 +42,8 @@ class LowerTiers(Protocol):
     def fetch(self, keys: Sequence[bytes]) -> list[object]:
         """Payloads of the longest run of `keys`, from the first, that a lower tier holds intact (possibly none)."""
 
+    reads_ahead: bool  # whether `prefetch` brings anything up (else it does nothing)
+
     def prefetch(self, keys: Sequence[bytes], pool) -> None:
         """Start bringing up, in the background, blocks of `keys` (those `pool` lacks) that an admission may soon
         ask for."""

@@ -43,7 +43,7 @@ from tiers.checkpoint import TORCH_DTYPES
 from tiers.copy import Event
 from tiers.io.base import ReadBackend, ReadRequest
 from tiers.layout import GroupLayout, Weights
-from tiers.memory import MemoryTier
+from tiers.memory import MemoryTier, take
 from tiers.ring import read
 
 Key = tuple[int, int]  # (layer, expert)
@@ -107,14 +107,15 @@ class ExpertCache:
         if self.slots == 0:
             raise OffloadError(f"{flag} of {budget} bytes holds no expert (one expert takes {self.slot_cost} bytes)")
         what = f"the expert cache ({flag})"
-        self._bufs = [_take(tier, read_bytes, what, flag) for _ in range(self.slots)]
-        self._scratch = [_take(tier, convert_bytes, what, flag) if convert_bytes else None for _ in range(self.slots)]
+        self._bufs = [take(tier, read_bytes, what, flag) for _ in range(self.slots)]
+        self._scratch = [take(tier, convert_bytes, what, flag) if convert_bytes else None for _ in range(self.slots)]
         self._free = list(range(self.slots - 1, -1, -1))  # slot indices; pop() takes the lowest
         self._entries: dict[Key, _Entry] = {}
         self._starts = 0  # entries whose reads were started, over the whole run
         self._experts: dict[int, list[int]] = {}  # layer -> its experts, ascending
         for layer, e in sorted(layouts):
             self._experts.setdefault(layer, []).append(e)
+        self._cycle = max(self._experts) + 1  # layers in the cycle
         self.selections: Counter[Key] = Counter()  # fetches that asked for each expert, over the whole run
         self._pinned: set[Key] = set()  # what the last start asked for
         self._layer = 0  # the layer of the last start
@@ -216,8 +217,8 @@ class ExpertCache:
     def rank(self, key: Key) -> tuple:
         """An expert's place in the eviction order, lowest first: selected least often, then the layer that comes
         back last in the layer cycle (the device slots evict by it too)."""
-        n = max(self._experts) + 1  # layers in the cycle; the current one's come back after all the others
-        return self.selections[key], -((key[0] - self._layer - 1) % n), key
+        # the current layer's experts come back after all the others'
+        return self.selections[key], -((key[0] - self._layer - 1) % self._cycle), key
 
     def predict(self, layer: int, n: int) -> list[int]:
         """The (at most n) experts of `layer` selected most often so far, most often first (ties: lower number);
@@ -307,16 +308,6 @@ def slot_cost(layouts: dict[Key, GroupLayout], tier: MemoryTier, dtype: torch.dt
     read_bytes = max(g.slot_bytes for g in layouts.values())
     convert_bytes = max(_convert_bytes(g, dtype) for g in layouts.values())
     return tier.footprint(read_bytes) + (tier.footprint(convert_bytes) if convert_bytes else 0)
-
-
-def _take(tier: MemoryTier, nbytes: int, what: str, flag: str) -> torch.Tensor:
-    buf = tier.allocate(nbytes)
-    if buf is None:
-        raise OffloadError(
-            f"--{tier.name}-memory budget of {tier.capacity} bytes cannot hold {what} ({tier.footprint(nbytes)} bytes "
-            f"a buffer; {tier.used} already in use): lower {flag} or raise --{tier.name}-memory"
-        )
-    return buf
 
 
 _CONVERT_ALIGN = 64  # bytes; each converted tensor starts at a multiple of this in the slot's scratch buffer

@@ -66,7 +66,6 @@ class KVTierCounters:
     bytes_up: int = 0
     writes_skipped: int = 0  # write-through blocks dropped because the disk writer was behind
     disk_seconds: float = 0.0  # spent reading blocks back from disk
-    recomputed_not_read: int = 0  # admissions that left disk blocks unread: recomputing them was predicted cheaper
     moved_blocks: int = 0  # blocks of running sequences copied device -> host (moved down instead of preempted)
     move_seconds: float = 0.0  # spent copying them
     prefetched: int = 0  # blocks read from disk ahead of admission and placed above it (in promoted_disk too)
@@ -139,12 +138,8 @@ class KVTiers:
     def count(self, keys: Sequence[bytes]) -> int:
         n, disk_pays = 0, self.disk_pays()
         for key in keys:
-            if not self.host_pool.lookup([key]):
-                if not self._on_disk(key):
-                    break
-                if not disk_pays:
-                    self.counters.recomputed_not_read += 1
-                    break
+            if not self.host_pool.lookup([key]) and not (disk_pays and self._on_disk(key)):
+                break
             n += 1
         return n
 

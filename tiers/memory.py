@@ -80,13 +80,15 @@ class MemoryTier:
         assert self.capacity is None or self.used <= self.capacity, f"{self.name}: over budget"
 
 
-def take(tier: MemoryTier, nbytes: int, what: str) -> torch.Tensor:
-    """A buffer of `nbytes` from `tier`, or an OffloadError naming the flag that sets its budget."""
+def take(tier: MemoryTier, nbytes: int, what: str, lower: str | None = None) -> torch.Tensor:
+    """A buffer of `nbytes` from `tier`, or an OffloadError naming the flag that sets its budget (and `lower`, the
+    flag that sized what needs the buffer, when there is one)."""
     buf = tier.allocate(nbytes)
     if buf is None:
+        advice = f": lower {lower} or raise --{tier.name}-memory" if lower else ""
         raise OffloadError(
             f"--{tier.name}-memory budget of {tier.capacity} bytes cannot hold {what} ({tier.footprint(nbytes)} "
-            f"bytes; {tier.used} already in use)"
+            f"bytes; {tier.used} already in use){advice}"
         )
     return buf
 

@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 # DeepSpeed's async_io op JIT-builds once per environment (several minutes on 2 cores; cached in
 # .venv/torch_extensions, a few seconds to load after that). The tests need it; the demo does not.
 aio-op: $(STAMP)
-	$(VENV)/bin/python -c "from tiers.io.aio import aio_unavailable; print('aio backend:', aio_unavailable() or 'ready')"
+	$(VENV)/bin/python -c "from offload.tiers.io.aio import aio_unavailable; print('aio backend:', aio_unavailable() or 'ready')"
 
 # libaio-dev (headers + .so) for the aio I/O backend; without it that backend is unavailable and pread serves
 libaio:
@@ -34,7 +34,7 @@ demo: $(STAMP)
 	$(VENV)/bin/offload generate
 
 test: $(STAMP) aio-op
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

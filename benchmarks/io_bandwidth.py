@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from bench_common import host, storage, timestamp, write_report
 
-from tiers.io.aio import AioBackend, aio_unavailable
-from tiers.io.base import ReadBackend, aligned_buffer, evict_page_cache
-from tiers.io.direct import PreadBackend
+from offload.tiers.io.aio import AioBackend, aio_unavailable
+from offload.tiers.io.base import ReadBackend, aligned_buffer, evict_page_cache
+from offload.tiers.io.direct import PreadBackend
 
 RESULTS = Path(__file__).parent / "results" / "io_bandwidth.json"
 MiB = 1 << 20

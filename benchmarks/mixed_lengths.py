@@ -252,9 +252,9 @@ def run_ours(
     from offload.common.config import EngineConfig, SamplingParams
     from offload.model.loader import load_spec
     from offload.model.sampling import sample
-    from scheduler.batcher import Batcher, BatchLimits
-    from scheduler.sequence import Sequence
-    from tiers.kv import KVCache
+    from offload.scheduler.batcher import Batcher, BatchLimits
+    from offload.scheduler.sequence import Sequence
+    from offload.tiers.kv import KVCache
 
     spec, _ = load_spec(model_dir)
     per_block = KVCache.block_bytes(spec.num_layers, block, spec.num_kv_heads, spec.head_dim, torch.bfloat16)

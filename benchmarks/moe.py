@@ -64,8 +64,8 @@ MARGIN = 16  # a 16th of the budget (at most 16 MiB) is left beside the resident
 
 def checkpoint_bytes(model_dir: Path) -> tuple[int, int]:
     """(bytes of the routed experts' tensors, bytes of every other tensor) from the safetensors headers."""
-    from tiers.checkpoint import Checkpoint
-    from tiers.io.buffered import BufferedReader
+    from offload.tiers.checkpoint import Checkpoint
+    from offload.tiers.io.buffered import BufferedReader
 
     with BufferedReader() as reader:
         extents = Checkpoint(model_dir, reader).extents.values()
@@ -172,7 +172,7 @@ def predicted_bytes_per_token(model_dir: Path, cache_bytes: int, batch: int, pro
     (scheduler/moe_cost.py: uniform routing, the cache's share of every expert as its hit rate): a prefill step of
     batch * prompt tokens, then new_tokens - 1 decode steps of `batch` tokens."""
     from offload.model.loader import load_spec
-    from scheduler.moe_cost import expert_params, read_bytes, sparse_layers
+    from offload.scheduler.moe_cost import expert_params, read_bytes, sparse_layers
 
     spec, _ = load_spec(model_dir)
     one = expert_params(spec) * 2  # bf16

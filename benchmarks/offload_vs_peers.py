@@ -70,8 +70,8 @@ GOALS = {
 
 def raw_bandwidth(files: list[Path], request: int = 64 * MiB, depth: int = 4, repeats: int = 3) -> dict:
     """O_DIRECT sequential reads of every file through our pread backend, cold; median and runs in GB/s."""
-    from tiers.io.backends import make_backend
-    from tiers.io.base import aligned_buffer
+    from offload.tiers.io.backends import make_backend
+    from offload.tiers.io.base import aligned_buffer
 
     rates = []
     for _ in range(repeats):
@@ -99,11 +99,11 @@ def streamed_read(model_dir: Path, layer_tiers: list[str], passes: int, depth: i
     `passes` times in the engine's cyclic order, `depth` layers in flight; the best of `repeats`, in GB/s."""
     from offload.model.loader import load_spec
     from offload.model.registry import model_tensors
-    from tiers.checkpoint import Checkpoint
-    from tiers.io.backends import make_backend
-    from tiers.io.base import aligned_buffer
-    from tiers.io.buffered import BufferedReader
-    from tiers.layout import model_layout
+    from offload.tiers.checkpoint import Checkpoint
+    from offload.tiers.io.backends import make_backend
+    from offload.tiers.io.base import aligned_buffer
+    from offload.tiers.io.buffered import BufferedReader
+    from offload.tiers.layout import model_layout
 
     spec, family = load_spec(model_dir)
     with BufferedReader() as reader:

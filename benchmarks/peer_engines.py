@@ -118,7 +118,7 @@ def fresh_copy(model_dir: Path, dest: Path) -> Path:
 
 def evict(paths: Iterable[Path]) -> None:
     """Drop the files' pages from the page cache (written pages are synced first, or they would stay)."""
-    from tiers.io.base import evict_page_cache
+    from offload.tiers.io.base import evict_page_cache
 
     for path in paths:
         evict_page_cache(path)
@@ -202,7 +202,7 @@ def ours_config(model_dir: Path, budget: int | None, workload: Workload) -> Engi
 
     from offload.common.config import EngineConfig
     from offload.model.loader import load_spec
-    from tiers.kv import KVCache
+    from offload.tiers.kv import KVCache
 
     spec, _ = load_spec(model_dir)
     block = 16
@@ -450,7 +450,7 @@ def run_zero(model_dir: Path, budget: int, workload: Workload, scratch: Path) ->
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from tiers.io.aio import aio_unavailable
+    from offload.tiers.io.aio import aio_unavailable
 
     if why := aio_unavailable():  # builds the op where ours finds it ($TORCH_EXTENSIONS_DIR), so DeepSpeed loads it
         raise RuntimeError(f"ZeRO-Inference offloads to NVMe through DeepSpeed's aio op: {why}")

@@ -65,8 +65,8 @@ def instrument(clock: KindClock, setter=setattr) -> None:
 
     import offload.model.engine as engine
     import offload.model.llama as llama
-    from tiers.kv import KVLayer
-    from tiers.weights import WeightStore
+    from offload.tiers.kv import KVLayer
+    from offload.tiers.weights import WeightStore
 
     clock.wrap(llama, "linear", "GEMMs (projections, LM head)", setter)
     clock.wrap(llama, "paged_attention", "attention: gathers, masks, copies", setter)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.dispatch import record, use_triton
+from offload.kernels.dispatch import record, use_triton
 
 QUANT_KINDS = ("int8", "int4", "fp8")
 GROUP_SIZES = (32, 64)  # values along head_dim sharing one scale

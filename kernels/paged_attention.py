@@ -20,8 +20,8 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_triton
-from kernels.paged_batch import PagedBatch
+from offload.kernels.dispatch import use_triton
+from offload.kernels.paged_batch import PagedBatch
 
 GATHER_BYTES = 64 << 20  # bytes of K/V gathered at once for single-query (decode) sequences
 # padded share of the slots a decode group may gather: sorting by length and cutting groups there halves the
@@ -254,8 +254,8 @@ def paged_attention(
     if not (plain and use_triton("paged_attention", q.device)):
         return paged_attention_ref(q, k_cache, v_cache, batch, scale, window)
     # imported here: they import triton, which only the Triton path needs
-    from kernels.paged_decode import paged_decode
-    from kernels.paged_prefill import paged_prefill
+    from offload.kernels.paged_decode import paged_decode
+    from offload.kernels.paged_prefill import paged_prefill
 
     _check(q, k_cache, v_cache, batch)
     split = _triton_split(batch, q.device)

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_batch import PagedBatch
-from kernels.paged_decode import (
+from offload.kernels.paged_batch import PagedBatch
+from offload.kernels.paged_decode import (
     LOG2E,
     check_device,
     check_operands,

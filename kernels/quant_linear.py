@@ -20,9 +20,9 @@ import hashlib
 
 import torch
 
-from kernels.dispatch import record
-from kernels.linear import linear
 from offload.common.quant import WeightQuant
+from offload.kernels.dispatch import record
+from offload.kernels.linear import linear
 
 # rows from which int8 codes converted to the compute dtype (exact: |code| <= 127) and one dense GEMM beat torch's
 # int8 CPU kernel: 256 x 2048 -> 5632 in bf16, 18 ms against 44; 64 rows, 5.8 against 10.7; 32 rows, 9.2 against 5.5
@@ -51,7 +51,7 @@ def quant_linear(
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, codes, scales[0])
     else:
-        from kernels.quant_matmul import quant_matmul
+        from offload.kernels.quant_matmul import quant_matmul
 
         y = quant_matmul(x, codes, scales, fmt.bits)
     return y if bias is None else y + bias

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_triton
+from offload.kernels.dispatch import use_triton
 
 BITS = (4, 8)
 INT4_MID = 8  # int4 codes are stored offset by 8: code 8 reads back as `zero`

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from kernels.dispatch import load_triton, use_triton
+from offload.kernels.dispatch import load_triton, use_triton
 
 # None where no Triton kernel can run (no CUDA device, no interpreter): the torch path runs, the launcher says why
 triton, tl = load_triton()

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import load_triton, use_triton
-from kernels.rms_norm import DTYPES, interpreting, rounded
+from offload.kernels.dispatch import load_triton, use_triton
+from offload.kernels.rms_norm import DTYPES, interpreting, rounded
 
 # None where no Triton kernel can run (no CUDA device, no interpreter): the torch path runs, the launcher says why
 triton, tl = load_triton()

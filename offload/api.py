@@ -22,19 +22,19 @@ from offload.planner.cold_experts import cold_experts
 from offload.planner.host_attention import choose_host_attention
 from offload.planner.profiles import saved_read_rates
 from offload.run_stats import KV_COUNTERS, RunStats
-from scheduler.batcher import BatchLimits
-from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
-from tiers.checkpoint import Checkpoint
-from tiers.device import DeviceTier
-from tiers.host import HostTier
-from tiers.io.backends import choose_backend, make_backend
-from tiers.io.buffered import BufferedReader
-from tiers.kv import KVCache
-from tiers.kv_pool import kv_key, make_kv_pool
-from tiers.layout import ModelLayout
-from tiers.placement import place_weights
-from tiers.spill import SpillStats, spill_layers
-from tiers.weights import WeightStore
+from offload.scheduler.batcher import BatchLimits
+from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
+from offload.tiers.checkpoint import Checkpoint
+from offload.tiers.device import DeviceTier
+from offload.tiers.host import HostTier
+from offload.tiers.io.backends import choose_backend, make_backend
+from offload.tiers.io.buffered import BufferedReader
+from offload.tiers.kv import KVCache
+from offload.tiers.kv_pool import kv_key, make_kv_pool
+from offload.tiers.layout import ModelLayout
+from offload.tiers.placement import place_weights
+from offload.tiers.spill import SpillStats, spill_layers
+from offload.tiers.weights import WeightStore
 
 
 @dataclass(frozen=True, slots=True)

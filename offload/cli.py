@@ -304,8 +304,8 @@ def planned_config(args: argparse.Namespace, config, lengths: list[int], max_new
 
 
 def _summary(llm, completions) -> str:
-    from kernels import dispatch
     from offload.common.sizes import format_size
+    from offload.kernels import dispatch
 
     s, pl = llm.stats, llm.placement
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(Counter(c.finish_reason for c in completions).items()))

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from kernels.quant_linear import SCALES_SUFFIX, cpu_pack_probe, to_cpu_layout
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec, read_config
 from offload.common.quant import QUANT_METHOD, WeightQuant
+from offload.kernels.quant_linear import SCALES_SUFFIX, cpu_pack_probe, to_cpu_layout
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors, quantized_tensors
-from tiers.checkpoint import INDEX_FILE, TORCH_DTYPES, Checkpoint, ModelTensors, TensorSpec, weights_fingerprint
-from tiers.io.buffered import BufferedReader
+from offload.tiers.checkpoint import INDEX_FILE, TORCH_DTYPES, Checkpoint, ModelTensors, TensorSpec, weights_fingerprint
+from offload.tiers.io.buffered import BufferedReader
 
 MANIFEST = "offload-quant.json"
 FORMAT = 1
@@ -199,7 +199,7 @@ def _write_shard(
 
 def _make(w: torch.Tensor, quant: WeightQuant, store_dtype: torch.dtype, quantized: bool) -> dict[str, torch.Tensor]:
     """The parts written for source tensor `w` [N, K]: its float copy, or its codes and scales."""
-    from kernels.quant_matmul import quantize
+    from offload.kernels.quant_matmul import quantize
 
     if not quantized:
         return {"copy": w.to(store_dtype)}

@@ -23,11 +23,11 @@ from offload.common.errors import OffloadError
 from offload.model.detokenize import TextStream
 from offload.model.engine import Engine
 from offload.model.sampling import sample
-from scheduler.batcher import Batcher, BatchLimits
-from scheduler.sequence import Sequence
-from tiers.blocks import BlockTables
-from tiers.kv_tiers import KVTiers
-from tiers.weights import WeightStore
+from offload.scheduler.batcher import Batcher, BatchLimits
+from offload.scheduler.sequence import Sequence
+from offload.tiers.blocks import BlockTables
+from offload.tiers.kv_tiers import KVTiers
+from offload.tiers.weights import WeightStore
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from typing import NamedTuple, Protocol
 
 from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.common.model_config import ModelSpec
-from scheduler.rates import curve_rate, matmul_rate
+from offload.scheduler.rates import curve_rate, matmul_rate
 
 
 class Context(Protocol):

@@ -31,9 +31,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
-from scheduler.sequence import SeqState, Sequence
-from tiers.blocks import BlockTables
+from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
+from offload.scheduler.sequence import SeqState, Sequence
+from offload.tiers.blocks import BlockTables
 
 LOOKAHEAD = 64  # waiting sequences compared by cached prefix at each admission
 MAX_SKIPS = 16  # admissions a waiting sequence may be passed over for a longer cached prefix

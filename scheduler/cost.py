@@ -22,9 +22,9 @@ from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import PLANNING_ONLY, ModelSpec
-from scheduler.attention_cost import attention_seconds, host_kv_attention
-from scheduler.moe_cost import expert_params, expert_step, routed_params
-from scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds, matmul_rate
+from offload.scheduler.attention_cost import attention_seconds, host_kv_attention
+from offload.scheduler.moe_cost import expert_params, expert_step, routed_params
+from offload.scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds, matmul_rate
 
 # Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
 # the call; what the layer itself costs at the least is the profile's measured layer_floor, where it has one.

@@ -25,7 +25,7 @@ from typing import NamedTuple
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.hardware import ComputeUnit
 from offload.common.model_config import ModelSpec
-from scheduler.rates import gemm_seconds
+from offload.scheduler.rates import gemm_seconds
 
 
 class ExpertStep(NamedTuple):

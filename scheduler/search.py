@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from offload.common.config import Policy
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
-from scheduler.cost import (
+from offload.scheduler.cost import (
     Budgets,
     Candidate,
     Context,
@@ -25,7 +25,7 @@ from scheduler.cost import (
     predict,
     tier_memory,
 )
-from scheduler.moe_cost import expert_params, routed_params
+from offload.scheduler.moe_cost import expert_params, routed_params
 
 KV_TIERS = ("device", "host")
 WHOLE_MACHINE = Budgets()  # no budget: every tier as big as the hardware profile says (frozen, safe to share)

@@ -13,12 +13,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("offload", "kernels", "tiers", "scheduler")
+# each source folder and the package it installs as (pyproject's package-dir)
+PACKAGES = {
+    "offload": "offload",
+    "kernels": "offload.kernels",
+    "tiers": "offload.tiers",
+    "scheduler": "offload.scheduler",
+}
 LAYERS = (
     ("common", ("offload.common",)),
-    ("kernels", ("kernels",)),
-    ("tiers", ("tiers",)),
-    ("scheduler", ("scheduler",)),
+    ("kernels", ("offload.kernels",)),
+    ("tiers", ("offload.tiers",)),
+    ("scheduler", ("offload.scheduler",)),
     ("model", ("offload.model",)),
     ("planner", ("offload.planner",)),
     ("core", ("offload.core",)),
@@ -29,12 +35,13 @@ FORBIDDEN = {"scheduler": ("torch", "os", "pathlib", "safetensors")}
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    folder, *parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = [PACKAGES[folder], *parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def source_modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {module_name(p): p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))}
 
 
 def layer_of(module: str) -> int:
@@ -109,7 +116,8 @@ def cycles(graph: dict[str, set[str]]) -> list[str]:
 
 
 MODULES = source_modules()
-# a package's __init__ is its own module: importing tiers.io.base does not run tiers.io's code on our behalf
+# a package's __init__ is its own module: importing offload.tiers.io.base does not run offload.tiers.io's code on our
+# behalf
 GRAPH = {m: imports(p, set(MODULES)) - {m} for m, p in MODULES.items()}
 
 
@@ -131,10 +139,10 @@ def test_no_import_cycles():
 
 
 def test_the_checks_catch_what_they_look_for():
-    assert upward({"tiers.weights": {"offload.model.registry"}}) == [
-        "tiers.weights (tiers) imports offload.model.registry (model)"
+    assert upward({"offload.tiers.weights": {"offload.model.registry"}}) == [
+        "offload.tiers.weights (tiers) imports offload.model.registry (model)"
     ]
-    assert upward({"offload.api": {"tiers.kv"}, "tiers.kv": {"tiers.io.base"}}) == []
+    assert upward({"offload.api": {"offload.tiers.kv"}, "offload.tiers.kv": {"offload.tiers.io.base"}}) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
     assert cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from tiers.prefix import LowerTiers, PrefixCounters, extend_chain
+from offload.tiers.prefix import LowerTiers, PrefixCounters, extend_chain
 
 
 class BlockPool:

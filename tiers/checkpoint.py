@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from offload.common.errors import OffloadError
-from tiers.io.buffered import BufferedReader
+from offload.tiers.io.buffered import BufferedReader
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

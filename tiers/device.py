@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tiers.memory import MemoryTier
+from offload.tiers.memory import MemoryTier
 
 
 class DeviceTier(MemoryTier):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 from offload.common.config import embed_read_buffer
-from tiers.checkpoint import TORCH_DTYPES
-from tiers.io.base import ALIGN, ReadBackend, aligned_span
-from tiers.layout import MERGE_GAP, GroupLayout
-from tiers.memory import MemoryTier
-from tiers.ring import take
+from offload.tiers.checkpoint import TORCH_DTYPES
+from offload.tiers.io.base import ALIGN, ReadBackend, aligned_span
+from offload.tiers.layout import MERGE_GAP, GroupLayout
+from offload.tiers.memory import MemoryTier
+from offload.tiers.ring import take
 
 TABLE = "embed"  # the short name of the token table in a family's embedding group
 HEAD = "lm_head"  # the head's matrix, absent from the head group when tied to the table

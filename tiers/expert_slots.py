@@ -19,10 +19,10 @@ from collections.abc import Callable
 import torch
 
 from offload.common.errors import OffloadError
-from tiers.copy import CopyEngine, Event
-from tiers.layout import GroupLayout, Weights
-from tiers.memory import MemoryTier
-from tiers.slot import SlotLayout, slot_layout
+from offload.tiers.copy import CopyEngine, Event
+from offload.tiers.layout import GroupLayout, Weights
+from offload.tiers.memory import MemoryTier
+from offload.tiers.slot import SlotLayout, slot_layout
 
 Key = tuple[int, int]  # (layer, expert)
 

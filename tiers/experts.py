@@ -39,12 +39,12 @@ from dataclasses import dataclass, fields
 import torch
 
 from offload.common.errors import OffloadError
-from tiers.checkpoint import TORCH_DTYPES
-from tiers.copy import Event
-from tiers.io.base import ReadBackend, ReadRequest
-from tiers.layout import GroupLayout, Weights
-from tiers.memory import MemoryTier, take
-from tiers.ring import read
+from offload.tiers.checkpoint import TORCH_DTYPES
+from offload.tiers.copy import Event
+from offload.tiers.io.base import ReadBackend, ReadRequest
+from offload.tiers.layout import GroupLayout, Weights
+from offload.tiers.memory import MemoryTier, take
+from offload.tiers.ring import read
 
 Key = tuple[int, int]  # (layer, expert)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_quant import GROUP_SIZE, QUANT_KINDS, KVQuantFormat, dequantize_kv, quantize_kv
+from offload.kernels.kv_quant import GROUP_SIZE, QUANT_KINDS, KVQuantFormat, dequantize_kv, quantize_kv
 
 # values dequantized at a time when gathering blocks: a float32 scratch of 2 MiB stays in cache, where dequantizing
 # 512 blocks (16 tokens, 8 heads, head_dim 128) at once took 2-4x longer on a 2-core VM

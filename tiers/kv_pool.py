@@ -10,12 +10,12 @@ import torch
 from offload.common.config import EngineConfig
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
-from tiers.blocks import BlockPool, BlockTables
-from tiers.checkpoint import weights_fingerprint
-from tiers.kv import KVCache
-from tiers.kv_tiers import KVTiers
-from tiers.memory import MemoryTier
-from tiers.prefix import chain_root
+from offload.tiers.blocks import BlockPool, BlockTables
+from offload.tiers.checkpoint import weights_fingerprint
+from offload.tiers.kv import KVCache
+from offload.tiers.kv_tiers import KVTiers
+from offload.tiers.memory import MemoryTier
+from offload.tiers.prefix import chain_root
 
 
 def kv_key(model_dir: Path, spec: ModelSpec, dtype: torch.dtype, kv: KVCache) -> dict:
@@ -45,7 +45,7 @@ def make_kv_pool(
             )
         disk = None
         if config.kv_disk_memory:
-            from tiers.kv_store import KVDiskStore
+            from offload.tiers.kv_store import KVDiskStore
 
             folder = Path(config.offload_dir) / "kv"
             disk = KVDiskStore(folder, key, kv.bytes_per_block, config.kv_disk_memory)

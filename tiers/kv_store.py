@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 
 from offload.common.errors import OffloadError
-from tiers.files import fsync_dir, make_dirs, os_error_reason, pwrite_all, try_lock, write_bytes
-from tiers.io.base import ALIGN, ReadBackend, ReadRequest, aligned_buffer, aligned_span
-from tiers.io.direct import PreadBackend
+from offload.tiers.files import fsync_dir, make_dirs, os_error_reason, pwrite_all, try_lock, write_bytes
+from offload.tiers.io.base import ALIGN, ReadBackend, ReadRequest, aligned_buffer, aligned_span
+from offload.tiers.io.direct import PreadBackend
 
 FORMAT = 1  # bump when the block file or the manifest changes: older blocks then count as another key's
 MANIFEST = "manifest.json"

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tiers.blocks import BlockPool
-from tiers.kv import KVCache
-from tiers.kv_disk_threads import ReadAhead, WriteThrough
-from tiers.memory import MemoryTier
+from offload.tiers.blocks import BlockPool
+from offload.tiers.kv import KVCache
+from offload.tiers.kv_disk_threads import ReadAhead, WriteThrough
+from offload.tiers.memory import MemoryTier
 
 WRITE_QUEUE = 256  # blocks waiting for the disk writer; a block that finds the queue full is not written through
 PREFETCH_SHARE = 0.5  # of the blocks a read-ahead may land in: those no sequence holds

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from tiers.io.base import ReadBackend, aligned_span
-from tiers.memory import MemoryTier, take
+from offload.tiers.io.base import ReadBackend, aligned_span
+from offload.tiers.memory import MemoryTier, take
 
 
 class LandingBuffers:

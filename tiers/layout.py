@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from tiers.checkpoint import TORCH_DTYPES, Checkpoint, Extent, ModelTensors, TensorGroup
-from tiers.io.base import aligned_span
+from offload.tiers.checkpoint import TORCH_DTYPES, Checkpoint, Extent, ModelTensors, TensorGroup
+from offload.tiers.io.base import aligned_span
 
 Weights = dict[str, torch.Tensor]  # short name (e.g. "q_proj") -> tensor on the compute device
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from offload.common.errors import OffloadError
-from tiers.io.base import ALIGN, aligned_buffer, aligned_span
+from offload.tiers.io.base import ALIGN, aligned_buffer, aligned_span
 
 
 class MemoryTier:

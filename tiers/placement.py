@@ -11,12 +11,12 @@ import torch
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
-from tiers.checkpoint import TORCH_DTYPES, held_dtype
-from tiers.device import DeviceTier
-from tiers.embedding import read_buffer_bytes, storable
-from tiers.host import HostTier
-from tiers.layout import GroupLayout, ModelLayout, TensorAt
-from tiers.slot import slot_layout
+from offload.tiers.checkpoint import TORCH_DTYPES, held_dtype
+from offload.tiers.device import DeviceTier
+from offload.tiers.embedding import read_buffer_bytes, storable
+from offload.tiers.host import HostTier
+from offload.tiers.layout import GroupLayout, ModelLayout, TensorAt
+from offload.tiers.slot import slot_layout
 
 
 def place_by_bytes(

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from offload.common.errors import OffloadError
-from tiers.copy import DONE, CopyEngine, Event
-from tiers.io.base import ReadBackend, ReadRequest
-from tiers.landing import LandingBuffers
-from tiers.layout import GroupLayout, Weights
-from tiers.memory import MemoryTier, take
-from tiers.slot import SlotLayout, slot_layout
+from offload.tiers.copy import DONE, CopyEngine, Event
+from offload.tiers.io.base import ReadBackend, ReadRequest
+from offload.tiers.landing import LandingBuffers
+from offload.tiers.layout import GroupLayout, Weights
+from offload.tiers.memory import MemoryTier, take
+from offload.tiers.slot import SlotLayout, slot_layout
 
 
 def read(backend: ReadBackend, layout: GroupLayout, buf: torch.Tensor) -> list[ReadRequest]:

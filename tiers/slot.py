@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiers.checkpoint import TORCH_DTYPES, held_dtype
-from tiers.layout import GroupLayout
+from offload.tiers.checkpoint import TORCH_DTYPES, held_dtype
+from offload.tiers.layout import GroupLayout
 
 DEVICE_ALIGN = 256  # bytes; what cudaMalloc guarantees, so packed tensors are as aligned as separate allocations
 

@@ -20,12 +20,12 @@ import torch
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
-from tiers.checkpoint import TORCH_DTYPES, held_dtype
-from tiers.io.backends import make_backend
-from tiers.io.base import ReadBackend, aligned_buffer
-from tiers.layout import GroupLayout, ModelLayout
-from tiers.ring import read
-from tiers.spill_store import DTYPE_CODES, FORMAT, SpillFile, SpillStore, plan_file
+from offload.tiers.checkpoint import TORCH_DTYPES, held_dtype
+from offload.tiers.io.backends import make_backend
+from offload.tiers.io.base import ReadBackend, aligned_buffer
+from offload.tiers.layout import GroupLayout, ModelLayout
+from offload.tiers.ring import read
+from offload.tiers.spill_store import DTYPE_CODES, FORMAT, SpillFile, SpillStore, plan_file
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,11 +26,11 @@ import torch
 
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
-from tiers.checkpoint import TORCH_DTYPES
-from tiers.files import fsync_dir, locked, make_dirs, os_error_reason, pwrite_all, write_bytes
-from tiers.io.base import aligned_buffer, aligned_span
-from tiers.io.direct import PreadBackend
-from tiers.layout import GroupLayout, Run, TensorAt
+from offload.tiers.checkpoint import TORCH_DTYPES
+from offload.tiers.files import fsync_dir, locked, make_dirs, os_error_reason, pwrite_all, write_bytes
+from offload.tiers.io.base import aligned_buffer, aligned_span
+from offload.tiers.io.direct import PreadBackend
+from offload.tiers.layout import GroupLayout, Run, TensorAt
 
 FORMAT = 1  # bump when the file layout or the manifest changes: older spill files then count as stale
 MANIFEST = "manifest.json"

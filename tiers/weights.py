@@ -24,19 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.linear import pack_weight, packing_pays
-from kernels.quant_linear import SCALES_SUFFIX
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
-from tiers.copy import CopyEngine, make_copy_engine
-from tiers.device import DeviceTier
-from tiers.embedding import HEAD, TABLE, StoredEmbedding
-from tiers.host import HostTier
-from tiers.io.base import ReadBackend
-from tiers.layout import GroupLayout, ModelLayout, Weights
-from tiers.memory import MemoryTier
-from tiers.ring import DirectRing, Ring, StagedRing, convert, read, take
-from tiers.slot import slot_layout
+from offload.kernels.linear import pack_weight, packing_pays
+from offload.kernels.quant_linear import SCALES_SUFFIX
+from offload.tiers.copy import CopyEngine, make_copy_engine
+from offload.tiers.device import DeviceTier
+from offload.tiers.embedding import HEAD, TABLE, StoredEmbedding
+from offload.tiers.host import HostTier
+from offload.tiers.io.base import ReadBackend
+from offload.tiers.layout import GroupLayout, ModelLayout, Weights
+from offload.tiers.memory import MemoryTier
+from offload.tiers.ring import DirectRing, Ring, StagedRing, convert, read, take
+from offload.tiers.slot import slot_layout
 
 
 @dataclass(frozen=True, slots=True)

@@ -235,7 +235,7 @@ DRY_SHAPES = Shapes(
 
 
 def bench_paged_decode(bench: Bench, shapes: Shapes, device: torch.device) -> str | None:
-    module, why = find("paged_decode", "kernels.paged_decode", "paged_decode")
+    module, why = find("paged_decode", "offload.kernels.paged_decode", "paged_decode")
     if module is None:
         return why
     accepts_max_context = "max_context" in inspect.signature(module.paged_decode).parameters
@@ -274,7 +274,7 @@ def sdpa_gathered(q, k_cache, v_cache, block_tables, context_lens, scale: float,
 
 
 def bench_quant_matmul(bench: Bench, shapes: Shapes, device: torch.device) -> str | None:
-    module, why = find("quant_matmul", "kernels.quant_matmul", "quant_matmul", "quantize", "quant_matmul_ref")
+    module, why = find("quant_matmul", "offload.kernels.quant_matmul", "quant_matmul", "quantize", "quant_matmul_ref")
     if module is None:
         return why
     fused = getattr(module, "quant_matmul_triton", module.quant_matmul)  # quant_matmul falls back to torch on a CPU
@@ -299,7 +299,7 @@ def bench_quant_matmul(bench: Bench, shapes: Shapes, device: torch.device) -> st
 
 
 def bench_rms_norm(bench: Bench, shapes: Shapes, device: torch.device) -> str | None:
-    module, why = find("rms_norm", "kernels.rms_norm", "rms_norm_residual", "rms_norm_residual_ref")
+    module, why = find("rms_norm", "offload.kernels.rms_norm", "rms_norm_residual", "rms_norm_residual_ref")
     if module is None:
         return why
     for tokens, hidden in shapes.rms_norm:
@@ -318,7 +318,7 @@ def bench_rms_norm(bench: Bench, shapes: Shapes, device: torch.device) -> str | 
 
 
 def bench_rotary(bench: Bench, shapes: Shapes, device: torch.device) -> str | None:
-    module, why = find("rotary", "kernels.rotary", "rotary", "rotary_ref")
+    module, why = find("rotary", "offload.kernels.rotary", "rotary", "rotary_ref")
     if module is None:
         return why
     for tokens, heads, kv_heads, head_dim in shapes.rotary:

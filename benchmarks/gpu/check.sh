@@ -36,7 +36,7 @@ timeouts=()
 python3 -c "import pytest_timeout" 2>/dev/null && timeouts=(--timeout 150)
 for s in "${steps[@]}"; do
     case "$s" in
-        tests) step tests "${TEST_LIMIT:-300}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider \
+        tests) step tests "${TEST_LIMIT:-300}" pytest -v -rfE --tb=short -p no:cacheprovider \
             --continue-on-collection-errors --durations 25 "${workers[@]}" "${timeouts[@]}" --junitxml "$out/gpu_junit.xml" \
             ${TEST_ARGS:-tests} ;;
         kernels) step kernels "${KERNEL_LIMIT:-120}" python3 benchmarks/gpu/bench_kernels.py --iters 20 --warmup 5 \

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_batch import PagedBatch
 from offload.common.model_config import ModelSpec
+from offload.kernels.paged_batch import PagedBatch
 from offload.model.host_attention import HostAttention, Staging, staging
 from offload.model.registry import ExpertSource, Family, LayerInput
 from offload.model.rope import cos_sin, inverse_frequencies
-from scheduler.plan import MicroBatch, StepPlan
-from tiers.kv import KVCache
-from tiers.weights import WeightStore
+from offload.scheduler.plan import MicroBatch, StepPlan
+from offload.tiers.kv import KVCache
+from offload.tiers.weights import WeightStore
 
 
 @dataclass(frozen=True, slots=True)

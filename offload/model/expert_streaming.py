@@ -24,17 +24,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.rms_norm import fused_rms_norm
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
+from offload.kernels.rms_norm import fused_rms_norm
 from offload.model.registry import Family, model_tensors
-from tiers.checkpoint import Checkpoint, ModelTensors, TensorGroup
-from tiers.copy import make_copy_engine
-from tiers.expert_slots import DeviceExperts
-from tiers.experts import ExpertCache, Key, slot_cost
-from tiers.io.base import ReadBackend
-from tiers.layout import GroupLayout, ModelLayout, Weights, group_layout, model_layout
-from tiers.memory import MemoryTier
+from offload.tiers.checkpoint import Checkpoint, ModelTensors, TensorGroup
+from offload.tiers.copy import make_copy_engine
+from offload.tiers.expert_slots import DeviceExperts
+from offload.tiers.experts import ExpertCache, Key, slot_cost
+from offload.tiers.io.base import ReadBackend
+from offload.tiers.layout import GroupLayout, ModelLayout, Weights, group_layout, model_layout
+from offload.tiers.memory import MemoryTier
 
 _EXPERT = re.compile(r"expert(\d+)\.(.+)")
 PREFETCH_FACTOR = 2  # experts prefetched by frequency for the first sparse layer: experts_per_token times this

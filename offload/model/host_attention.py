@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_batch import PagedBatch
-from tiers.kv import QuantizedKV
+from offload.kernels.paged_batch import PagedBatch
+from offload.tiers.kv import QuantizedKV
 
 # (query tokens, sequences, context tokens over the sequences) -> seconds one layer's attention takes that way
 Price = Callable[[int, int, int], float]

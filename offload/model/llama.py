@@ -10,16 +10,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import linear
-from kernels.paged_attention import paged_attention
-from kernels.quant_linear import SCALES_SUFFIX, quant_linear
-from kernels.rms_norm import fused_rms_norm
-from kernels.rotary import apply_rotary
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
+from offload.kernels.linear import linear
+from offload.kernels.paged_attention import paged_attention
+from offload.kernels.quant_linear import SCALES_SUFFIX, quant_linear
+from offload.kernels.rms_norm import fused_rms_norm
+from offload.kernels.rotary import apply_rotary
 from offload.model.registry import LayerInput
-from tiers.checkpoint import TensorSpec
-from tiers.layout import Weights
+from offload.tiers.checkpoint import TensorSpec
+from offload.tiers.layout import Weights
 
 ROPE_KINDS = ("default", "linear", "llama3")  # what offload/model/rope.py computes
 

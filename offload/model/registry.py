@@ -12,15 +12,15 @@ from typing import Protocol
 
 import torch
 
-from kernels.paged_batch import PagedBatch
-from kernels.quant_linear import SCALES_SUFFIX
 from offload.common.errors import OffloadError
 from offload.common.model_config import PLANNING_ONLY, ModelSpec
 from offload.common.quant import WeightQuant
+from offload.kernels.paged_batch import PagedBatch
+from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.model.host_attention import Staging
-from tiers.checkpoint import ModelTensors, TensorGroup, TensorSpec
-from tiers.kv import KVLayer
-from tiers.layout import Weights
+from offload.tiers.checkpoint import ModelTensors, TensorGroup, TensorSpec
+from offload.tiers.kv import KVLayer
+from offload.tiers.layout import Weights
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "offload.model.llama",

@@ -25,9 +25,9 @@ from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.common.sizes import format_size
-from scheduler.cost import Budgets, Candidate, Prediction, Workload, make_context, tier_memory
-from scheduler.search import best, search
-from tiers.kv import KVCache
+from offload.scheduler.cost import Budgets, Candidate, Prediction, Workload, make_context, tier_memory
+from offload.scheduler.search import best, search
+from offload.tiers.kv import KVCache
 
 # bytes of a process's peak RSS beyond its RSS when it planned and the device bytes the cost model predicted (weights,
 # KV cache, ring, activations, logits): allocator slack, decode attention's copy of a layer's K/V, the read threads,

@@ -9,7 +9,7 @@ from offload.common.model_config import ModelSpec
 from offload.model.expert_streaming import ColdExperts
 from offload.planner.profiles import load_profile, local_profile_path
 from offload.planner.rates import measure_expert_units
-from scheduler.moe_cost import cold_expert_seconds, copied_expert_seconds
+from offload.scheduler.moe_cost import cold_expert_seconds, copied_expert_seconds
 
 
 def cold_experts(

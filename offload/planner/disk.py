@@ -19,11 +19,11 @@ import torch
 
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
-from tiers.io.aio import aio_built
-from tiers.io.backends import make_backend
-from tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache
-from tiers.landing import LandingBuffers
-from tiers.memory import MemoryTier
+from offload.tiers.io.aio import aio_built
+from offload.tiers.io.backends import make_backend
+from offload.tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache
+from offload.tiers.landing import LandingBuffers
+from offload.tiers.memory import MemoryTier
 
 MiB = 1 << 20
 DISK_HEADROOM = 64 * MiB  # bytes the disk test leaves free beyond its own file

@@ -11,8 +11,8 @@ from offload.common.model_config import ModelSpec
 from offload.model.host_attention import HostAttention
 from offload.planner.autoconfig import KV_BITS
 from offload.planner.profiles import load_profile, local_profile_path
-from scheduler.attention_cost import HostKVAttention, host_kv_attention
-from scheduler.cost import Context, make_context
+from offload.scheduler.attention_cost import HostKVAttention, host_kv_attention
+from offload.scheduler.cost import Context, make_context
 
 
 def choose_host_attention(

@@ -47,7 +47,7 @@ from offload.planner.rates import (
     measure_links,
     measure_matmul,
 )
-from tiers.io.base import ALIGN
+from offload.tiers.io.base import ALIGN
 
 MiB = 1 << 20
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
@@ -247,7 +247,7 @@ def _compute_unit(
     dtypes: tuple[str, ...],
     say: Callable[[str], None],
 ) -> ComputeUnit:
-    from kernels.linear import packing_pays
+    from offload.kernels.linear import packing_pays
 
     curves, packed, elementwise, prefill, decode, floor = {}, {}, {}, {}, {}, {}
     for dtype in dtypes:

@@ -52,7 +52,7 @@ def measure_matmul(
     """((rows, FLOP/s), ...) of kernels.linear for [rows, k] x [k, n] in `dtype`; successive products cycle
     through copies of the weight that together take at least `weight_pool_bytes`. `packed`: the copies packed for
     the CPU's GEMM (kernels.linear.pack_weight), as the engine keeps its resident layers."""
-    from kernels.linear import linear, pack_weight
+    from offload.kernels.linear import linear, pack_weight
 
     gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype)
@@ -78,7 +78,7 @@ def measure_elementwise(
     the second residual add; bytes as scheduler.rates.elementwise_bytes counts them."""
     from offload.model.llama import rms_norm
     from offload.model.rope import apply_rope
-    from scheduler.rates import elementwise_bytes
+    from offload.scheduler.rates import elementwise_bytes
 
     heads, kv_heads, inter = layer_shape(hidden, head_dim)
     gen = torch.Generator().manual_seed(0)
@@ -126,8 +126,8 @@ def measure_attention(
     ((context tokens, bytes/s), ...) of one decode query for each of `decode_seqs` sequences over a cache of that
     length (the K and V bytes of the context per second). FLOPs as the cost model counts them: 2 x (QK + PV) over
     half of the square."""
-    from kernels.paged_attention import paged_attention
-    from kernels.paged_batch import PagedBatch
+    from offload.kernels.paged_attention import paged_attention
+    from offload.kernels.paged_batch import PagedBatch
 
     heads, kv_heads, _ = layer_shape(hidden, head_dim)
     gen = torch.Generator().manual_seed(0)
@@ -167,12 +167,12 @@ def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0
     K/V head, MLP 704) over 16 cached tokens: about what any layer costs however small, its calls' dispatch rather
     than bytes or FLOPs (on this project's 2-core VMs a [1, 64] x [64, 64] product took 7 us, [1, 256] x [256, 256]
     28 us, and such a layer 0.6 ms)."""
-    from kernels.paged_batch import PagedBatch
     from offload.common.model_config import parse_model_config
+    from offload.kernels.paged_batch import PagedBatch
     from offload.model.llama import FAMILY
     from offload.model.registry import LayerInput
     from offload.model.rope import cos_sin, inverse_frequencies
-    from tiers.kv import KVLayer
+    from offload.tiers.kv import KVLayer
 
     shape = layer_shape(256, 64)  # 4 heads, one K/V head, MLP 704
     config = {

@@ -17,8 +17,8 @@ from dataclasses import asdict
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
-from scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity
-from scheduler.search import best, search
+from offload.scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity
+from offload.scheduler.search import best, search
 
 GB = 1e9
 
@@ -207,8 +207,8 @@ def _experts_lines(
     shape: ModelSpec, hw: HardwareProfile, workload: Workload, dtype: str, winner: Prediction
 ) -> list[str]:
     """What a step touches of a mixture's experts, and what the best policy's expert cache holds."""
-    from scheduler.cost import make_context
-    from scheduler.moe_cost import distinct_experts, expert_params, hit_rate, sparse_layers
+    from offload.scheduler.cost import make_context
+    from offload.scheduler.moe_cost import distinct_experts, expert_params, hit_rate, sparse_layers
 
     c = winner.candidate
     ctx = make_context(shape, hw, dtype, 16)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-import tiers.kv as kv_module
-from kernels.kv_quant import KVQuantFormat, dequantize_kv, quantize_kv
-from kernels.paged_attention import PagedBatch, paged_attention_ref
-from tiers.kv import QuantizedKV
+import offload.tiers.kv as kv_module
+from offload.kernels.kv_quant import KVQuantFormat, dequantize_kv, quantize_kv
+from offload.kernels.paged_attention import PagedBatch, paged_attention_ref
+from offload.tiers.kv import QuantizedKV
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 KINDS = ["int8", "int4", pytest.param("fp8", marks=pytest.mark.skipif(not HAS_FP8, reason="torch lacks float8"))]

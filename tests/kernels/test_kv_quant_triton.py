@@ -12,9 +12,9 @@ from conftest import interpreted
 
 pytest.importorskip("triton")
 
-import kernels.kv_quant as kq  # noqa: E402
-from kernels import dispatch  # noqa: E402
-from kernels.kv_quant import (  # noqa: E402
+import offload.kernels.kv_quant as kq  # noqa: E402
+from offload.kernels import dispatch  # noqa: E402
+from offload.kernels.kv_quant import (  # noqa: E402
     KVQuantFormat,
     dequantize_kv,
     dequantize_kv_ref,

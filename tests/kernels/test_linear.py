@@ -1,4 +1,4 @@
-"""kernels.linear: either path, for every size on either side of the upcast threshold, gives the product
+"""offload.kernels.linear: either path, for every size on either side of the upcast threshold, gives the product
 of the path it claims: exact float32 products rounded once, or torch's own half-precision GEMM."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.linear as kl
-from kernels.linear import SLICE_FEATURES, UPCAST_MIN_ROWS, linear
+import offload.kernels.linear as kl
+from offload.kernels.linear import SLICE_FEATURES, UPCAST_MIN_ROWS, linear
 
 
 @pytest.mark.parametrize("upcast", [True, False])

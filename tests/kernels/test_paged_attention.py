@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.paged_attention import PagedBatch, paged_attention, paged_attention_ref
+from offload.kernels.paged_attention import PagedBatch, paged_attention, paged_attention_ref
 
 ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 RTOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
@@ -122,7 +122,7 @@ def test_ref_matches_dense_large() -> None:
 def test_decode_queries_gathered_in_groups_match_dense(monkeypatch, gather_bytes: int, window: int | None) -> None:
     """Many one-token sequences of mixed lengths (the decode path), gathered one at a time, a few blocks'
     worth at a time, or all at once: the same as dense attention, NaN padding never leaking in."""
-    import kernels.paged_attention as pa
+    import offload.kernels.paged_attention as pa
 
     monkeypatch.setattr(pa, "GATHER_BYTES", gather_bytes)
     seqs = tuple((ctx, 1) for ctx in (1, 40, 3, 16, 17, 33, 2, 64, 5)) + ((9, 4),)

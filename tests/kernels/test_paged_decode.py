@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from test_paged_attention import Case, make_case  # noqa: E402
 
-from kernels.paged_decode import paged_decode, paged_decode_ref  # noqa: E402
+from offload.kernels.paged_decode import paged_decode, paged_decode_ref  # noqa: E402
 
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 RTOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}

@@ -14,10 +14,10 @@ pytest.importorskip("triton")
 from test_paged_attention import Case, make_case  # noqa: E402
 from test_paged_decode import ATOL, CUDA, GEOMETRIES, RTOL, naive_attention, to_cuda  # noqa: E402
 
-import kernels.paged_attention as pa  # noqa: E402
-from kernels.paged_attention import PagedBatch, paged_attention, paged_attention_ref  # noqa: E402
-from kernels.paged_decode import paged_decode  # noqa: E402
-from kernels.paged_prefill import paged_prefill, paged_prefill_ref  # noqa: E402
+import offload.kernels.paged_attention as pa  # noqa: E402
+from offload.kernels.paged_attention import PagedBatch, paged_attention, paged_attention_ref  # noqa: E402
+from offload.kernels.paged_decode import paged_decode  # noqa: E402
+from offload.kernels.paged_prefill import paged_prefill, paged_prefill_ref  # noqa: E402
 
 # (context_len, query_len) per sequence: a full prefill over several query tiles, chunks starting mid-context
 # (one ending exactly on a block boundary), one-query sequences, and a sequence with no queries this step
@@ -116,8 +116,8 @@ class WrappedCache:
 @pytest.fixture
 def triton_dispatch(monkeypatch) -> list[str]:
     """paged_attention picks Triton here as on CUDA; the returned list records each kernel launched."""
-    import kernels.paged_decode as pd
-    import kernels.paged_prefill as pp
+    import offload.kernels.paged_decode as pd
+    import offload.kernels.paged_prefill as pp
 
     launched: list[str] = []
 

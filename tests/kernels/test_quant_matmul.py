@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.quant_matmul import dequantize, quant_matmul, quant_matmul_ref, quantize
+from offload.kernels import dispatch
+from offload.kernels.quant_matmul import dequantize, quant_matmul, quant_matmul_ref, quantize
 
 GROUP_SIZES = [32, 64, 128]
 

@@ -12,9 +12,9 @@ from conftest import interpreted
 
 pytest.importorskip("triton")
 
-import kernels.quant_matmul as qm  # noqa: E402
-from kernels import dispatch  # noqa: E402
-from kernels.quant_matmul import quant_matmul, quant_matmul_ref, quant_matmul_triton, quantize  # noqa: E402
+import offload.kernels.quant_matmul as qm  # noqa: E402
+from offload.kernels import dispatch  # noqa: E402
+from offload.kernels.quant_matmul import quant_matmul, quant_matmul_ref, quant_matmul_triton, quantize  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = {dtype: torch.finfo(dtype).eps for dtype in DTYPES}

@@ -11,8 +11,8 @@ from conftest import interpreted
 
 pytest.importorskip("triton")
 
-from kernels import dispatch  # noqa: E402
-from kernels.rms_norm import fused_rms_norm, rms_norm_residual, rms_norm_residual_ref  # noqa: E402
+from offload.kernels import dispatch  # noqa: E402
+from offload.kernels.rms_norm import fused_rms_norm, rms_norm_residual, rms_norm_residual_ref  # noqa: E402
 from offload.model.llama import rms_norm  # noqa: E402
 
 EPS = 1e-5

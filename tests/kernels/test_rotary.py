@@ -11,9 +11,9 @@ from conftest import interpreted
 
 pytest.importorskip("triton")
 
-from kernels import dispatch  # noqa: E402
-from kernels.rotary import apply_rotary, rotary, rotary_ref  # noqa: E402
 from offload.common.model_config import RopeSpec  # noqa: E402
+from offload.kernels import dispatch  # noqa: E402
+from offload.kernels.rotary import apply_rotary, rotary, rotary_ref  # noqa: E402
 from offload.model.rope import apply_rope, cos_sin, inverse_frequencies  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -16,10 +16,10 @@ from offload.common.quant import WeightQuant
 from offload.convert import convert
 from offload.model.expert_streaming import Gate, model_layouts
 from offload.model.loader import load_spec
-from tiers.checkpoint import Checkpoint
-from tiers.device import DeviceTier
-from tiers.io.buffered import BufferedReader
-from tiers.placement import group_cost
+from offload.tiers.checkpoint import Checkpoint
+from offload.tiers.device import DeviceTier
+from offload.tiers.io.buffered import BufferedReader
+from offload.tiers.placement import group_cost
 
 KV_BYTES = 1 << 22
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)

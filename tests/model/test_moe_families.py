@@ -11,20 +11,20 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_checkpoint
-from kernels.quant_linear import WeightQuant
-from kernels.quant_matmul import dequantize
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.model_config import parse_model_config
 from offload.convert import convert
+from offload.kernels.quant_linear import WeightQuant
+from offload.kernels.quant_matmul import dequantize
 from offload.model.loader import load_spec
 from offload.model.moe import experts_forward
 from offload.model.registry import model_tensors
-from tiers.checkpoint import Checkpoint
-from tiers.device import DeviceTier
-from tiers.io.buffered import BufferedReader
-from tiers.layout import model_layout
-from tiers.placement import group_cost
+from offload.tiers.checkpoint import Checkpoint
+from offload.tiers.device import DeviceTier
+from offload.tiers.io.buffered import BufferedReader
+from offload.tiers.layout import model_layout
+from offload.tiers.placement import group_cost
 
 ATOL = 1e-4  # fp32 logits, max abs
 KV_BYTES = 1 << 22

@@ -8,7 +8,7 @@ import torch
 from conftest import make_checkpoint
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
-from scheduler.plan import SeqChunk, StepPlan, split_micro_batches
+from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 
 ATOL = 1e-4  # fp32 logits, max abs
 

@@ -194,7 +194,7 @@ def probed(tmp_path, monkeypatch):
 
 def test_auto_io_backend_follows_the_probe(model_dir, probed, monkeypatch):
     from offload.cli import _summary
-    from tiers.io import aio
+    from offload.tiers.io import aio
 
     config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4)
     assert config.io_backend == "auto"
@@ -211,7 +211,7 @@ def test_auto_io_backend_follows_the_probe(model_dir, probed, monkeypatch):
 
 
 def test_auto_io_backend_takes_aio_where_the_probe_found_it_faster(model_dir, probed, greedy_alone):
-    from tiers.io.aio import aio_unavailable
+    from offload.tiers.io.aio import aio_unavailable
 
     if (why := aio_unavailable()) is not None:
         pytest.skip(f"aio backend unavailable here: {why}")
@@ -226,7 +226,7 @@ def test_auto_io_backend_without_a_probe_keeps_the_default(model_dir, probed):
     import torch
 
     from offload.planner.profiles import local_profile_path
-    from tiers.io.aio import aio_ready
+    from offload.tiers.io.aio import aio_ready
 
     default = "aio" if torch.cuda.is_available() and aio_ready() else "pread"
     config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4)

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 import offload.planner.host_attention as planner_host_attention
-from kernels.kv_quant import KVQuantFormat
-from kernels.paged_batch import PagedBatch
 from offload.api import LLM
 from offload.cli import _summary
 from offload.common.config import EngineConfig, SamplingParams
+from offload.kernels.kv_quant import KVQuantFormat
+from offload.kernels.paged_batch import PagedBatch
 from offload.model.host_attention import HostAttention, staging
 from offload.model.loader import load_spec
 from offload.planner.host_attention import choose_host_attention
-from tiers.kv import QuantizedKV
+from offload.tiers.kv import QuantizedKV
 
 HARDWARE = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 
@@ -84,7 +84,7 @@ def test_a_sequence_that_cannot_grow_moves_down_or_is_recomputed_by_price(
 ) -> None:
     """A device sequence that cannot grow moves to host RAM while copying its blocks is priced below computing its
     tokens again (KVTiers.swap_pays), and is preempted otherwise; the tokens are the all-device run's either way."""
-    from tiers.kv_tiers import KVTiers
+    from offload.tiers.kv_tiers import KVTiers
 
     monkeypatch.setattr(KVTiers, "swap_pays", lambda self, blocks, tokens: copying_pays)
     config = EngineConfig(block_size=4, kv_cache_bytes=40 * per_block, kv_host_memory=200 * per_block)

@@ -16,7 +16,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_checkpoint
-from kernels.quant_matmul import dequantize
 from offload import convert as convert_module
 from offload.api import LLM
 from offload.cli import main
@@ -24,13 +23,14 @@ from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.quant import WeightQuant
 from offload.convert import ALIGN, MANIFEST, convert, verify
+from offload.kernels.quant_matmul import dequantize
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
-from tiers.checkpoint import Checkpoint
-from tiers.device import DeviceTier
-from tiers.io.buffered import BufferedReader
-from tiers.layout import model_layout
-from tiers.placement import group_cost
+from offload.tiers.checkpoint import Checkpoint
+from offload.tiers.device import DeviceTier
+from offload.tiers.io.buffered import BufferedReader
+from offload.tiers.layout import model_layout
+from offload.tiers.placement import group_cost
 
 FORMATS = [
     WeightQuant(4, 32, "cpu"),

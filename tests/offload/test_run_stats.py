@@ -9,7 +9,7 @@ import pytest
 from conftest import make_checkpoint
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
-from scheduler.batcher import Batcher
+from offload.scheduler.batcher import Batcher
 
 PAUSE = 0.02  # seconds the patched scheduler spends per step, outside engine.step
 

@@ -14,8 +14,8 @@ from offload.common.sizes import format_size, parse_size
 from offload.planner import autoconfig
 from offload.planner.autoconfig import autoconfigure
 from offload.planner.models import load_model_spec
-from scheduler.cost import Workload
-from tiers.kv import KVCache
+from offload.scheduler.cost import Workload
+from offload.tiers.kv import KVCache
 
 
 def slow_disk_cpu(disk_read: float = 1e8) -> HardwareProfile:

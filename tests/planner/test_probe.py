@@ -18,7 +18,7 @@ from offload.cli import main
 from offload.common.errors import OffloadError
 from offload.planner.probe import ProbeSizes, measure_disk, probe
 from offload.planner.profiles import load_profile
-from tiers.io.backends import make_backend
+from offload.tiers.io.backends import make_backend
 
 MiB = 1 << 20
 # a few seconds on two cores: every stage runs, on sizes far too small to mean anything
@@ -59,7 +59,7 @@ def test_probe_measures_every_unit(tiny_profile):
             assert all(flops > 0 for _, flops in curve)
             assert unit.matmul_flops[dtype] == curve[-1][1]  # the largest product's rate
         assert unit.elementwise_curve.keys() == unit.matmul_curve.keys()
-        from kernels.linear import packing_pays
+        from offload.kernels.linear import packing_pays
 
         packs = {
             d
@@ -80,7 +80,7 @@ def test_probe_measures_every_unit(tiny_profile):
     assert "pread" in p.disk_read_by_backend and set(p.disk_read_by_backend) <= {"pread", "aio"}
     assert p.disk_read == max(p.disk_read_by_backend.values())  # the rate of the backend "auto" then takes
     assert p.name.startswith("local (") and p.source.startswith("offload probe ")
-    assert "kernels.linear on [rows, 256] x [256, 128]" in p.source
+    assert "offload.kernels.linear on [rows, 256] x [256, 128]" in p.source
     assert "hidden 256, 16 heads of 16 (4 K/V heads), MLP 704" in p.source
 
 
@@ -94,7 +94,7 @@ def test_attention_rates_count_the_work_the_cost_model_counts(monkeypatch):
     # 3 sequences each reading K and V (bf16) of their whole context
     assert decode == ((4, 3 * 4 * 2 * kv_heads * d * 2), (32, 3 * 32 * 2 * kv_heads * d * 2))
     elementwise = rates.measure_elementwise(torch.device("cpu"), "float32", (1, 8), 256, 16, 0.0)
-    from scheduler.rates import elementwise_bytes
+    from offload.scheduler.rates import elementwise_bytes
 
     per_row = elementwise_bytes(256, 256, 64, 704, 4)
     assert elementwise == ((1, per_row), (8, 8 * per_row))
@@ -172,7 +172,7 @@ def test_disk_test_file_is_removed_on_interrupt(tmp_path, monkeypatch):
 
 
 def test_disk_reads_the_same_file_through_each_backend(tmp_path, monkeypatch):
-    from tiers.io import aio
+    from offload.tiers.io import aio
 
     monkeypatch.setattr(aio, "_load_op", lambda: object())  # aio runs here (never built: the reads are faked)
     monkeypatch.setattr(disk_mod, "aio_built", lambda: True)
@@ -203,7 +203,7 @@ def test_disk_test_never_builds_the_aio_op(tmp_path, monkeypatch):
 
 
 def test_disk_test_leaves_out_aio_where_it_cannot_read_and_says_why(tmp_path, monkeypatch):
-    from tiers.io import aio
+    from offload.tiers.io import aio
 
     monkeypatch.setattr(disk_mod, "aio_built", lambda: True)
     monkeypatch.setattr(aio, "_load_op", lambda: "libaio is missing (apt-get install libaio-dev)")
@@ -229,7 +229,7 @@ def test_disk_test_leaves_out_aio_where_it_cannot_read_and_says_why(tmp_path, mo
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="where CUDA is present the probe reads into torch-pinned buffers")
 def test_disk_test_reads_aio_into_buffers_the_op_locked_as_the_engines_ring_does(tmp_path, monkeypatch):
-    from tiers.io.aio import aio_ready
+    from offload.tiers.io.aio import aio_ready
 
     if not aio_ready():
         pytest.skip("the aio op is not built here (make aio-op)")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from offload.common.config import SamplingParams
-from scheduler.batcher import Batcher, BatchLimits
-from scheduler.plan import MicroBatch, SeqChunk, StepPlan, split_micro_batches
-from scheduler.sequence import SeqState, Sequence
-from tiers.blocks import BlockPool, BlockTables
+from offload.scheduler.batcher import Batcher, BatchLimits
+from offload.scheduler.plan import MicroBatch, SeqChunk, StepPlan, split_micro_batches
+from offload.scheduler.sequence import SeqState, Sequence
+from offload.tiers.blocks import BlockPool, BlockTables
 
 EOS = 2
 

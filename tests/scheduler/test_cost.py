@@ -1,4 +1,4 @@
-"""scheduler.cost and scheduler.search: hand-computed step times, layer placement under budgets, the ranking."""
+"""offload.scheduler.cost and scheduler.search: hand-computed step times, layer placement under budgets, the ranking."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from conftest import toy_spec
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
-from scheduler.attention_cost import SEQ_OVERHEAD
-from scheduler.cost import LAYER_OVERHEAD, Budgets, Candidate, Workload, matmul_rate, predict
-from scheduler.search import RING_SLOTS, best, place_layers, search
+from offload.scheduler.attention_cost import SEQ_OVERHEAD
+from offload.scheduler.cost import LAYER_OVERHEAD, Budgets, Candidate, Workload, matmul_rate, predict
+from offload.scheduler.search import RING_SLOTS, best, place_layers, search
 
 MB = 10**6
 

@@ -1,5 +1,5 @@
-"""scheduler.moe_cost and the cost model's mixtures: experts touched per step, the expert cache's hit rate, the bytes
-expert streaming reads, and the search and report offering it."""
+"""offload.scheduler.moe_cost and the cost model's mixtures: experts touched per step, the expert cache's hit rate,
+the bytes expert streaming reads, and the search and report offering it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from test_cost import MB, cpu_machine, gpu_machine
 from offload.common.config import Policy
 from offload.common.model_config import parse_model_config
 from offload.planner.report import report
-from scheduler.cost import Budgets, Candidate, Workload, predict
-from scheduler.moe_cost import distinct_experts, expert_params, hit_rate, routed_params, sparse_layers
-from scheduler.search import AUTO_EXPERT_CACHE, best, place_layers, search
+from offload.scheduler.cost import Budgets, Candidate, Workload, predict
+from offload.scheduler.moe_cost import distinct_experts, expert_params, hit_rate, routed_params, sparse_layers
+from offload.scheduler.search import AUTO_EXPERT_CACHE, best, place_layers, search
 
 MIXTRAL = parse_model_config(
     {

@@ -5,10 +5,10 @@ sequence comes back to its own cached blocks."""
 from __future__ import annotations
 
 from offload.common.config import SamplingParams
-from scheduler.batcher import MAX_SKIPS, Batcher, BatchLimits
-from scheduler.sequence import SeqState, Sequence
-from tiers.blocks import BlockPool, BlockTables
-from tiers.prefix import chain_root
+from offload.scheduler.batcher import MAX_SKIPS, Batcher, BatchLimits
+from offload.scheduler.sequence import SeqState, Sequence
+from offload.tiers.blocks import BlockPool, BlockTables
+from offload.tiers.prefix import chain_root
 
 SHARED = list(range(10, 22))  # 12 tokens: three blocks of 4
 

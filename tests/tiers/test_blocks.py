@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiers.blocks import BlockPool, BlockTables
+from offload.tiers.blocks import BlockPool, BlockTables
 
 # --- BlockPool ---------------------------------------------------------------------------------
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from offload.common.errors import OffloadError
-from tiers.io import base
-from tiers.io.aio import AioBackend, aio_unavailable
-from tiers.io.backends import BackendChoice, choose_backend, make_backend
-from tiers.io.base import ALIGN, ReadBackend, aligned_buffer, aligned_span, evict_page_cache
-from tiers.io.direct import PreadBackend
+from offload.tiers.io import base
+from offload.tiers.io.aio import AioBackend, aio_unavailable
+from offload.tiers.io.backends import BackendChoice, choose_backend, make_backend
+from offload.tiers.io.base import ALIGN, ReadBackend, aligned_buffer, aligned_span, evict_page_cache
+from offload.tiers.io.direct import PreadBackend
 
 SIZE = 3 * (1 << 20) + 1234  # bytes; the last page is partial
 EXTENTS = [  # (offset, nbytes)
@@ -270,7 +270,7 @@ def test_make_backend_by_name(monkeypatch):
     if aio_skip_reason() is None:
         with make_backend("auto") as backend:  # aio only where buffers can be page-locked
             assert backend.name == ("aio" if torch.cuda.is_available() else "pread")
-    from tiers.io import aio
+    from offload.tiers.io import aio
 
     monkeypatch.setattr(aio, "_load_op", lambda: "libaio is missing (apt-get install libaio-dev)")
     with pytest.raises(OffloadError, match="I/O backend 'aio': libaio is missing"):
@@ -283,7 +283,7 @@ def test_make_backend_by_name(monkeypatch):
 def aio_runs(monkeypatch):
     """Whether the aio op is built and loads, set by the test: the rule only asks aio_ready(), never builds a
     handle."""
-    from tiers.io import aio
+    from offload.tiers.io import aio
 
     def set_runs(runs: bool, cuda: bool = False) -> None:
         monkeypatch.setattr(aio, "_load_op", (lambda: object()) if runs else (lambda: "libaio is missing"))
@@ -333,7 +333,7 @@ def test_aio_refuses_a_bounce_buffer_beyond_the_mlock_limit(data, monkeypatch):
     """The op mlocks a bounce buffer for an unpinned one and aborts the process if mlock fails: refuse first."""
     if reason := aio_skip_reason():
         pytest.skip(reason)
-    from tiers.io import aio
+    from offload.tiers.io import aio
 
     path, payload = data
     monkeypatch.setattr(aio, "_memlock_limit", lambda: 64 << 10)
@@ -386,7 +386,7 @@ def test_read_seconds_counts_a_busy_interval_still_open(tmp_path):
 def test_aio_built_looks_for_the_cached_build_without_building(tmp_path, monkeypatch):
     import torch.utils.cpp_extension as ext
 
-    from tiers.io import aio
+    from offload.tiers.io import aio
 
     monkeypatch.setattr(aio, "_load_op", functools.cache(lambda: pytest.fail("aio_built must not load the op")))
     monkeypatch.setattr(ext, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
@@ -399,7 +399,7 @@ def test_aio_built_looks_for_the_cached_build_without_building(tmp_path, monkeyp
 def test_auto_never_builds_the_aio_op(monkeypatch):
     """A machine whose probe rated aio faster, in an environment where the op is not built yet: "auto" takes pread
     at once rather than waiting minutes for DeepSpeed's JIT build (the demo from a fresh clone)."""
-    from tiers.io import aio
+    from offload.tiers.io import aio
 
     monkeypatch.setattr(aio, "_load_op", functools.cache(lambda: pytest.fail("auto must not build the op")))
     monkeypatch.setattr(aio, "aio_built", lambda: False)
@@ -409,7 +409,7 @@ def test_auto_never_builds_the_aio_op(monkeypatch):
 
 
 def test_the_op_builds_in_the_environments_own_folder(tmp_path, monkeypatch):
-    from tiers.io import aio
+    from offload.tiers.io import aio
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
@@ -423,7 +423,7 @@ def test_the_op_builds_in_the_environments_own_folder(tmp_path, monkeypatch):
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path):
     """torch's build lock is a plain file: a build killed midway leaves it, and torch waits on it forever. Under
     the flock (released by the kernel when its holder dies), a torch lock is stale and goes."""
-    from tiers.io import aio
+    from offload.tiers.io import aio
 
     build = tmp_path / "async_io"
     build.mkdir()

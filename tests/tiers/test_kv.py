@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.kv_quant import dequantize_kv, quantize_kv
-from tiers.kv import KVCache
+from offload.kernels.kv_quant import dequantize_kv, quantize_kv
+from offload.tiers.kv import KVCache
 
 # --- KVCache -----------------------------------------------------------------------------------
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from offload.common.errors import OffloadError
-from tiers.io.base import ALIGN
-from tiers.io.direct import PreadBackend
-from tiers.kv_store import HEADER, MAGIC, MANIFEST, KVDiskStore
+from offload.tiers.io.base import ALIGN
+from offload.tiers.io.direct import PreadBackend
+from offload.tiers.kv_store import HEADER, MAGIC, MANIFEST, KVDiskStore
 
 NBYTES = 5000  # bytes per block: not a multiple of ALIGN, so the payload is padded
 FILE = ALIGN + 8192  # bytes per block file: the header page, then the payload's pages
@@ -370,7 +370,7 @@ def test_a_full_disk_fails_the_put_cleanly(tmp_path, monkeypatch):
 
 WRITER = """
 import hashlib, sys, torch
-from tiers.kv_store import KVDiskStore
+from offload.tiers.kv_store import KVDiskStore
 store = KVDiskStore(sys.argv[1], {key!r}, {nbytes}, {capacity})
 i = 0
 while True:

@@ -9,11 +9,11 @@ import hashlib
 
 import torch
 
-from tiers.blocks import BlockPool
-from tiers.kv import KVCache
-from tiers.kv_store import KVDiskStore
-from tiers.kv_tiers import KVTiers
-from tiers.memory import MemoryTier
+from offload.tiers.blocks import BlockPool
+from offload.tiers.kv import KVCache
+from offload.tiers.kv_store import KVDiskStore
+from offload.tiers.kv_tiers import KVTiers
+from offload.tiers.memory import MemoryTier
 
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
 

@@ -16,15 +16,15 @@ from offload.cli import _summary
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.model.registry import model_tensors
-from tiers.copy import make_copy_engine
-from tiers.io import aio as aio_mod
-from tiers.io.aio import AioBackend, aio_unavailable
-from tiers.io.base import aligned_buffer, aligned_span, evict_page_cache
-from tiers.io.direct import PreadBackend
-from tiers.layout import GroupLayout, Run, TensorAt
-from tiers.memory import MemoryTier
-from tiers.placement import group_cost
-from tiers.ring import DirectRing, StagedRing
+from offload.tiers.copy import make_copy_engine
+from offload.tiers.io import aio as aio_mod
+from offload.tiers.io.aio import AioBackend, aio_unavailable
+from offload.tiers.io.base import aligned_buffer, aligned_span, evict_page_cache
+from offload.tiers.io.direct import PreadBackend
+from offload.tiers.layout import GroupLayout, Run, TensorAt
+from offload.tiers.memory import MemoryTier
+from offload.tiers.placement import group_cost
+from offload.tiers.ring import DirectRing, StagedRing
 
 CPU = torch.device("cpu")
 LAYERS = 4
@@ -203,9 +203,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def streaming(model_dir) -> tuple[int, int, list[list[int]]]:
     """(a device budget that streams every layer through a 2-slot ring, a ring slot's bytes, the resident tokens)."""
-    from tiers.checkpoint import Checkpoint
-    from tiers.io.buffered import BufferedReader
-    from tiers.layout import model_layout
+    from offload.tiers.checkpoint import Checkpoint
+    from offload.tiers.io.buffered import BufferedReader
+    from offload.tiers.layout import model_layout
 
     base = LLM(model_dir, EngineConfig(kv_cache_bytes=KV))
     with BufferedReader() as reader:

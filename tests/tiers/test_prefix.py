@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from tiers.blocks import BlockPool, BlockTables
-from tiers.prefix import chain_root, extend_chain
+from offload.tiers.blocks import BlockPool, BlockTables
+from offload.tiers.prefix import chain_root, extend_chain
 
 ROOT = chain_root({"model": "test"})
 

@@ -22,15 +22,15 @@ from offload.cli import main
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.model.registry import model_tensors
-from tiers.checkpoint import Checkpoint
-from tiers.io.base import ALIGN, aligned_buffer
-from tiers.io.buffered import BufferedReader
-from tiers.io.direct import PreadBackend
-from tiers.layout import model_layout
-from tiers.placement import group_cost, place_weights
-from tiers.ring import read
-from tiers.spill_store import MANIFEST, SpillStore, plan_file
-from tiers.weights import WeightStore
+from offload.tiers.checkpoint import Checkpoint
+from offload.tiers.io.base import ALIGN, aligned_buffer
+from offload.tiers.io.buffered import BufferedReader
+from offload.tiers.io.direct import PreadBackend
+from offload.tiers.layout import model_layout
+from offload.tiers.placement import group_cost, place_weights
+from offload.tiers.ring import read
+from offload.tiers.spill_store import MANIFEST, SpillStore, plan_file
+from offload.tiers.weights import WeightStore
 
 KV = 1 << 20
 LAYERS = 12  # enough that the converted layers do not all fit where the checkpoint's stream

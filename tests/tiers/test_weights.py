@@ -16,12 +16,12 @@ from offload.api import LLM
 from offload.common.config import EngineConfig, Policy, SamplingParams
 from offload.common.errors import OffloadError
 from offload.model.registry import model_tensors
-from tiers import weights
-from tiers.copy import DONE, CopyEngine, CudaCopyEngine, Event
-from tiers.io.base import aligned_span
-from tiers.placement import group_cost, place_weights
-from tiers.slot import slot_layout
-from tiers.weights import WeightStore
+from offload.tiers import weights
+from offload.tiers.copy import DONE, CopyEngine, CudaCopyEngine, Event
+from offload.tiers.io.base import aligned_span
+from offload.tiers.placement import group_cost, place_weights
+from offload.tiers.slot import slot_layout
+from offload.tiers.weights import WeightStore
 
 RING = 3  # ring slots these tests budget for (the default is smaller)
 KV = 1 << 20
@@ -80,9 +80,9 @@ def landed(group) -> int:
 
 
 def llm_layout(llm: LLM):
-    from tiers.checkpoint import Checkpoint
-    from tiers.io.buffered import BufferedReader
-    from tiers.layout import model_layout
+    from offload.tiers.checkpoint import Checkpoint
+    from offload.tiers.io.buffered import BufferedReader
+    from offload.tiers.layout import model_layout
 
     with BufferedReader() as reader:
         return model_layout(Checkpoint(llm.model_dir, reader), model_tensors(llm.family, llm.spec))
@@ -476,7 +476,7 @@ def test_prepacked_resident_weights_give_identical_logits_in_the_same_bytes(bf16
     """On the CPU resident matrices may be packed for the GEMM: the logits stay those of the dense weights (up to
     the GEMM's order of accumulation), the embedding stays a plain table, and the tier is charged the tensors' own
     bytes in place of the read buffers."""
-    from kernels.linear import pack_weight
+    from offload.kernels.linear import pack_weight
 
     try:
         pack_weight(torch.ones(4, 4, dtype=torch.bfloat16))

@@ -36,8 +36,8 @@ import torch
 
 from offload.common.errors import OffloadError
 from offload.common.quiet import quiet_deepspeed_import
-from tiers.io.base import ALIGN, OpenFile, aligned_span
-from tiers.io.direct import PreadBackend
+from offload.tiers.io.base import ALIGN, OpenFile, aligned_span
+from offload.tiers.io.direct import PreadBackend
 
 
 def use_environment_build_dir() -> Path:

@@ -12,9 +12,9 @@ import torch
 
 from offload.common.config import IO_BACKENDS, READ_BACKENDS
 from offload.common.errors import OffloadError
-from tiers.io.aio import AioBackend, aio_ready
-from tiers.io.base import ReadBackend
-from tiers.io.direct import PreadBackend
+from offload.tiers.io.aio import AioBackend, aio_ready
+from offload.tiers.io.base import ReadBackend
+from offload.tiers.io.direct import PreadBackend
 
 
 class BackendChoice(NamedTuple):

@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from offload.common.errors import OffloadError
-from tiers.io.base import ALIGN, OpenFile, ReadBackend
+from offload.tiers.io.base import ALIGN, OpenFile, ReadBackend
 
 
 class PreadBackend(ReadBackend):

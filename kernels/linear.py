@@ -1,20 +1,18 @@
 """y = x @ w.T + b, avoiding the CPU's half-precision GEMM where it is the slow path.
 
-CPUs differ by an order of magnitude here: on an AMD EPYC without bf16 units torch's bf16 GEMM ran at
-18 GFLOP/s against 86 in float32 (1024 x 2048 x 5632), while on a Xeon with AMX the same bf16 product
-ran at 1,490 GFLOP/s against 266 in float32. So the choice is measured, not assumed: the first large
-product in each half-precision dtype times both paths on a small GEMM (tens of milliseconds at worst,
-once per process) and keeps the faster. Where float32 wins, prefill-sized products (at least
+CPUs differ by an order of magnitude here: without bf16 units torch's bf16 GEMM runs several times slower than
+float32, with AMX several times faster (docs/benchmarks.md has the measurements). So the choice is measured, not
+assumed: the first large product in each half-precision dtype times both paths on a small GEMM (tens of
+milliseconds at worst, once per process) and keeps the faster. Where float32 wins, prefill-sized products (at least
 `UPCAST_MIN_ROWS` rows) convert the weight a slice of output features at a time, so the scratch stays
 small; decode-sized products stay in half precision, where conversion costs more than it saves.
 CUDA and float32 go straight to F.linear.
 
 Weights that stay in memory can also be packed once into oneDNN's blocked layout (`pack_weight`): torch's
-half-precision CPU GEMM otherwise reorders the weight on every call, which dominates decode-sized products
-(on the AMX Xeon: 36 x 1024 x 32000 in 5.3 ms packed against 10.9 ms; the same product up to the order of
-accumulation, bit-identical at the model shapes measured, one rounding apart in rare elements elsewhere). Whether
-packing pays is measured once per dtype too (`packing_pays`); a packed weight is an opaque tensor of the
-same bytes that only `linear` consumes.
+half-precision CPU GEMM otherwise reorders the weight on every call, which dominates decode-sized products (the
+same product up to the order of accumulation, bit-identical at the model shapes measured, one rounding apart in
+rare elements elsewhere). Whether packing pays is measured once per dtype too (`packing_pays`); a packed weight is
+an opaque tensor of the same bytes that only `linear` consumes.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ whole run (kept after it is evicted), the same count the prefetcher ranks by; ro
 after step, so the experts selected most often are the ones worth keeping. The layer-major step visits the layers
 in a cycle, so among experts selected as often the one evicted is the one whose layer comes back last: the layer
 just fetched (Belady's choice for a cycle). A recency order would evict the expert needed next (least recently used
-is, in a cycle longer than the cache, the next one up); on the MoE benchmark's checkpoint the cycle order reads 17%
-fewer bytes per token than a recency tie-break (364 vs 437 MB at batch 1).
+is, in a cycle longer than the cache, the next one up).
 
 Prefetches come in two kinds: by frequency (an expert may displace only one selected less often) and guesses (the
 experts the next sparse layer's router would choose for the current hidden state, offload/model/expert_streaming.py),

@@ -10,10 +10,8 @@ a few MiB, resident on the device): when a layer fetches its experts it runs the
 residual stream (the next layer's input, less one attention and one MLP output) and starts reading each token's
 first choice there as a guess (tiers/experts.py). "frequency" prefetches the next layer's experts selected most
 often instead. The last sparse layer's next is the first one at the next step, whose hidden state does not exist
-yet: it always prefetches by frequency. On the MoE benchmark's checkpoint (2-core VM) guesses were right 77% of the
-time at batch 1 and 98% at batch 8 (where frequency prefetch found no slot to prefetch into); the disk bounds both
-there. At batch 1 both ran within the noise of each other; at batch 8 router prefetch's rounds ranged 3.9-9.2
-tokens/s with what the disk had read just before, frequency's 7.7-8.1 (benchmarks/results/moe.json).
+yet: it always prefetches by frequency. How often the guesses are right, and what each kind is worth, is measured
+by benchmarks/moe.py (docs/benchmarks.md).
 """
 
 from __future__ import annotations

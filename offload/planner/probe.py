@@ -2,17 +2,17 @@
 (the compute rates are offload.planner.rates).
 
 - disk: a test file written with O_DIRECT and fsync, dropped from the page cache, then read back cold through each
-  backend (tiers.io: the pread pool, and aio where its op is built, which the probe never waits to do) in
+  backend (offload.tiers.io: the pread pool, and aio where its op is built, which the probe never waits to do) in
   large extents, several in flight, into the buffers the engine's ring reads into (on a CPU-only machine
   page-locked by the aio op where RLIMIT_MEMLOCK allows); io_backend="auto" takes the faster; the file is removed.
 - memory bandwidth: a large tensor copy, counted as bytes read + bytes written per second.
-- matmul: [rows, k] x [k, n] through kernels.linear per dtype, the median of a few runs after a warm-up; every row
-  count goes into matmul_curve, the largest one's rate is matmul_flops.
+- matmul: [rows, k] x [k, n] through offload.kernels.linear per dtype, the median of a few runs after a warm-up;
+  every row count goes into matmul_curve, the largest one's rate is matmul_flops.
 - the rest of a layer of hidden size k, through the engine's own functions: its non-GEMM work at each row count
   (RMS norms, rotary, KV write, SiLU * up, residual adds; elementwise_curve), causal attention of whole prompts of
   a few lengths (prefill_attention_curve) and one decode query per sequence over paged caches of a few lengths
   (decode_attention_curve). On a CPU these run far below the memory roofline, and a cost model that priced them
-  there predicted long prefills 10-20% too fast. And the engine's Llama layer for one token of a tiny model
+  there predicted long prefills too fast. And the engine's Llama layer for one token of a tiny model
   (layer_floor): what a layer costs however small, where dispatch, not bytes, sets the time.
 - on CUDA the same on the GPU, plus pinned host-to-device and device-to-host copies; on a CPU-only machine the
   device is the host's RAM (device_kind "cpu", links 0).

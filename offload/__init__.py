@@ -1,3 +1,4 @@
-"""Memory-tiered offload engine. offload/ holds the layers around tiers/, scheduler/ and kernels/: common/ at the
-bottom, model/ (the runtime) and planner/ above them, and the face on top: api.py, cli.py, demo.py.
-The map is docs/ARCHITECTURE.md."""
+"""Memory-tiered offload engine, one import namespace: offload/ holds common/ at the bottom, model/ (the runtime)
+and planner/ above the lower layers, core.py, and the face on top (api.py, cli.py, server/, batch jobs, demo.py);
+the top-level folders kernels/, tiers/ and scheduler/ install as offload.kernels, offload.tiers and
+offload.scheduler. The map is docs/ARCHITECTURE.md."""

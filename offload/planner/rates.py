@@ -1,7 +1,7 @@
 """Rates of the engine's own compute paths on one device, each the median of timed runs: memory copies, GEMMs
-through kernels.linear, the rest of a decoder layer (its non-GEMM work through the Llama layer's functions, and
-attention through kernels.paged_attention), and pinned host<->device copies. `offload probe` builds a hardware
-profile from them; each rate is in the units the cost model prices that work in.
+through offload.kernels.linear, the rest of a decoder layer (its non-GEMM work through the Llama layer's functions,
+and attention through offload.kernels.paged_attention), and pinned host<->device copies. `offload probe` builds a
+hardware profile from them; each rate is in the units the cost model prices that work in.
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from offload import openai_protocol as protocol
 from offload.common.config import SamplingParams
 from offload.common.errors import OffloadError
 from offload.core import Delta
-from offload.server import protocol
-from offload.server.protocol import ChatRequest, CompletionRequest, RequestError
+from offload.openai_protocol import ChatRequest, CompletionRequest, RequestError
 
 FORMAT = 1  # of OUT.meta.json
 PLAIN_FIELDS = {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}

@@ -20,14 +20,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from offload import openai_protocol as protocol
 from offload.api import chat_ids, has_tokenizer, load_tokenizer
 from offload.common.errors import OffloadError
 from offload.core import Delta
-from offload.server import protocol
+from offload.openai_protocol import ChatRequest, CompletionRequest, RequestError
 from offload.server.batches import BatchRunner, BatchStore, add_batch_routes
 from offload.server.front import AsyncFront, Draining, QueueFull, RequestStream
 from offload.server.metrics import Metrics
-from offload.server.protocol import ChatRequest, CompletionRequest, RequestError
 from offload.server.sse import chat_chunks, completion_chunks, sse
 
 DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming request's client is still there

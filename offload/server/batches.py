@@ -38,8 +38,8 @@ from offload.batch_io import (
     write_errors,
 )
 from offload.core import Delta
+from offload.openai_protocol import RequestError
 from offload.server.front import AsyncFront, Draining
-from offload.server.protocol import RequestError
 
 BACKGROUND = 1  # the priority class of batch requests: behind interactive ones (0)
 ENDED = ("completed", "failed", "cancelled", "expired")

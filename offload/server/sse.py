@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from offload import openai_protocol as protocol
 from offload.common.errors import OffloadError
 from offload.core import Delta
-from offload.server import protocol
+from offload.openai_protocol import RequestError
 from offload.server.front import RequestStream
-from offload.server.protocol import RequestError
 
 
 def join_deltas(deltas: list[Delta]) -> Delta:

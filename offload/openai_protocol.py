@@ -1,9 +1,13 @@
-"""OpenAI's wire format: the request bodies the server accepts, checked strictly, and the objects it returns.
+"""OpenAI's wire format: the request bodies the engine accepts, checked strictly, and the objects it returns.
+
+Both faces that speak it import it from here, below them: the HTTP server (offload/server/) and the batch jobs
+(offload/batch_io.py, whose OpenAI Batch lines carry these bodies and get these responses).
 
 Requests are validated in strict mode (a string is not a number, a number is not a string) and every failure
-becomes a `RequestError` naming the field, which the app answers with OpenAI's error JSON. Fields that OpenAI
-clients send and this engine has no use for are ignored; fields that would change the answer and that the
-engine cannot honour (penalties, echo, best_of, tools) are refused rather than silently dropped.
+becomes a `RequestError` naming the field, which the server answers with OpenAI's error JSON and a batch job
+writes to its errors file. Fields that OpenAI clients send and this engine has no use for are ignored; fields
+that would change the answer and that the engine cannot honour (penalties, echo, best_of, tools) are refused
+rather than silently dropped.
 """
 
 from __future__ import annotations

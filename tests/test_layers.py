@@ -3,6 +3,10 @@ two modules import each other, directly or through others (lazy imports inside f
 
 The layers, bottom first, as docs/ARCHITECTURE.md draws them. A module belongs to the first layer whose prefix
 names it (the longest prefix wins); everything under offload/ not claimed by a lower layer is the face.
+
+Packages form no cycle either: collapsed to its units (each subpackage of offload, such as offload.tiers or
+offload.server, and each of offload's own top-level modules, such as offload.api or offload.batch_io), the graph
+is still acyclic, so no two packages import each other even where no two of their modules do.
 """
 
 from __future__ import annotations
@@ -115,6 +119,20 @@ def cycles(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
+def unit_of(module: str) -> str:
+    """The unit `module` belongs to: offload's subpackage or top-level module that holds it (offload.tiers.io.base:
+    offload.tiers; offload.batch_io: itself), or offload itself for the package's __init__."""
+    return ".".join(module.split(".")[:2])
+
+
+def collapse(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`graph` with each module replaced by its unit; imports within a unit are left out."""
+    units: dict[str, set[str]] = {}
+    for m, targets in graph.items():
+        units.setdefault(unit_of(m), set()).update(unit_of(t) for t in targets)
+    return {u: targets - {u} for u, targets in units.items()}
+
+
 MODULES = source_modules()
 # a package's __init__ is its own module: importing offload.tiers.io.base does not run offload.tiers.io's code on our
 # behalf
@@ -138,6 +156,11 @@ def test_no_import_cycles():
     assert not bad, "\n".join(bad)
 
 
+def test_no_import_cycles_between_packages():
+    bad = cycles(collapse(GRAPH))
+    assert not bad, "\n".join(bad)
+
+
 def test_the_checks_catch_what_they_look_for():
     assert upward({"offload.tiers.weights": {"offload.model.registry"}}) == [
         "offload.tiers.weights (tiers) imports offload.model.registry (model)"
@@ -145,6 +168,27 @@ def test_the_checks_catch_what_they_look_for():
     assert upward({"offload.api": {"offload.tiers.kv"}, "offload.tiers.kv": {"offload.tiers.io.base"}}) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
     assert cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+    # no two modules import each other here, but their packages do
+    planted = {
+        "offload.batch_io": {"offload.server.protocol"},
+        "offload.server.batches": {"offload.batch_io", "offload.server.front"},
+        "offload.server.protocol": {"offload.core"},
+        "offload.tiers.io.base": set(),
+        "offload.tiers.kv": {"offload.tiers.io.base"},
+    }
+    assert cycles(planted) == []
+    assert collapse(planted) == {
+        "offload.batch_io": {"offload.server"},
+        "offload.server": {"offload.batch_io", "offload.core"},
+        "offload.tiers": set(),
+    }
+    assert cycles(collapse(planted)) == ["offload.batch_io -> offload.server -> offload.batch_io"]
+    assert [unit_of(m) for m in ("offload", "offload.api", "offload.tiers.io.base", "offload.kernels")] == [
+        "offload",
+        "offload.api",
+        "offload.tiers",
+        "offload.kernels",
+    ]
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))

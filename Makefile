@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean libaio aio-op
+.PHONY: demo test lint docs clean libaio aio-op
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ demo: $(STAMP)
 
 test: $(STAMP) aio-op
 	$(VENV)/bin/pytest -q
+
+# docs/flags.md is generated from the flags' declarations; tests/test_flags.py fails when it is stale
+docs: $(STAMP)
+	$(VENV)/bin/python -c "from offload.cli import flag_reference; print(flag_reference(), end='')" > docs/flags.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -34,11 +34,11 @@ from typing import NamedTuple
 
 import torch
 
+from offload.common.config import KV_GROUP_SIZE, KV_GROUP_SIZES
 from offload.kernels.dispatch import record, use_triton
 
 QUANT_KINDS = ("int8", "int4", "fp8")
-GROUP_SIZES = (32, 64)  # values along head_dim sharing one scale
-GROUP_SIZE = 32
+GROUP_SIZES, GROUP_SIZE = KV_GROUP_SIZES, KV_GROUP_SIZE  # values along head_dim sharing one scale (the config's)
 HALF_MAX = torch.finfo(torch.float16).max  # 65504
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _CODE_MAX = {"int8": 127.0, "int4": 15.0, "fp8": FP8_MAX}

@@ -5,160 +5,40 @@ Over 400 lines: one parser and one handler per command, and the flags `generate`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections import Counter
 from pathlib import Path
 
-from offload.common.config import COLD_EXPERTS, EXPERT_PREFETCH, HOST_KV_ATTENTION, IO_BACKENDS, KV_GROUP_SIZES
-from offload.common.dtypes import KV_DTYPES
+from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
+from offload.common.knobs import add_flags, from_args
+from offload.planner.autoconfig import DEFAULT_WORKLOAD, needs_plan
 from offload.planner.report import add_plan_parser
+from offload.prompts import Prompts
+from offload.scheduler.cost import Workload
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The memory, placement and batching flags that `generate` and `serve` share (mapped by engine_config)."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument(
-        "--kv-cache-memory",
-        metavar="SIZE",
-        help="KV cache size, e.g. 512MiB (default: 1GiB; with --device-memory and no --max-num-seqs, or --memory, "
-        "sized by the cost model for the batch it picks)",
+def add_engine_flags(p: argparse.ArgumentParser) -> dict:
+    """The flags of every EngineConfig knob (offload/common/config.py declares them), grouped; `generate`, `serve`
+    and `batch` share them. Returns the argument groups."""
+    groups = add_flags(p, EngineConfig)
+    groups["budgets"].add_argument(
+        "--show-placement", action="store_true", help="print each layer's tier and size before running"
     )
-    p.add_argument(
-        "--device-memory",
-        metavar="SIZE",
-        help="budget for weights + KV cache on the compute device (e.g. 600MB); layers that do not fit "
-        "are streamed from the checkpoint",
-    )
-    p.add_argument(
-        "--memory",
-        metavar="SIZE",
-        help="cap on the whole process's resident memory on a CPU device (e.g. 2GiB), instead of --device-memory: "
-        "the cost model sizes the batch, KV cache and device budget to what the process does not hold yet",
-    )
-    p.add_argument(
-        "--host-memory",
-        default="0",
-        metavar="SIZE",
-        help="host RAM that may keep layers read once instead of streaming them (default 0)",
-    )
-    p.add_argument(
-        "--io-backend",
-        default="auto",
-        choices=IO_BACKENDS,
-        help="NVMe reads: O_DIRECT thread pool (pread), DeepSpeed's AsyncIO op (aio), or auto (default): the faster "
-        "of the two as `offload probe` measured them here, else aio only on CUDA",
-    )
-    p.add_argument(
-        "--offload-dir",
-        metavar="DIR",
-        help="a folder on fast local disk: streamed layers stored in another dtype than the compute dtype are "
-        "converted once and streamed from there (checksummed, reused by later runs)",
-    )
-    p.add_argument(
-        "--disk-memory", metavar="SIZE", help="budget for the converted layers in --offload-dir (default: no budget)"
-    )
-    p.add_argument(
-        "--kv-dtype",
-        default="auto",
-        choices=KV_DTYPES,
-        help="KV cache format: auto (the compute dtype, default), a float dtype, or int8 / int4 / fp8, quantized per "
-        "group along head_dim (fewer bytes in every tier)",
-    )
-    p.add_argument(
-        "--kv-group-size",
-        type=int,
-        default=32,
-        choices=KV_GROUP_SIZES,
-        help="values along head_dim sharing one scale in an int8 / int4 / fp8 KV cache: 64 stores fewer scales, 32 "
-        "keeps the error lower (default 32)",
-    )
-    p.add_argument(
-        "--kv-host-memory",
-        default="0",
-        metavar="SIZE",
-        help="host RAM for KV blocks demoted from the KV cache, kept for prefix reuse (default 0)",
-    )
-    p.add_argument(
-        "--host-kv-attention",
-        choices=HOST_KV_ATTENTION,
-        default="auto",
-        help="on CUDA, where sequences whose KV is in --kv-host-memory attend: on the CPU where the KV is (cpu), on "
-        "the GPU over their blocks copied there each layer (device), or whichever the cost model prices faster for "
-        "each micro-batch (auto, default: prompt chunks on the GPU, decode on the CPU where no profile is saved)",
-    )
-    p.add_argument(
-        "--kv-disk-memory",
-        default="0",
-        metavar="SIZE",
-        help="disk in --offload-dir for KV blocks demoted from host RAM; they persist, so later runs start warm "
-        "(default 0)",
-    )
-    p.add_argument(
-        "--no-kv-prefetch",
-        action="store_true",
-        help="read cached KV blocks from --kv-disk-memory only when a request is admitted, instead of while the "
-        "step before computes",
-    )
-    p.add_argument(
-        "--expert-cache-memory",
-        default="0",
-        metavar="SIZE",
-        help="part of the device budget for a mixture's routed experts, read only when the router chooses them and "
-        "cached by selection frequency; the rest of each layer is placed like a dense layer (default 0: off, "
-        "whole layers stream)",
-    )
-    p.add_argument(
-        "--expert-host-memory",
-        default="0",
-        metavar="SIZE",
-        help="on CUDA, pinned host RAM keeping experts as read, from which the device's expert slots are filled "
-        "(default 0: as many experts as those slots)",
-    )
-    p.add_argument(
-        "--cold-experts",
-        choices=COLD_EXPERTS,
-        default="auto",
-        help="on CUDA, where a chosen expert not on the device runs: copied there (device), on the CPU from host RAM, "
-        "moving its tokens instead of its weights (cpu), or whichever the cost model prices faster for its tokens "
-        "(auto, default)",
-    )
-    p.add_argument(
-        "--expert-prefetch",
-        choices=EXPERT_PREFETCH,
-        default="router",
-        help="how the next sparse layer's experts are prefetched while a layer computes: those its router chooses "
-        "for the current hidden state (a copy of each router stays resident), or those selected most often "
-        "(default router)",
-    )
-    p.add_argument(
-        "--no-prefix-cache",
-        action="store_true",
-        help="compute every prompt in full instead of reusing the KV blocks of prefixes seen before",
-    )
-    p.add_argument("--show-placement", action="store_true", help="print each layer's tier and size before running")
-    p.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV block")
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        metavar="N",
-        help="sequences per step (default: 64; with --device-memory and no --kv-cache-memory, or --memory, the batch "
-        "with the highest throughput the cost model predicts for these prompts on this machine)",
-    )
-    p.add_argument(
-        "--max-step-tokens",
-        type=int,
-        default=4096,
-        metavar="N",
-        help="tokens computed per step: one per decoding sequence, the rest prefill chunks; longer prompts "
-        "are prefilled in chunks interleaved with decoding (default 4096)",
-    )
+    return groups
+
+
+def _parser(sub: argparse._SubParsersAction, name: str, **kw) -> argparse.ArgumentParser:
+    """A subcommand whose --help lists one line per flag, grouped (the flag reference in docs/flags.md says more)."""
+    formatter = functools.partial(argparse.HelpFormatter, max_help_position=34, width=120)
+    return sub.add_parser(name, usage=f"offload {name} [options]", formatter_class=formatter, **kw)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _parser(
+        sub,
         "generate",
         help="complete prompts with a model (default: the embedded demo model)",
         description="Complete prompts. Without --model, runs the embedded demo model "
@@ -169,93 +49,37 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for a batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = no limit")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string; repeatable")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    add_engine_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per completion, then the stats")
+    add_flags(p, SamplingParams, add_engine_flags(p))
     p.set_defaults(run=_generate)
 
 
-def engine_config(args: argparse.Namespace):
-    """The EngineConfig that add_engine_flags' flags say (before the cost model sizes what they leave open)."""
-    from offload.common.config import EngineConfig
-    from offload.common.sizes import parse_size
-
-    config = EngineConfig(
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_bytes=parse_size(args.kv_cache_memory or "1GiB", "--kv-cache-memory"),
-        device_memory=None if args.device_memory is None else parse_size(args.device_memory, "--device-memory"),
-        memory=None if args.memory is None else parse_size(args.memory, "--memory"),
-        host_memory=parse_size(args.host_memory, "--host-memory"),
-        io_backend=args.io_backend,
-        max_num_seqs=args.max_num_seqs or 64,
-        max_step_tokens=args.max_step_tokens,
-        offload_dir=args.offload_dir,
-        disk_memory=None if args.disk_memory is None else parse_size(args.disk_memory, "--disk-memory"),
-        kv_dtype=args.kv_dtype,
-        kv_group_size=args.kv_group_size,
-        prefix_cache=not args.no_prefix_cache,
-        kv_host_memory=parse_size(args.kv_host_memory, "--kv-host-memory"),
-        kv_disk_memory=parse_size(args.kv_disk_memory, "--kv-disk-memory"),
-        kv_prefetch=not args.no_kv_prefetch,
-        expert_cache_memory=parse_size(args.expert_cache_memory, "--expert-cache-memory"),
-        expert_prefetch=args.expert_prefetch,
-        expert_host_memory=parse_size(args.expert_host_memory, "--expert-host-memory"),
-        cold_experts=args.cold_experts,
-        host_kv_attention=args.host_kv_attention,
-    )
-    fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
-    if config.memory is not None and fixed:
-        raise OffloadError("--memory sizes the batch and KV cache itself: drop --max-num-seqs and --kv-cache-memory")
-    return config
-
-
-def needs_plan(args: argparse.Namespace, config) -> bool:
-    """A budget was given and neither the batch nor the KV cache: the cost model sizes both for the workload."""
-    fixed = args.kv_cache_memory is not None or args.max_num_seqs is not None
-    return (config.device_memory is not None or config.memory is not None) and not fixed
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags say; what they leave unset, the planner decides (offload.planner.autoconfig)."""
+    return from_args(EngineConfig, args)
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from offload.api import LLM, chat_ids, load_tokenizer
-    from offload.common.config import SamplingParams
-    from offload.demo import DEMO_PROMPTS, ensure_demo_model
+    from offload.api import LLM
+    from offload.demo import DEMO_PROMPTS
 
     config = engine_config(args)
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
+    params = from_args(SamplingParams, args)
     prompts = args.prompt if args.prompt is not None else list(DEMO_PROMPTS if args.model is None else [])
     if not prompts:
         raise OffloadError("--prompt is required with --model")
-    if needs_plan(args, config):  # the user fixed neither the batch nor the KV cache: sized for these prompts
-        tokenizer = load_tokenizer(_model_dir(args, ensure_demo_model))
-        if args.chat:
-            chats = [[{"role": "user", "content": p}] for p in prompts]
-            lengths = [len(chat_ids(tokenizer, c)) for c in chats]
-        else:
-            lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
-        config = planned_config(args, config, lengths, args.max_new_tokens)
-    with LLM(args.model, config) as llm:  # closing writes the KV blocks queued for disk
+    model_dir = _model_dir(args)
+    encoder = Prompts.load(model_dir)
+    if args.chat:
+        ids = [encoder.encode_chat([{"role": "user", "content": p}], i) for i, p in enumerate(prompts)]
+    else:
+        ids = [encoder.encode(p, i) for i, p in enumerate(prompts)]
+    workload = Workload(max(map(len, ids)), params.max_new_tokens, len(ids))  # what the planner sizes for
+    with LLM(model_dir, config, workload, encoder) as llm:  # closing writes the KV blocks queued for disk
+        _say_plan(llm)
         if args.show_placement:
             print(_placement_table(llm), file=sys.stderr if args.json else sys.stdout)
-        if args.chat:
-            completions = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-        else:
-            completions = llm.generate(prompts, params)
+        completions = llm.generate_ids(ids, params, None if args.chat else prompts)
     if args.json:
         for p, c in zip(prompts, completions, strict=True):
             print(
@@ -276,38 +100,39 @@ def _generate(args: argparse.Namespace) -> None:
     print(_summary(llm, completions), file=sys.stderr if args.json else sys.stdout)
 
 
-def _model_dir(args: argparse.Namespace, ensure_demo_model) -> Path:
+def _model_dir(args: argparse.Namespace) -> Path:
+    from offload.demo import ensure_demo_model
+
     return Path(args.model).expanduser() if args.model is not None else ensure_demo_model()
 
 
-def planned_config(args: argparse.Namespace, config, lengths: list[int], max_new_tokens: int):
-    """`config` with the batch, KV cache (and, under --memory, the device budget) the cost model picks for
-    prompts of `lengths` tokens generating `max_new_tokens` each."""
-    from offload.demo import ensure_demo_model
-    from offload.planner.autoconfig import autoconfigure, describe
+def _say_plan(llm) -> None:
+    """What the planner chose, where it chose the batch (on stderr: the results stay on stdout)."""
+    from offload.planner.autoconfig import describe
 
-    model_dir = _model_dir(args, ensure_demo_model)
-    planned, prediction = autoconfigure(model_dir, config, lengths, max_new_tokens)
+    if llm.parts.prediction is None:
+        return
     print(
-        f"plan       {describe(prediction)} (the cost model's choice; --max-num-seqs or --kv-cache-memory fix it)",
+        f"plan       {describe(llm.parts.prediction)} (the cost model's choice; --max-num-seqs or "
+        "--kv-cache-memory fix it)",
         file=sys.stderr,
     )
-    if config.memory is not None:
+    asked = llm.parts.given.memory
+    if asked is not None:
         from offload.common.sizes import format_size
 
         print(
-            f"memory     cap {format_size(config.memory)}: {format_size(planned.device_memory)} of it for weights and "
+            f"memory     cap {format_size(asked)}: {format_size(llm.config.device_memory)} of it for weights and "
             "KV cache on the device (the rest: what the process holds already, activations and a reserve)",
             file=sys.stderr,
         )
-    return planned
 
 
 def _summary(llm, completions) -> str:
     from offload.common.sizes import format_size
     from offload.kernels import dispatch
 
-    s, pl = llm.stats, llm.placement
+    s, pl, p = llm.last_run, llm.placement, llm.parts
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(Counter(c.finish_reason for c in completions).items()))
     kv_used = s.peak_kv_blocks * pl.block_size
     lines = [
@@ -322,12 +147,12 @@ def _summary(llm, completions) -> str:
         f"memory     device peak {format_size(pl.device_peak)}"
         + (f" of a {format_size(pl.device_budget)} budget" if pl.device_budget is not None else " (no budget)")
         + f", host peak {format_size(pl.host_peak)}",
-        f"kv cache   {format_size(pl.kv_bytes)} {llm.kv.format} on {pl.device}: {pl.kv_blocks} blocks of "
+        f"kv cache   {format_size(pl.kv_bytes)} {p.kv.cache.format} on {pl.device}: {pl.kv_blocks} blocks of "
         f"{pl.block_size} tokens, peak {s.peak_kv_blocks} blocks ({kv_used} token slots)",
         f"prefix     {_prefix_line(llm, s)}",
     ]
     if pl.spill is not None:
-        lines.append(f"spill      {_spill_line(pl.spill, llm.policy.layer_tiers)}")
+        lines.append(f"spill      {_spill_line(pl.spill, pl.layer_tiers)}")
     if s.experts is not None:
         x = s.experts
         lines.append(
@@ -336,20 +161,20 @@ def _summary(llm, completions) -> str:
             f"({x.prefetch_accuracy:.0%} accuracy); "
             f"{format_size(int(s.bytes_per_token))} of weights read per generated token"
         )
-        if llm.expert_slots is not None:
+        if p.experts.slots is not None:
             lines.append(
-                f"           on {llm.device}: {x.device_hits} hits in its expert slots, {format_size(x.h2d_bytes)} "
+                f"           on {p.device}: {x.device_hits} hits in its expert slots, {format_size(x.h2d_bytes)} "
                 f"copied to it; {x.cpu_runs} cold experts run on the CPU (--cold-experts {llm.config.cold_experts})"
             )
-    io = f"i/o        backend {llm.io_backend.name} ({llm.io_backend.why})"
+    io = f"i/o        backend {p.weights.io_backend.name} ({p.weights.io_backend.why})"
     if s.bytes_read:
         io += (
             f"; {format_size(s.bytes_read)} read at {s.read_gbps:.2f} GB/s; "
             f"compute {s.compute_seconds:.3f} s, "
             f"stalled on reads {s.stall_seconds:.3f} s, overlap efficiency {s.overlap_efficiency:.2f}"
         )
-    if llm.backend.lock_note:  # the ring asked the backend for page-locked buffers and was refused
-        io += f"; {llm.backend.lock_note}"
+    if p.weights.backend.lock_note:  # the ring asked the backend for page-locked buffers and was refused
+        io += f"; {p.weights.backend.lock_note}"
     lines.append(io)
     if kernels := dispatch.summary():
         lines.append(f"kernels    {kernels}")
@@ -367,13 +192,13 @@ def _prefix_line(llm, s) -> str:
     """Prefix reuse in the last run, and what the KV tiers below the device moved."""
     from offload.common.sizes import format_size
 
-    if not llm.tables.prefix_caching:
+    if not llm.parts.kv.tables.prefix_caching:
         return "reuse off (--no-prefix-cache): every prompt token computed"
     line = (
         f"{s.prefix_hit_tokens} of {s.prefix_lookup_tokens} prompt tokens from cached blocks "
         f"({s.prefix_hit_rate:.0%} hit rate), {s.prefill_tokens} computed"
     )
-    tiers = llm.kv_tiers
+    tiers = llm.parts.kv.tiers
     if tiers is not None:
         parts = []
         if tiers.host_slots:
@@ -386,9 +211,9 @@ def _prefix_line(llm, s) -> str:
         )
         if tiers.disk is not None:
             line += f", {s.kv_blocks_prefetched} disk blocks read while a step computed"
-    if (where := llm.engine.host_attention) is not None:
+    if (where := llm.parts.engine.host_attention) is not None:
         line += (
-            f"; host-RAM micro-batches attended on {llm.device} {llm.engine.staged_micro_batches} times "
+            f"; host-RAM micro-batches attended on {llm.parts.device} {llm.parts.engine.staged_micro_batches} times "
             f"(--host-kv-attention {where.mode})"
         )
     return line
@@ -413,39 +238,43 @@ def _spill_line(spill, tiers: tuple[str, ...]) -> str:
 
 def _embedding_note(llm) -> str:
     """What the weights line adds when the token table stays on disk."""
-    if llm.policy.embed_tier != "nvme":
+    if llm.placement.embed_tier != "nvme":
         return ""
-    return f", the embedding's rows as tokens need them ({llm.weights.stats.embed_rows_read} rows)"
+    return f", the embedding's rows as tokens need them ({llm.parts.weights.store.stats.embed_rows_read} rows)"
 
 
 def _placement_table(llm) -> str:
     from offload.common.sizes import format_size
 
+    pl = llm.placement
     rows = [f"{'layer':>6}  {'bytes':>10}  tier"]
-    for i, (tier, layout) in enumerate(zip(llm.policy.layer_tiers, llm.weights.layouts, strict=True)):
+    for i, (tier, layout) in enumerate(zip(pl.layer_tiers, llm.parts.weights.store.layouts, strict=True)):
         rows.append(f"{i:>6}  {format_size(layout.tensor_bytes):>10}  {tier}")
-    counts = Counter(llm.policy.layer_tiers)
-    rows.append(", ".join(f"{n} {t}" for t, n in counts.items()) + f"; ring of {llm.policy.ring_slots} slots")
-    if llm.policy.embed_tier == "nvme":
+    counts = Counter(pl.layer_tiers)
+    rows.append(", ".join(f"{n} {t}" for t, n in counts.items()) + f"; ring of {pl.ring_slots} slots")
+    if pl.embed_tier == "nvme":
         rows.append("embedding: left on disk, each step reading its tokens' rows (its bytes hold resident layers)")
-    if llm.experts is not None:
-        per_layer = Counter(layer for layer, _ in llm.experts.layouts)
+    if llm.parts.experts is not None:
+        experts = llm.parts.experts.cache
+        per_layer = Counter(layer for layer, _ in experts.layouts)
         n = sorted(set(per_layer.values()))
         rows.append(
             f"experts: {'/'.join(map(str, n))} per sparse layer in {len(per_layer)} layers, streamed through a cache "
-            f"of {llm.experts.slots} experts ({format_size(llm.experts.budget)} budget, "
-            f"{format_size(llm.experts.slot_cost)} each)" + ("" if llm.expert_slots is None else " in pinned host RAM")
+            f"of {experts.slots} experts ({format_size(experts.budget)} budget, "
+            f"{format_size(experts.slot_cost)} each)"
+            + ("" if llm.parts.experts.slots is None else " in pinned host RAM")
         )
-        if (d := llm.expert_slots) is not None:
+        if (d := llm.parts.experts.slots) is not None:
             rows.append(
-                f"         and {d.slots} expert slots on {llm.device} ({format_size(d.budget)} budget, "
+                f"         and {d.slots} expert slots on {llm.parts.device} ({format_size(d.budget)} budget, "
                 f"{format_size(d.slot_cost)} each), filled from there; cold experts: {llm.config.cold_experts}"
             )
     return "\n".join(rows)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _parser(
+        sub,
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API (default: the embedded demo model)",
         description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models, "
@@ -496,7 +325,6 @@ def _serve(args: argparse.Namespace) -> None:
 
     from offload.api import LLM
     from offload.common.paths import cache_dir
-    from offload.demo import ensure_demo_model
     from offload.server.app import ServeSettings
     from offload.server.run import serve
 
@@ -505,12 +333,11 @@ def _serve(args: argparse.Namespace) -> None:
         raise OffloadError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if args.drain_timeout < 0:
         raise OffloadError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    model_dir = _model_dir(args, ensure_demo_model)
+    model_dir = _model_dir(args)
     if not model_dir.is_dir():
         raise OffloadError(f"{model_dir}: model directory not found")
-    if needs_plan(args, config):
-        planned = max(1, min(args.max_num_seqs or 64, 64))
-        config = planned_config(args, config, [args.plan_prompt_tokens] * planned, args.plan_new_tokens)
+    # what the planner sizes the batch for, where the flags leave it open
+    workload = Workload(args.plan_prompt_tokens, args.plan_new_tokens, DEFAULT_WORKLOAD.requests)
     name = args.served_model_name or model_dir.name
     settings = ServeSettings(
         model_name=name,
@@ -519,11 +346,12 @@ def _serve(args: argparse.Namespace) -> None:
         drain_timeout=args.drain_timeout,
         batch_dir=Path(args.batch_dir).expanduser() if args.batch_dir else cache_dir() / "batches" / name,
     )
-    serve(lambda: LLM(model_dir, config), settings, args.host, args.port, args.log_level)
+    serve(lambda: LLM(model_dir, config, workload), settings, args.host, args.port, args.log_level)
 
 
 def _add_batch(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _parser(
+        sub,
         "batch",
         help="run a JSONL file of requests (OpenAI Batch format or plain) into a JSONL file of results, resumably",
         description="Run every request of --input through the model and append each result to --output as it "
@@ -553,45 +381,41 @@ def _add_batch(sub: argparse._SubParsersAction) -> None:
 def _batch(args: argparse.Namespace) -> None:
     import signal
 
-    from offload.api import LLM, chat_ids, load_tokenizer
+    from offload.api import LLM
     from offload.batch import run_job
     from offload.batch_io import errors_path, read_input
     from offload.common.sizes import format_size
-    from offload.demo import ensure_demo_model
 
     config = engine_config(args)
     if args.fsync_interval < 0:
         raise OffloadError(f"--fsync-interval must be >= 0, got {args.fsync_interval}")
-    model_dir = _model_dir(args, ensure_demo_model)
+    model_dir = _model_dir(args)
     input_path, out = Path(args.input).expanduser(), Path(args.output).expanduser()
-    if needs_plan(args, config):  # sized for this job's prompts
+    encoder, workload = None, None
+    if needs_plan(config):  # sized for this job's prompts
         requests, _ = read_input(input_path, model_dir.name)
         if not requests:
             raise OffloadError(f"{input_path}: no valid request to plan for")
-        tokenizer = load_tokenizer(model_dir)
-        lengths = [
-            len(chat_ids(tokenizer, r.messages))
-            if r.chat
-            else len(r.prompt)
-            if isinstance(r.prompt, list)
-            else len(tokenizer(r.prompt)["input_ids"])
-            for r in requests
-        ]
+        encoder = Prompts.load(model_dir)
+        lengths = [len(encoder.encode_chat(r.messages) if r.chat else encoder.encode(r.prompt)) for r in requests]
         new_tokens = min(max(p.max_new_tokens for r in requests for p in r.params), 4096)
-        config = planned_config(args, config, lengths, new_tokens)
+        workload = Workload(max(lengths), new_tokens, len(lengths))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the job as Ctrl-C does: synced
     try:
         if args.ray:
             from offload.batch_io import rewrite_in_order
             from offload.batch_ray import run_sharded
+            from offload.planner.autoconfig import resolve
 
+            config, _ = resolve(model_dir, config, workload)  # once, here: every worker runs the same plan
             summary = run_sharded(
                 model_dir, config, input_path, out, args.ray_workers, args.ray_address, not args.no_progress
             )
             if args.ordered:
                 rewrite_in_order(out, [r.id for r in read_input(input_path, model_dir.name)[0]])
         else:
-            with LLM(model_dir, config) as llm:
+            with LLM(model_dir, config, workload, encoder) as llm:
+                _say_plan(llm)
                 summary = run_job(llm, input_path, out, args.ordered, args.fsync_interval, not args.no_progress)
     except KeyboardInterrupt:
         print(f"interrupted: {out} holds what finished; rerun the same command to resume", file=sys.stderr)
@@ -616,7 +440,8 @@ def _batch(args: argparse.Namespace) -> None:
 
 
 def _add_probe(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _parser(
+        sub,
         "probe",
         help="measure this machine (disk, memory, matmul, links) into a hardware profile",
         description="Measure this machine's disk read/write, memory bandwidth, matmul speed per dtype and, on CUDA, "
@@ -637,7 +462,8 @@ def _probe(args: argparse.Namespace) -> None:
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _parser(
+        sub,
         "convert",
         help="quantize a model's weights to int4 or int8 into a new directory the engine runs directly",
         description="Write a weight-quantized copy of a float safetensors model, tensor by tensor: the projection "
@@ -707,6 +533,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     add_plan_parser(sub)
     return parser
+
+
+def flag_reference() -> str:
+    """docs/flags.md: every subcommand's flags, generated from their declarations (`make docs` writes it)."""
+    from offload.common.knobs import reference
+
+    return reference(build_parser())
 
 
 def main(argv: list[str] | None = None) -> int:

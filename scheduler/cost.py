@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from offload.common.config import TIERS, Policy, embed_read_buffer
+from offload.common.config import BLOCK_SIZE, KV_GROUP_SIZE, TIERS, Policy, embed_read_buffer
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
@@ -30,8 +30,6 @@ from offload.scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds,
 # the call; what the layer itself costs at the least is the profile's measured layer_floor, where it has one.
 LAYER_OVERHEAD = 150e-6
 QUANT_GROUP = 64  # weights per scale and zero point when weights are quantized (FlexGen's group size)
-KV_QUANT_GROUP = 32  # KV values per scale in --kv-dtype int8/int4 (kernels/kv_quant.py GROUP_SIZE)
-
 
 @dataclass(frozen=True, slots=True)
 class Workload:
@@ -129,6 +127,7 @@ class Context:
     dtype: str  # compute dtype
     dtype_bytes: int
     block_size: int
+    kv_group: int = KV_GROUP_SIZE  # KV values per scale in a quantized KV cache (--kv-group-size)
 
     @property
     def on_cpu(self) -> bool:
@@ -169,8 +168,8 @@ class Context:
 
     def kv_bytes(self, tokens: int, kv_bits: int) -> float:
         """KV cache of `tokens` tokens of one sequence, across layers, in whole blocks; a quantized one (kv_quant.py)
-        also stores a float16 scale per KV_QUANT_GROUP values, and int4 a float16 zero."""
-        bits = kv_bits + ((16 if kv_bits == 8 else 32) / KV_QUANT_GROUP if kv_bits < 8 * self.dtype_bytes else 0)
+        also stores a float16 scale per `kv_group` values, and int4 a float16 zero."""
+        bits = kv_bits + ((16 if kv_bits == 8 else 32) / self.kv_group if kv_bits < 8 * self.dtype_bytes else 0)
         return -(-tokens // self.block_size) * self.block_size * self.shape.kv_bytes_per_token(bits / 8)
 
 
@@ -312,10 +311,11 @@ def predict(
     *,
     dtype: str | None = None,
     budgets: Budgets = Budgets(),
-    block_size: int = 16,
+    block_size: int = BLOCK_SIZE,
+    kv_group: int = KV_GROUP_SIZE,
 ) -> Prediction:
     """Time and memory of `cand` on `hw` for `workload`, its streamed layers passing through its policy's ring."""
-    ctx = make_context(shape, hw, dtype, block_size)
+    ctx = make_context(shape, hw, dtype, block_size, kv_group)
     placed, ring = len(cand.policy.layer_tiers), cand.policy.ring_slots
     if placed != shape.num_layers:
         raise ValueError(f"candidate places {placed} layers, the model has {shape.num_layers}")
@@ -345,13 +345,15 @@ def predict(
     )
 
 
-def make_context(shape: ModelSpec, hw: HardwareProfile, dtype: str | None, block: int) -> Context:
+def make_context(
+    shape: ModelSpec, hw: HardwareProfile, dtype: str | None, block: int, kv_group: int = KV_GROUP_SIZE
+) -> Context:
     """What every prediction for this model on this machine shares; fails early, in one line, on a bad dtype."""
     dtype = dtype or shape.dtype
     if dtype not in DTYPE_BYTES:
         raise OffloadError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     matmul_rate(hw.device, dtype, 1)  # fails early, naming the dtype, when the device has no such GEMM
-    return Context(shape, hw, dtype, DTYPE_BYTES[dtype], block)
+    return Context(shape, hw, dtype, DTYPE_BYTES[dtype], block, kv_group)
 
 
 def capacity(hw: HardwareProfile, budgets: Budgets) -> dict[str, int]:

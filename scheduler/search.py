@@ -11,7 +11,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable
 
-from offload.common.config import Policy
+from offload.common.config import BLOCK_SIZE, KV_GROUP_SIZE, RING_SLOTS, Policy
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.scheduler.cost import (
@@ -29,7 +29,6 @@ from offload.scheduler.moe_cost import expert_params, routed_params
 
 KV_TIERS = ("device", "host")
 WHOLE_MACHINE = Budgets()  # no budget: every tier as big as the hardware profile says (frozen, safe to share)
-RING_SLOTS = 3  # device buffers streamed layers pass through, where the caller does not say
 # expert_cache for place_layers: what the device budget leaves once every layer's dense part is resident (at least
 # one token's experts)
 AUTO_EXPERT_CACHE = -1
@@ -48,7 +47,8 @@ def place_layers(
     dtype: str | None = None,
     budgets: Budgets = WHOLE_MACHINE,
     ring_slots: int = RING_SLOTS,
-    block_size: int = 16,
+    block_size: int = BLOCK_SIZE,
+    kv_group: int = KV_GROUP_SIZE,
     expert_cache: int = 0,
 ) -> Candidate:
     """The candidate with as many layers on the device as fit beside the KV cache and activations, then as
@@ -57,7 +57,7 @@ def place_layers(
 
     expert_cache: bytes of the device budget for a mixture's expert cache (the layers placed are then their dense
     parts), AUTO_EXPERT_CACHE for what the budget leaves once every dense part is resident, 0 for none."""
-    ctx = make_context(shape, hw, dtype, block_size)
+    ctx = make_context(shape, hw, dtype, block_size, kv_group)
     n = shape.num_layers
     cap = capacity(ctx.hw, budgets)
     if expert_cache == AUTO_EXPERT_CACHE:
@@ -128,7 +128,8 @@ def search(
     kv_tiers: Iterable[str] = KV_TIERS,
     quantized: bool = False,
     ring_slots: int = RING_SLOTS,
-    block_size: int = 16,
+    block_size: int = BLOCK_SIZE,
+    kv_group: int = KV_GROUP_SIZE,
     kv_bits: Iterable[int] | None = None,
     weight_bits: Iterable[int] | None = None,
     expert_caches: Iterable[int] | None = None,
@@ -148,7 +149,7 @@ def search(
     if batches is None:
         top = workload.requests or 4096
         batches = sorted({1 << i for i in range(13) if 1 << i <= top} | ({top} if workload.requests else set()))
-    kw = dict(dtype=dtype, budgets=budgets, block_size=block_size)
+    kw = dict(dtype=dtype, budgets=budgets, block_size=block_size, kv_group=kv_group)
     if expert_caches is None:
         expert_caches = (0, AUTO_EXPERT_CACHE) if shape.num_experts else (0,)
     expert_caches = tuple(expert_caches)

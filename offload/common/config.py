@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from offload.common.dtypes import DTYPES, KV_DTYPES
 from offload.common.errors import OffloadError
+from offload.common.knobs import knob
 
 TIERS = ("device", "host", "nvme")
 EMBED_TIERS = ("device", "nvme")  # where a token embedding may live (Policy.embed_tier)
@@ -20,6 +21,11 @@ EXPERT_PREFETCH = ("router", "frequency")  # how the next sparse layer's experts
 COLD_EXPERTS = ("auto", "device", "cpu")  # on CUDA, where a chosen expert not in the device slots runs
 HOST_KV_ATTENTION = ("auto", "cpu", "device")  # on CUDA, where a micro-batch whose KV is in host RAM attends
 KV_GROUP_SIZES = (32, 64)  # values along head_dim sharing one scale in a quantized KV cache (kernels/kv_quant.py)
+KV_GROUP_SIZE = 32  # the default of those
+RING_SLOTS = 2  # device buffers streamed layers pass through, unless configured: the engine's and the planner's
+BLOCK_SIZE = 16  # tokens per KV block, unless configured
+DEFAULT_KV_CACHE = 1 << 30  # bytes of KV cache where neither the user nor the cost model sizes it
+DEFAULT_MAX_NUM_SEQS = 64  # sequences per step where neither the user nor the cost model sizes the batch
 
 
 def embed_read_buffer(row_bytes: int) -> int:
@@ -82,62 +88,187 @@ class Policy:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """How the engine runs: compute dtype and device, KV cache geometry, batch limits."""
+    """How the engine runs: budgets, KV cache, experts, batch limits, I/O and compute. Every field is a knob (its flag,
+    help and default are declared here and nowhere else). A budget of None means "the planner decides":
+    offload/planner/autoconfig.py's `resolve` turns a config and a workload into one the engine runs."""
 
-    dtype: str = "auto"  # "auto" = the checkpoint's dtype
-    device: str = "auto"  # "auto" = cuda when available, else cpu
-    block_size: int = 16  # tokens per KV block
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64  # sequences in one step
-    # tokens computed in one step: one per decoding sequence, the rest prefill chunks (a longer prompt is
-    # prefilled over several steps, interleaved with decoding); bounds a step's activations and caps the
-    # running sequences (each may decode in the same step)
-    max_step_tokens: int = 4096
-    micro_batch_tokens: int = 2048  # tokens per micro-batch inside a step
-    device_memory: int | None = None  # bytes for weights + KV cache on the compute device; None = no budget
-    host_memory: int = 0  # bytes of host RAM that may hold layers read once (not streamed)
-    # NVMe reads: "pread" (O_DIRECT thread pool), "aio" (DeepSpeed AsyncIO), or "auto": the faster of the two as
-    # `offload probe` measured them on this machine, else aio only on CUDA (offload/api.py resolves it)
-    io_backend: str = "auto"
-    # device buffers for streamed layers: one computing, the rest reading ahead. Two suffice when reads are the
-    # bottleneck (a read is always in flight) and leave room for one more resident layer, which reads never touch
-    ring_slots: int = 2
-    # a folder for the engine's spill files: streamed layers stored in another dtype are converted once and
-    # streamed from there (tiers/spill.py); None = stream and convert from the checkpoint every pass
-    offload_dir: str | None = None
-    disk_memory: int | None = None  # bytes the spill files in offload_dir may take; None = no budget
-    # bytes the whole process may hold resident (its libraries included); None = no cap. The cost model turns it into
-    # the device budget when it plans the batch (offload/planner/autoconfig.py); exclusive with device_memory
-    memory: int | None = None
-    # the KV cache's format: "auto" (the compute dtype), a float dtype, or int8 / int4 / fp8, quantized on write per
-    # group along head_dim and dequantized on read; every tier stores the quantized bytes
-    kv_dtype: str = "auto"
-    kv_group_size: int = 32  # int8 / int4 / fp8 KV: values along head_dim per scale (and int4's zero), 32 or 64
-    # full KV blocks keyed by the tokens before and in them, shared by every sequence with that prefix; a request
-    # computes only what no cached block holds
-    prefix_cache: bool = True
-    kv_host_memory: int = 0  # host RAM for KV blocks demoted from the device part (kept for reuse); 0 = none
-    # local disk, in offload_dir, for KV blocks demoted from host RAM; they persist, so later runs start warm; 0 = none
-    kv_disk_memory: int = 0
-    # read the cached blocks waiting requests will take from the disk part while a step computes, not at admission
-    kv_prefetch: bool = True
-    # bytes of the device budget for a mixture's routed experts, cached by (layer, expert) and read when the router
-    # chooses them (tiers/experts.py); the rest of each sparse layer is placed like a dense layer. 0 = off: whole
-    # layers are placed and streamed
-    expert_cache_memory: int = 0
-    # how the next sparse layer's experts are prefetched while a layer computes: "router" (those its router chooses
-    # for the current hidden state; offload/model/expert_streaming.py) or "frequency" (those selected most often)
-    expert_prefetch: str = "router"
-    # on CUDA, pinned host RAM (charged to the host tier) keeping experts as read, which the device slots are filled
-    # from; 0 = as many experts as the device slots hold. Ignored on a CPU device, where experts are read in place
-    expert_host_memory: int = 0
-    # on CUDA, where a chosen expert that is not in the device slots runs: "device" copies it there from host RAM,
-    # "cpu" runs it on the CPU where it is (its tokens' rows move, not its weights), "auto" prices both by the cost
-    # model for the rows it has in the step
-    cold_experts: str = "auto"
-    # on CUDA, where a micro-batch of sequences whose KV lives in the host part attends: "cpu" (where the KV is, the
-    # query moved), "device" (its blocks copied to the device each layer), "auto" (priced per micro-batch and step)
-    host_kv_attention: str = "auto"
+    # ---- budgets
+    memory: int | None = knob(
+        None,
+        "budgets",
+        "cap on the process's resident memory, on a CPU device",
+        doc="Instead of --device-memory: the cost model sizes the batch, the KV cache and the device budget to what "
+        "the process does not hold yet.",
+        size=True,
+        default_text="no cap",
+    )
+    device_memory: int | None = knob(
+        None,
+        "budgets",
+        "weights + KV cache on the compute device; what does not fit streams",
+        doc="With no --max-num-seqs and no --kv-cache-memory, the cost model picks the batch and KV cache for the "
+        "workload within it.",
+        size=True,
+        default_text="no budget",
+    )
+    host_memory: int | None = knob(
+        None,
+        "budgets",
+        "host RAM for layers read once instead of streamed",
+        size=True,
+        default_text="none",
+    )
+    offload_dir: str | None = knob(
+        None,
+        "budgets",
+        "folder on fast local disk for spill files and the KV disk part",
+        doc="Streamed layers stored in another dtype than the compute dtype are converted once and streamed from "
+        "there (checksummed, reused by later runs); --kv-disk-memory keeps KV blocks there.",
+        metavar="DIR",
+        default_text="none",
+    )
+    disk_memory: int | None = knob(
+        None, "budgets", "budget for the converted layers in --offload-dir", size=True, default_text="no budget"
+    )
+    # ---- KV cache
+    kv_cache_bytes: int | None = knob(
+        None,
+        "kv",
+        "the KV cache on the device",
+        doc="With a device budget and no --max-num-seqs, or with --memory, sized by the cost model for the batch it "
+        "picks.",
+        flag="--kv-cache-memory",
+        size=True,
+        default_text=f"{DEFAULT_KV_CACHE >> 30}GiB, or the planner's",
+    )
+    block_size: int = knob(BLOCK_SIZE, "kv", "tokens per KV block", metavar="TOKENS")
+    kv_dtype: str = knob(
+        "auto",
+        "kv",
+        "KV cache format",
+        doc="auto: the compute dtype. int8 / int4 / fp8 are quantized on write per group along head_dim and dequantized on read; every tier "
+        "stores the quantized bytes.",
+        choices=KV_DTYPES,
+        metavar="FORMAT",
+    )
+    kv_group_size: int = knob(
+        KV_GROUP_SIZE,
+        "kv",
+        "values along head_dim per scale in a quantized KV cache",
+        doc="64 stores fewer scales, 32 keeps the error lower.",
+        choices=KV_GROUP_SIZES,
+    )
+    prefix_cache: bool = knob(
+        True,
+        "kv",
+        "reuse the KV blocks of prefixes seen before",
+        doc="Full blocks are keyed by the tokens before and in them and shared by every sequence with that prefix; "
+        "--no-prefix-cache computes every prompt in full.",
+    )
+    kv_host_memory: int | None = knob(
+        None, "kv", "host RAM for KV blocks demoted from the device, kept for reuse", size=True, default_text="none"
+    )
+    kv_disk_memory: int | None = knob(
+        None,
+        "kv",
+        "disk in --offload-dir for KV blocks demoted from host RAM",
+        doc="They persist, so later runs start warm.",
+        size=True,
+        default_text="none",
+    )
+    kv_prefetch: bool = knob(
+        True,
+        "kv",
+        "read waiting requests' cached disk blocks while a step computes",
+        doc="--no-kv-prefetch reads them only when a request is admitted.",
+    )
+    host_kv_attention: str = knob(
+        "auto",
+        "kv",
+        "on CUDA, where sequences with KV in host RAM attend",
+        doc="cpu: where the KV is, the query moved; device: over their blocks copied to the GPU each layer; auto: "
+        "whichever the cost model prices faster for each micro-batch (prompt chunks on the GPU, decode on the CPU "
+        "where no profile is saved).",
+        choices=HOST_KV_ATTENTION,
+        metavar="WHERE",
+    )
+    # ---- experts
+    expert_cache_memory: int | None = knob(
+        None,
+        "experts",
+        "part of the device budget for a mixture's routed experts",
+        doc="Experts are read only when the router chooses them and cached by (layer, expert); the rest of each "
+        "sparse layer is placed like a dense layer. Default: off, whole layers are placed and streamed.",
+        size=True,
+        default_text="off",
+    )
+    expert_host_memory: int | None = knob(
+        None,
+        "experts",
+        "on CUDA, pinned host RAM keeping experts as read",
+        doc="The device's expert slots are filled from it. Default: as many experts as those slots hold. Ignored on "
+        "a CPU device, where experts are read in place.",
+        size=True,
+        default_text="the device slots' worth",
+    )
+    expert_prefetch: str = knob(
+        "router",
+        "experts",
+        "how the next sparse layer's experts are prefetched",
+        doc="router: those its router chooses for the current hidden state (a copy of each router stays resident); "
+        "frequency: those selected most often.",
+        choices=EXPERT_PREFETCH,
+        metavar="HOW",
+    )
+    cold_experts: str = knob(
+        "auto",
+        "experts",
+        "on CUDA, where a chosen expert off the device runs",
+        doc="device: copied there from host RAM; cpu: on the CPU where it is, its tokens' rows moved instead of its "
+        "weights; auto: whichever the cost model prices faster for its rows.",
+        choices=COLD_EXPERTS,
+        metavar="WHERE",
+    )
+    # ---- scheduler
+    max_num_seqs: int | None = knob(
+        None,
+        "scheduler",
+        "sequences per step",
+        doc="With a device budget and no --kv-cache-memory, or with --memory, the batch with the highest throughput "
+        "the cost model predicts for the workload on this machine.",
+        metavar="N",
+        default_text=f"{DEFAULT_MAX_NUM_SEQS}, or the planner's",
+    )
+    max_step_tokens: int = knob(
+        4096,
+        "scheduler",
+        "tokens computed per step (decode tokens + prefill chunks)",
+        doc="One per decoding sequence, the rest prefill chunks: a longer prompt is prefilled over several steps, "
+        "interleaved with decoding.",
+        metavar="N",
+    )
+    micro_batch_tokens: int = knob(2048, "scheduler", "tokens per micro-batch inside a step", metavar="N")
+    # ---- I/O
+    io_backend: str = knob(
+        "auto",
+        "io",
+        "NVMe reads: pread (O_DIRECT thread pool), aio (DeepSpeed AsyncIO)",
+        doc="auto: the faster of the two as `offload probe` measured them here, else aio only on CUDA.",
+        choices=IO_BACKENDS,
+    )
+    ring_slots: int = knob(
+        RING_SLOTS,
+        "io",
+        "device buffers streamed layers pass through",
+        doc="One computing, the rest reading ahead. Two suffice when reads are the bottleneck and leave room for one "
+        "more resident layer.",
+        metavar="N",
+    )
+    # ---- compute
+    dtype: str = knob(
+        "auto", "compute", "compute dtype", doc="auto: the checkpoint's.", choices=("auto", *DTYPES), metavar="DTYPE"
+    )
+    device: str = knob("auto", "compute", "auto (cuda when available), cpu or cuda[:N]", metavar="DEVICE")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -176,6 +307,7 @@ class EngineConfig:
             ("host_memory", self.host_memory),
             ("disk_memory", self.disk_memory),
             ("memory", self.memory),
+            ("kv_cache_bytes", self.kv_cache_bytes),
             ("kv_host_memory", self.kv_host_memory),
             ("kv_disk_memory", self.kv_disk_memory),
             ("expert_cache_memory", self.expert_cache_memory),
@@ -190,8 +322,13 @@ class EngineConfig:
             )
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_step_tokens", "micro_batch_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise OffloadError(f"{name} must be a positive integer, got {value!r}")
+        if self.memory is not None and (self.max_num_seqs is not None or self.kv_cache_bytes is not None):
+            raise OffloadError(
+                "memory sizes the batch and the KV cache itself: leave max_num_seqs (--max-num-seqs) and "
+                "kv_cache_bytes (--kv-cache-memory) unset"
+            )
 
     @classmethod
     def from_max_memory(cls, max_memory: dict, **fields) -> EngineConfig:
@@ -211,14 +348,15 @@ MAX_LOGPROBS = 20  # top alternatives a request may ask for with each token
 class SamplingParams:
     """How one request picks its tokens. temperature 0 means greedy."""
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = no limit
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # report each sampled token's logprob and this many top alternatives
+    max_new_tokens: int = knob(64, "sampling", "tokens to generate at most", metavar="N")
+    temperature: float = knob(0.0, "sampling", "0 = greedy", metavar="T")
+    top_k: int = knob(0, "sampling", "sample among the K most likely (0 = no limit)", metavar="K")
+    top_p: float = knob(1.0, "sampling", "sample within top-p probability mass", metavar="P")
+    seed: int | None = knob(None, "sampling", "seed for reproducible sampling", metavar="N", default_text="none")
+    stop: tuple[str, ...] = knob((), "sampling", "stop string; repeatable", repeat=True)
+    ignore_eos: bool = knob(False, "sampling", "keep generating past end-of-sequence tokens")
+    # report each sampled token's logprob and this many top alternatives (the API and endpoint ask; no flag)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -1,4 +1,10 @@
-"""The batch the cost model picks: an EngineConfig sized for a workload on this machine.
+"""Resolving a config for a workload: what the planner decides where the config says None, and the batch the cost
+model picks.
+
+`resolve` is the one step every face takes (the API, the command line, the server, batch jobs): budgets left None
+become what they mean when unset (no host layers, no KV tiers below the device, no expert cache), and the batch and
+the KV cache, where the user fixed neither, are sized by `autoconfigure` whenever there is a budget to size them in,
+else get their defaults.
 
 When the user fixes neither the batch nor the KV cache, the engine asks scheduler/cost.py which batch gives
 the highest predicted throughput within the device budget, among the policies this engine runs (the checkpoint's
@@ -19,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from offload.common.config import EngineConfig, Policy
+from offload.common.config import DEFAULT_KV_CACHE, DEFAULT_MAX_NUM_SEQS, EngineConfig, Policy
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
@@ -40,6 +46,39 @@ MEMORY_RESERVE = 192 << 20
 KV_BITS = {"int8": 8, "fp8": 8, "int4": 4}  # --kv-dtype -> the cost model's kv_bits; float formats: the dtype's
 
 
+# what an engine is planned for when its caller names no workload (the endpoint's, unless its flags say otherwise)
+DEFAULT_WORKLOAD = Workload(prompt_len=512, gen_len=128, requests=DEFAULT_MAX_NUM_SEQS)
+# budgets whose None means nothing of that tier
+_NONE_IS_ZERO = ("host_memory", "kv_host_memory", "kv_disk_memory", "expert_cache_memory", "expert_host_memory")
+
+
+def needs_plan(config: EngineConfig) -> bool:
+    """A budget was given and neither the batch nor the KV cache: the cost model sizes both for the workload."""
+    fixed = config.kv_cache_bytes is not None or config.max_num_seqs is not None
+    return config.memory is not None or (config.device_memory is not None and not fixed)
+
+
+def _unset_as_zero(config: EngineConfig) -> EngineConfig:
+    return dataclasses.replace(config, **{n: 0 for n in _NONE_IS_ZERO if getattr(config, n) is None})
+
+
+def resolve(
+    model_dir: Path, config: EngineConfig, workload: Workload | None = None, hardware: HardwareProfile | None = None
+) -> tuple[EngineConfig, Prediction | None]:
+    """`config` as the engine runs it, for `workload` (None: DEFAULT_WORKLOAD), and the cost model's prediction where
+    it chose the batch (else None). Resolving a resolved config returns it unchanged."""
+    config = _unset_as_zero(config)
+    prediction = None
+    if needs_plan(config):
+        w = workload or DEFAULT_WORKLOAD
+        config, prediction = autoconfigure(model_dir, config, [w.prompt_len] * (w.requests or 1), w.gen_len, hardware)
+    return dataclasses.replace(
+        config,
+        max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        kv_cache_bytes=config.kv_cache_bytes or DEFAULT_KV_CACHE,
+    ), prediction
+
+
 def autoconfigure(
     model_dir: Path,
     config: EngineConfig,
@@ -56,6 +95,7 @@ def autoconfigure(
 
     if not prompt_lens:
         raise OffloadError("no prompts to plan for")
+    config = _unset_as_zero(config)
     spec, _ = load_spec(model_dir)  # one read of config.json: the spec the engine runs is what the cost model prices
     if hardware is None:
         from offload.planner.probe import local_profile
@@ -79,6 +119,7 @@ def autoconfigure(
         kv_tiers=("device",),
         ring_slots=config.ring_slots,
         block_size=config.block_size,
+        kv_group=config.kv_group_size,
         kv_bits=(KV_BITS.get(config.kv_dtype, 8 * DTYPE_BYTES[dtype]),),
         weight_bits=(spec.quant.bits if spec.quant is not None else 8 * DTYPE_BYTES[dtype],),
         expert_caches=(config.expert_cache_memory,),  # taken from the device budget before any layer is placed
@@ -106,16 +147,18 @@ def autoconfigure(
     except ValueError as exc:  # a KV format the model's head_dim does not take
         raise OffloadError(f"--kv-dtype {config.kv_dtype}: {exc}") from None
     step_tokens = cand.batch * prompt  # every prompt of the batch in one pass over the weights
+    device_memory = config.device_memory
+    if config.memory is not None:  # the engine's device tier: what the budget leaves beside the activations
+        device_memory = device_budget - activation_bytes(spec, hardware, dtype, config, cand, workload)
     planned = dataclasses.replace(
         config,
+        memory=None,  # now the device budget
+        device_memory=device_memory,
         max_num_seqs=cand.batch,
         kv_cache_bytes=cand.batch * blocks * per_block,
         max_step_tokens=max(step_tokens, cand.batch),
         micro_batch_tokens=max(math.ceil(step_tokens / cand.micro_batches), 1),
     )
-    if config.memory is not None:  # the engine's device tier: what the budget leaves beside the activations
-        activations = activation_bytes(spec, hardware, dtype, config.block_size, cand, workload)
-        planned = dataclasses.replace(planned, memory=None, device_memory=device_budget - activations)
     return planned, chosen
 
 
@@ -140,11 +183,11 @@ def memory_budget(config: EngineConfig) -> int:
 
 
 def activation_bytes(
-    shape: ModelSpec, hardware: HardwareProfile, dtype: str, block_size: int, cand: Candidate, workload: Workload
+    shape: ModelSpec, hardware: HardwareProfile, dtype: str, config: EngineConfig, cand: Candidate, workload: Workload
 ) -> int:
     """What the cost model counts on the device for `cand` beyond what the engine's device tier is charged (the
     embedding, head, layers, ring, KV cache and expert cache): a step's activations and logits (bytes)."""
-    ctx = make_context(shape, hardware, dtype, block_size)
+    ctx = make_context(shape, hardware, dtype, config.block_size, config.kv_group_size)
     bare = tier_memory(ctx, dataclasses.replace(cand, policy=Policy(())), workload)["device"]  # no layer placed
     kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
     return int(bare - (shape.params.embed + shape.params.head) * ctx.dtype_bytes - kv - cand.expert_cache)

@@ -1,0 +1,236 @@
+"""The engine built in one place: `build(model_dir, config, workload)` resolves the config for the workload, then
+wires the tiers, the weights, the KV pool, the experts, the layer-major engine and the core, and returns them as
+small frozen handles (`EngineParts`). `LLM` (offload/api.py) is a facade over them; the server and batch jobs drive
+the same core through it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload.common.config import EngineConfig, Policy
+from offload.common.errors import OffloadError
+from offload.common.model_config import ModelSpec
+from offload.convert import check_runnable
+from offload.core import EngineCore
+from offload.model.engine import Engine
+from offload.model.expert_streaming import expert_caches, layer_experts, model_layouts, read_gates
+from offload.model.loader import load_spec
+from offload.planner.autoconfig import resolve
+from offload.planner.cold_experts import cold_experts
+from offload.planner.host_attention import choose_host_attention
+from offload.planner.profiles import saved_read_rates
+from offload.prompts import Prompts
+from offload.scheduler.batcher import BatchLimits
+from offload.scheduler.cost import Prediction, Workload
+from offload.tiers.blocks import BlockTables
+from offload.tiers.checkpoint import Checkpoint
+from offload.tiers.device import DeviceTier
+from offload.tiers.expert_slots import DeviceExperts
+from offload.tiers.experts import ExpertCache
+from offload.tiers.host import HostTier
+from offload.tiers.io.backends import BackendChoice, choose_backend, make_backend
+from offload.tiers.io.base import ReadBackend
+from offload.tiers.io.buffered import BufferedReader
+from offload.tiers.kv import KVCache
+from offload.tiers.kv_pool import kv_key, make_kv_pool
+from offload.tiers.kv_tiers import KVTiers
+from offload.tiers.layout import ModelLayout
+from offload.tiers.placement import place_weights
+from offload.tiers.spill import SpillStats, spill_layers
+from offload.tiers.weights import WeightStore
+
+
+@dataclass(frozen=True, slots=True)
+class WeightParts:
+    """The layers' weights: where they are placed and what reads them."""
+
+    store: WeightStore
+    policy: Policy
+    io_backend: BackendChoice  # which backend reads the checkpoint, and why
+    backend: ReadBackend
+    embed_backend: ReadBackend | None  # reads a token table left in storage; None: the table is resident
+    spill: SpillStats | None  # streamed layers converted once into offload_dir (None: no offload_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class KVParts:
+    """The paged KV cache: the device part, its tables, and the host and disk parts below it."""
+
+    cache: KVCache
+    tables: BlockTables
+    host_tables: BlockTables | None  # the host part's tables (sequences admitted when the device part is full)
+    tiers: KVTiers | None  # the parts below the device (None: the device part only)
+    key: str  # what keys this model's blocks in the prefix cache and on disk
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertParts:
+    """A mixture's routed experts, streamed by (layer, expert)."""
+
+    cache: ExpertCache
+    slots: DeviceExperts | None  # on CUDA, the device slots filled from `cache` in pinned host RAM
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    model_dir: Path
+    spec: ModelSpec
+    given: EngineConfig  # as the caller gave it
+    config: EngineConfig  # resolved: as the engine runs
+    prediction: Prediction | None  # the cost model's, where it chose the batch
+    device: torch.device
+    dtype: torch.dtype
+    device_tier: DeviceTier
+    host_tier: HostTier
+    weights: WeightParts
+    kv: KVParts
+    experts: ExpertParts | None
+    engine: Engine
+    core: EngineCore
+    prompts: Prompts
+    max_model_len: int
+
+    def close(self) -> None:
+        """Let reads in flight land, write the KV blocks queued for disk, close the files."""
+        self.weights.store.close()
+        if self.experts is not None:
+            if self.experts.slots is not None:
+                self.experts.slots.close()  # copies from the host cache's buffers land before those go
+            self.experts.cache.close()
+        self.weights.backend.close()
+        if self.weights.embed_backend is not None:
+            self.weights.embed_backend.close()
+        if self.kv.tiers is not None:
+            self.kv.tiers.settle(self.kv.tables.pool)  # the last step's computed blocks, not yet written through
+            self.kv.tiers.close()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise OffloadError(f"device {name!r}: this machine has no CUDA device")
+    return torch.device(name)
+
+
+def eos_ids(model_dir: Path, spec: ModelSpec) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json's, else config.json's."""
+    path = model_dir / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    except json.JSONDecodeError as exc:
+        raise OffloadError(f"{path}: not valid JSON ({exc})") from None
+    if eos is not None:
+        return tuple(eos) if isinstance(eos, list) else (eos,)
+    return spec.eos_token_ids
+
+
+def build(
+    model_dir: Path, config: EngineConfig, workload: Workload | None = None, prompts: Prompts | None = None
+) -> EngineParts:
+    """The engine for `model_dir`, with `config` resolved for `workload` (None: the planner's default workload).
+    `prompts`: the model's encoder, where the caller loaded it already (to measure its prompts), else loaded here."""
+    given = config
+    config, prediction = resolve(model_dir, config, workload)
+    spec, family = load_spec(model_dir)
+    device = resolve_device(config.device)
+    check_runnable(model_dir, spec, device)  # a quantized checkpoint this device can multiply
+    dtype = getattr(torch, spec.dtype if config.dtype == "auto" else config.dtype)
+    device_tier = DeviceTier(config.device_memory, device)
+    host_tier = HostTier(config.host_memory or None)  # 0: no budget, so no layer in host RAM (see HostTier)
+    kv = make_kv_cache(spec, config, dtype, device, device_tier)
+    with BufferedReader() as reader:  # headers only; tensor data goes through the NVMe backend
+        checkpoint = Checkpoint(model_dir, reader)
+        layout, experts = model_layouts(checkpoint, family, spec, config.expert_cache_memory > 0)
+        guess = experts is not None and config.expert_prefetch == "router"
+        gates = read_gates(checkpoint, family, spec) if guess else {}  # the routers, copied to guess
+    # what reads the checkpoint, and why: "auto" by the rates `offload probe` saved here, if it ran
+    io_backend = choose_backend(config.io_backend, saved_read_rates() if config.io_backend == "auto" else None)
+    backend = make_backend(io_backend.name)
+    # routed experts stream through a cache of their own, taken from the device budget before layers are placed
+    # (on CUDA: device slots, filled from a cache in pinned host RAM, where cold experts may run instead)
+    budgets = config.expert_cache_memory, config.expert_host_memory
+    expert_cache, slots = expert_caches(experts, backend, device_tier, host_tier, dtype, *budgets)
+    cold = cold_experts(config.cold_experts, spec, dtype, device, slots.expert_bytes) if slots else None
+    routed = layer_experts(expert_cache, spec, gates, dtype, config.expert_prefetch, slots, cold)
+
+    def place(layout: ModelLayout) -> Policy:
+        """The layers placed in what the device budget leaves after the KV cache, the embedding and the head."""
+        return place_weights(layout, dtype, device_tier, host_tier, config.ring_slots)
+
+    spill = None
+    if config.offload_dir is not None:
+        layout, spill = spill_layers(layout, place, dtype, config.offload_dir, config.disk_memory, io_backend.name)
+    policy = place(layout)
+    # a table left in storage reads its rows through a backend of its own, never queued behind layer reads
+    embed_backend = make_backend(io_backend.name, threads=4) if policy.embed_tier == "nvme" else None
+    store = WeightStore(layout, backend, policy, device_tier, host_tier, dtype, embed_backend=embed_backend)
+    key = kv_key(model_dir, spec, dtype, kv)
+    tables, host_tables, kv_tiers = make_kv_pool(config, kv, key, spec)
+    # a sequence's blocks are all in one part of the pool: the device's, or the host's
+    kv_blocks = max(kv.num_blocks, host_tables.pool.num_blocks if host_tables else 0)
+    max_model_len = min(spec.max_position, kv_blocks * config.block_size)
+    host_kv = kv_tiers.host_kv if host_tables is not None else None
+    where = None  # where host-resident micro-batches attend
+    if host_kv is not None:
+        where = choose_host_attention(config.host_kv_attention, spec, dtype, device, config.kv_dtype, config.block_size)
+    engine = Engine(spec, family, store, kv, device, dtype, host_kv, routed, where)
+    limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, max_model_len)
+    # loaded with the weights: no generate call pays for it (a first load imports for ~1 s)
+    prompts = prompts if prompts is not None else Prompts.load(model_dir)
+    decoder = (lambda: prompts) if prompts.tokenizer is not None else None
+    core = EngineCore(engine, tables, limits, eos_ids(model_dir, spec), store, decoder, kv_tiers, host_tables)
+    return EngineParts(
+        model_dir=model_dir,
+        spec=spec,
+        given=given,
+        config=config,
+        prediction=prediction,
+        device=device,
+        dtype=dtype,
+        device_tier=device_tier,
+        host_tier=host_tier,
+        weights=WeightParts(store, policy, io_backend, backend, embed_backend, spill),
+        kv=KVParts(kv, tables, host_tables, kv_tiers, key),
+        experts=None if expert_cache is None else ExpertParts(expert_cache, slots),
+        engine=engine,
+        core=core,
+        prompts=prompts,
+        max_model_len=max_model_len,
+    )
+
+
+def make_kv_cache(
+    spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, device: torch.device, device_tier: DeviceTier
+) -> KVCache:
+    """The device part of the KV cache, charged to the device tier."""
+    geometry = (spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim)
+    try:  # a format this model's shape or this torch cannot hold
+        per_block = KVCache.block_bytes(*geometry, dtype, config.kv_dtype, config.kv_group_size)
+    except ValueError as exc:
+        raise OffloadError(str(exc)) from None
+    if config.kv_cache_bytes < per_block:
+        raise OffloadError(
+            f"kv cache memory of {config.kv_cache_bytes} bytes holds no block "
+            f"(one block of {config.block_size} tokens needs {per_block} bytes)"
+        )
+    kv = KVCache(
+        *geometry[:1],
+        config.kv_cache_bytes // per_block,
+        *geometry[1:],
+        dtype,
+        device,
+        config.kv_dtype,
+        group_size=config.kv_group_size,
+    )
+    if not device_tier.adopt(kv.storage):
+        raise OffloadError(
+            f"--kv-cache-memory ({config.kv_cache_bytes} bytes) does not fit --device-memory "
+            f"({config.device_memory} bytes)"
+        )
+    return kv

@@ -55,7 +55,7 @@ def test_a_request_added_mid_run_joins_at_the_next_step_and_changes_nothing(llm)
     deltas.update({k: deltas[k] + v for k, v in run_to_end(core, [a, b]).items()})
     assert tuple(t for d in deltas[a] for t in d.token_ids) == alone[0]
     assert tuple(t for d in deltas[b] for t in d.token_ids) == alone[1]
-    assert llm.tables.num_used == 0
+    assert llm.stats().kv_blocks_used == 0
 
 
 def test_abort_returns_the_blocks_at_once_and_ends_the_request(llm):
@@ -63,15 +63,15 @@ def test_abort_returns_the_blocks_at_once_and_ends_the_request(llm):
     keep, drop = (core.add_request(llm.encode(p), GREEDY) for p in PROMPTS[:2])
     core.step()
     core.step()
-    used = llm.tables.num_used
+    used = llm.stats().kv_blocks_used
     assert core.abort(drop)
-    assert llm.tables.num_used < used and not core.abort(drop)
-    llm.tables.check_integrity()
+    assert llm.stats().kv_blocks_used < used and not core.abort(drop)
+    llm.check_integrity()
     deltas = run_to_end(core, [keep, drop])
     assert [d.finish_reason for d in deltas[drop]] == ["abort"]  # its final delta, handed out by the next step
     assert deltas[drop][0].metrics.output_tokens == 2
     assert len(deltas[keep]) == GREEDY.max_new_tokens - 2 and deltas[keep][-1].finish_reason == "length"
-    assert llm.tables.num_used == 0 and not core.has_work
+    assert llm.stats().kv_blocks_used == 0 and not core.has_work
 
 
 def test_abort_of_a_waiting_request_before_any_step(llm):
@@ -90,7 +90,7 @@ def test_streamed_text_concatenates_to_the_decoded_output(llm):
     rids = [core.add_request(llm.encode(PROMPTS[s % 3]), p) for s, p in enumerate(params)]
     for deltas in run_to_end(core, rids).values():
         tokens = [t for d in deltas for t in d.token_ids]
-        whole = llm.tokenizer.decode(tokens, skip_special_tokens=True)
+        whole = llm.prompts.tokenizer.decode(tokens, skip_special_tokens=True)
         assert "".join(d.text for d in deltas) == whole
 
 
@@ -150,7 +150,7 @@ def test_counters_cover_the_cores_life_and_each_request_has_its_timeline(llm):
     assert after.requests_added - before.requests_added == 3
     assert after.requests_finished - before.requests_finished == 3
     assert after.generated_tokens - before.generated_tokens == 3 * GREEDY.max_new_tokens
-    assert after.steps - before.steps == llm.stats.steps
+    assert after.steps - before.steps == llm.last_run.steps
     rid = llm.core.add_request(llm.encode(PROMPTS[0]), GREEDY)
     final = run_to_end(llm.core, [rid])[rid][-1]
     m = final.metrics
@@ -165,12 +165,12 @@ def test_a_bad_prompt_is_refused_before_any_request_is_added(llm):
     assert llm.core.counters().requests_added == added and not llm.core.has_work
 
 
-def test_chat_ids_are_the_templates_tokens_not_a_batch_encoding(llm):
+def test_chat_prompt_ids_are_the_templates_tokens_not_a_batch_encoding(llm):
     """transformers 5 returns a BatchEncoding from apply_chat_template, whose len() is its number of keys: what the
     planner once took for a chat prompt's length."""
-    from offload.api import chat_ids
+    from offload.prompts import Prompts
 
-    ids = chat_ids(llm.tokenizer, [{"role": "user", "content": "hello"}])
+    ids = Prompts(llm.model_dir, llm.prompts.tokenizer).encode_chat([{"role": "user", "content": "hello"}])
     assert all(isinstance(t, int) for t in ids) and len(ids) > len("hello")
     assert ids == llm.encode_chat([{"role": "user", "content": "hello"}])
 
@@ -182,5 +182,5 @@ def test_scoring_between_steps_leaves_running_requests_alone(llm):
     first = [t for d in llm.core.step() if d.request_id == rid for t in d.token_ids]
     llm.score([[5, 6, 7, 8, 9, 10, 11], [3, 4]])  # its sequences must not take the running request's id or blocks
     rest = [t for d in run_to_end(llm.core, [rid])[rid] for t in d.token_ids]
-    llm.tables.check_integrity()
+    llm.check_integrity()
     assert tuple(first + rest) == alone

@@ -38,10 +38,10 @@ def test_batched_greedy_equals_one_at_a_time(llm, greedy_alone):
     batched = llm.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in batched] == [c.token_ids for c in greedy_alone]
     assert all(len(c.token_ids) == 24 and c.finish_reason == "length" for c in batched)
-    assert llm.stats.requests == 4 and llm.stats.generated_tokens == 96
-    assert llm.stats.steps == 24  # one prefill step, then 23 decode steps
-    llm.tables.check_integrity()
-    assert llm.tables.num_used == 0
+    assert llm.last_run.requests == 4 and llm.last_run.generated_tokens == 96
+    assert llm.last_run.steps == 24  # one prefill step, then 23 decode steps
+    llm.check_integrity()
+    assert llm.stats().kv_blocks_used == 0
 
 
 def test_micro_batches_do_not_change_results(model_dir, greedy_alone):
@@ -53,19 +53,19 @@ def test_preemption_when_kv_runs_out_recomputes_and_loses_nothing(model_dir, gre
     # 3 layers * 2 * 2 kv heads * 16 dims * 4 bytes = 768 bytes/token; 72 KiB = 96 tokens = 24 blocks of 4,
     # enough for the longest request alone (63 + 24 tokens), not for all four (about 190)
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=72 << 10, block_size=4))
-    assert llm.kv.num_blocks == 24
+    assert llm.parts.kv.cache.num_blocks == 24
     got = llm.generate(PROMPTS, GREEDY)
-    assert llm.stats.preemptions > 0
-    assert llm.stats.peak_kv_blocks <= 24
+    assert llm.last_run.preemptions > 0
+    assert llm.last_run.peak_kv_blocks <= 24
     assert [c.token_ids for c in got] == [c.token_ids for c in greedy_alone]
-    llm.tables.check_integrity()
+    llm.check_integrity()
 
 
 def test_max_num_seqs_limits_the_running_set(model_dir, greedy_alone):
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, max_num_seqs=2))
     got = llm.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in got] == [c.token_ids for c in greedy_alone]
-    assert llm.stats.steps > 24  # the last two prompts joined when the first two finished
+    assert llm.last_run.steps > 24  # the last two prompts joined when the first two finished
 
 
 def test_eos_stops_a_sequence(model_dir, greedy_alone, tmp_path):
@@ -101,7 +101,7 @@ def test_stop_string_ends_and_trims_the_text(llm, greedy_alone):
 
 def test_context_window_ends_generation(model_dir):
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=768 * 32, block_size=4))  # a 32-token window
-    assert llm.max_model_len == 32
+    assert llm.placement.max_model_len == 32
     (c,) = llm.generate("0123456789", SamplingParams(max_new_tokens=100, ignore_eos=True))
     assert c.prompt_tokens == 11 and len(c.token_ids) == 21 and c.finish_reason == "length"
 
@@ -127,20 +127,20 @@ def test_top_k_one_is_greedy(llm, greedy_alone):
 def test_chat_applies_the_template(llm):
     conv = [{"role": "user", "content": "hi"}]
     (c,) = llm.chat([conv], SamplingParams(max_new_tokens=4, ignore_eos=True))
-    expected = llm.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
-    assert c.prompt_tokens == len(llm.tokenizer(expected, add_special_tokens=False)["input_ids"])
+    expected = llm.prompts.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert c.prompt_tokens == len(llm.prompts.tokenizer(expected, add_special_tokens=False)["input_ids"])
     assert len(c.token_ids) == 4
 
 
 def test_stats_and_placement(llm):
     llm.generate(PROMPTS, GREEDY)
-    s, p = llm.stats, llm.placement
+    s, p = llm.last_run, llm.placement
     assert s.prompt_tokens == sum(len(llm.encode(x)) for x in PROMPTS)
     assert s.prefill_seconds > 0 and s.decode_seconds > 0 and s.tokens_per_second > 0
     assert p.device == "cpu" and p.dtype == "float32"
-    params = sum(t.numel() for t in llm.weights.embed.values())  # embed + head + layers, counted once
+    params = sum(t.numel() for t in llm.parts.weights.store.embed.values())  # embed + head + layers, counted once
     assert p.weight_bytes >= params * 4
-    assert p.kv_bytes == p.kv_blocks * llm.kv.bytes_per_block
+    assert p.kv_bytes == p.kv_blocks * llm.parts.kv.cache.bytes_per_block
 
 
 def test_token_ids_need_no_tokenizer(model_dir, greedy_alone, tmp_path):
@@ -200,14 +200,20 @@ def test_auto_io_backend_follows_the_probe(model_dir, probed, monkeypatch):
     assert config.io_backend == "auto"
     probed(pread=1.02, aio=0.88)
     llm = LLM(model_dir, config)
-    assert llm.io_backend == ("pread", "probe: 1.02 vs aio 0.88 GB/s") and llm.backend.name == "pread"
+    assert (
+        llm.parts.weights.io_backend == ("pread", "probe: 1.02 vs aio 0.88 GB/s")
+        and llm.parts.weights.backend.name == "pread"
+    )
     completions = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
     assert "\ni/o        backend pread (probe: 1.02 vs aio 0.88 GB/s)" in _summary(llm, completions)
     probed(pread=1.02, aio=1.5)
     monkeypatch.setattr(aio, "_load_op", functools.cache(lambda: "libaio is missing"))
-    assert LLM(model_dir, config).io_backend == ("pread", "probe measured aio, but its op is not built or loadable now")
+    assert LLM(model_dir, config).parts.weights.io_backend == (
+        "pread",
+        "probe measured aio, but its op is not built or loadable now",
+    )
     pread = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4, io_backend="pread"))
-    assert pread.io_backend == ("pread", "asked") and pread.backend.name == "pread"
+    assert pread.parts.weights.io_backend == ("pread", "asked") and pread.parts.weights.backend.name == "pread"
 
 
 def test_auto_io_backend_takes_aio_where_the_probe_found_it_faster(model_dir, probed, greedy_alone):
@@ -217,8 +223,11 @@ def test_auto_io_backend_takes_aio_where_the_probe_found_it_faster(model_dir, pr
         pytest.skip(f"aio backend unavailable here: {why}")
     probed(pread=1.02, aio=1.5)
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
-    assert llm.io_backend == ("aio", "probe: 1.50 vs pread 1.02 GB/s") and llm.backend.name == "aio"
-    assert llm.backend.bytes_read > 0  # the checkpoint came through it
+    assert (
+        llm.parts.weights.io_backend == ("aio", "probe: 1.50 vs pread 1.02 GB/s")
+        and llm.parts.weights.backend.name == "aio"
+    )
+    assert llm.parts.weights.backend.bytes_read > 0  # the checkpoint came through it
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == greedy_alone[0].token_ids
 
 
@@ -230,10 +239,10 @@ def test_auto_io_backend_without_a_probe_keeps_the_default(model_dir, probed):
 
     default = "aio" if torch.cuda.is_available() and aio_ready() else "pread"
     config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4)
-    assert LLM(model_dir, config).io_backend == (default, "no probe: default")  # no profile in the cache
+    assert LLM(model_dir, config).parts.weights.io_backend == (default, "no probe: default")  # no profile in the cache
     assert not local_profile_path().exists()  # read if there, never measured now
     probed(pread=1.02)  # an older probe, or aio unavailable when it ran
-    assert LLM(model_dir, config).io_backend == (default, "probe measured pread alone: default")
+    assert LLM(model_dir, config).parts.weights.io_backend == (default, "probe measured pread alone: default")
     local_profile_path().write_text("{")
     with pytest.raises(OffloadError, match=f"{local_profile_path()}: not valid JSON"):
         LLM(model_dir, config)

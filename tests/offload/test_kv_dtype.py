@@ -59,7 +59,7 @@ def run(tiny_llama, demo_model) -> Callable[[str, str], Run]:
             tokens = [c.token_ids for c in llm.generate_ids(ids, GREEDY)]
             ref = tokens if kv_dtype == "auto" else get(model, "auto").tokens
             logits = llm.score([i + list(t) for i, t in zip(ids, ref, strict=True)])
-            done[model, kv_dtype] = Run(llm.kv, ids, tokens, logits)
+            done[model, kv_dtype] = Run(llm.parts.kv.cache, ids, tokens, logits)
         return done[model, kv_dtype]
 
     return get
@@ -160,7 +160,7 @@ def test_quantized_blocks_persist_on_disk_under_their_format(tiny_llama, tmp_pat
     def generate(kv: str, **config) -> tuple[tuple[int, ...], object, int]:
         with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, kv_dtype=kv, **config)) as llm:
             (c,) = llm.generate_ids([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
-            return c.token_ids, llm.stats, llm.kv.bytes_per_block
+            return c.token_ids, llm.last_run, llm.parts.kv.cache.bytes_per_block
 
     expected, _, per_block = generate(kv_dtype, prefix_cache=False)
     disk = dict(offload_dir=str(tmp_path), kv_disk_memory=64 * (4096 + -(-per_block // 4096) * 4096))
@@ -179,8 +179,8 @@ def test_the_group_size_sets_the_format_the_scales_stored_and_the_persisted_key(
     for group in (32, 64):
         config = EngineConfig(kv_cache_bytes=1 << 21, block_size=4, kv_dtype="int8", kv_group_size=group)
         with LLM(tmp_path, config) as llm:
-            assert llm.kv.format == f"int8-g{group}"
-            per_block[group], keys[group] = llm.kv.bytes_per_block, llm.kv_key
+            assert llm.parts.kv.cache.format == f"int8-g{group}"
+            per_block[group], keys[group] = llm.parts.kv.cache.bytes_per_block, llm.parts.kv.key
             tokens[group] = [c.token_ids for c in llm.generate_ids([[1, 5, 9, 13]], SamplingParams(max_new_tokens=4))]
     # 3 layers, K and V, 4 tokens, one KV head: 128 codes and a float16 scale per group
     assert per_block == {32: 2 * 3 * 4 * (128 + 2 * 4), 64: 2 * 3 * 4 * (128 + 2 * 2)}

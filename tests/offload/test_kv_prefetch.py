@@ -44,7 +44,7 @@ def synchronous_reads(monkeypatch):
 def warm_disk(model_dir, folder) -> dict:
     """A --kv-disk-memory in `folder` holding every full block of PROMPTS (written by an engine that then exits)."""
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.kv.bytes_per_block
+        per_block = probe.parts.kv.cache.bytes_per_block
     config = dict(offload_dir=str(folder), kv_disk_memory=64 * (4096 + -(-per_block // 4096) * 4096))
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, **config)) as llm:
         llm.generate_ids(PROMPTS, GREEDY)
@@ -56,7 +56,7 @@ def run_one_at_a_time(model_dir, config, **more):
     engine = EngineConfig(block_size=4, kv_cache_bytes=1 << 22, max_num_seqs=1, **config, **more)
     with LLM(model_dir, engine) as llm:
         got = [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
-        return got, llm.stats, llm.kv_tiers.counters
+        return got, llm.last_run, llm.stats().kv_tiers
 
 
 def test_waiting_requests_find_their_blocks_read_ahead(model_dir, tmp_path, expected, synchronous_reads) -> None:
@@ -79,7 +79,7 @@ def test_without_prefetch_every_block_is_read_at_admission(model_dir, tmp_path, 
 def test_read_ahead_into_host_ram_gives_the_same_tokens(model_dir, tmp_path, expected, synchronous_reads) -> None:
     config = warm_disk(model_dir, tmp_path)
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        host = 64 * probe.kv.bytes_per_block
+        host = 64 * probe.parts.kv.cache.bytes_per_block
     got, stats, moved = run_one_at_a_time(model_dir, config, kv_host_memory=host)
     assert got == expected
     assert stats.prefix_hit_tokens == 3 * 44
@@ -97,7 +97,7 @@ def test_read_ahead_on_its_own_clock_gives_the_same_tokens(model_dir, tmp_path, 
 def test_a_damaged_block_read_ahead_is_recomputed(model_dir, tmp_path, expected, synchronous_reads) -> None:
     config = warm_disk(model_dir, tmp_path)
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        keys = probe.tables.keys(0, PROMPTS[1])
+        keys = probe.parts.kv.tables.keys(0, PROMPTS[1])
     victim = next((tmp_path / "kv").glob(f"{keys[3].hex()}.*.kv"))  # the second request's fourth block
     data = bytearray(victim.read_bytes())
     data[4096 + 100] ^= 0x40

@@ -26,7 +26,7 @@ def model_dir(request, tmp_path_factory):
 def run(model_dir, prompts, params, **config):
     with LLM(model_dir, EngineConfig(block_size=4, **{"kv_cache_bytes": 1 << 22} | config)) as llm:
         out = [c.token_ids for c in llm.generate_ids(prompts, params)]
-        return out, llm.stats
+        return out, llm.last_run
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -47,16 +47,16 @@ def test_a_second_call_reuses_the_first_calls_blocks(model_dir) -> None:
         first = llm.generate_ids([SYSTEM + QUESTIONS[0]], GREEDY)
         again = llm.generate_ids([SYSTEM + QUESTIONS[0]], GREEDY)
         assert again[0].token_ids == first[0].token_ids
-        assert llm.stats.prefix_hit_tokens == 44 and llm.stats.prefill_tokens == 4
+        assert llm.last_run.prefix_hit_tokens == 44 and llm.last_run.prefill_tokens == 4
         llm.reset_prefix_cache()
         third = llm.generate_ids([SYSTEM + QUESTIONS[0]], GREEDY)
-        assert third[0].token_ids == first[0].token_ids and llm.stats.prefix_hit_tokens == 0
+        assert third[0].token_ids == first[0].token_ids and llm.last_run.prefix_hit_tokens == 0
 
 
 def test_evicted_prefixes_come_back_from_host_ram(model_dir) -> None:
     # a device cache of 20 blocks: the 16 distinct prompts below push the system prompt's blocks out of it
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.kv.bytes_per_block
+        per_block = probe.parts.kv.cache.bytes_per_block
     small = dict(kv_cache_bytes=20 * per_block, max_num_seqs=2)
     fillers = [[200 + 5 * i + j for j in range(30)] for i in range(8)]
     prompts = [SYSTEM + QUESTIONS[0], *fillers, SYSTEM + QUESTIONS[1]]
@@ -65,9 +65,9 @@ def test_evicted_prefixes_come_back_from_host_ram(model_dir) -> None:
     host = 128 * per_block  # room for every full block of the run
     with LLM(model_dir, EngineConfig(block_size=4, kv_host_memory=host, **small)) as llm:
         got = [llm.generate_ids([p], GREEDY)[0].token_ids for p in prompts]  # one at a time: the order is fixed
-        last = llm.stats
-        moved = llm.kv_tiers.counters
-        assert llm.kv_tiers.host.peak <= host
+        last = llm.last_run
+        moved = llm.stats().kv_tiers
+        assert llm.parts.kv.tiers.host.peak <= host
     assert got == expected
     assert last.prefix_hit_tokens == 44 and last.kv_bytes_up == 11 * per_block  # all 11 blocks from host RAM
     assert moved.promoted_host == 11 and moved.demoted_host >= 11 and moved.dropped == 0
@@ -75,14 +75,14 @@ def test_evicted_prefixes_come_back_from_host_ram(model_dir) -> None:
 
 def test_without_host_ram_evicted_prefixes_are_recomputed(model_dir) -> None:
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.kv.bytes_per_block
+        per_block = probe.parts.kv.cache.bytes_per_block
     small = dict(kv_cache_bytes=20 * per_block, max_num_seqs=2)
     fillers = [[200 + 5 * i + j for j in range(30)] for i in range(8)]
     with LLM(model_dir, EngineConfig(block_size=4, **small)) as llm:
         for p in [SYSTEM + QUESTIONS[0], *fillers]:
             llm.generate_ids([p], GREEDY)
         llm.generate_ids([SYSTEM + QUESTIONS[1]], GREEDY)
-        assert llm.stats.prefix_hit_tokens == 0 and llm.stats.prefill_tokens == 48
+        assert llm.last_run.prefix_hit_tokens == 0 and llm.last_run.prefill_tokens == 48
 
 
 def disk_config(tmp_path, per_block: int, blocks: int = 64) -> dict:
@@ -94,7 +94,7 @@ def test_a_restarted_engine_starts_warm_from_disk(model_dir, tmp_path) -> None:
     prompts = [SYSTEM + QUESTIONS[0]]
     expected, _ = run(model_dir, prompts, GREEDY, prefix_cache=False)
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.kv.bytes_per_block
+        per_block = probe.parts.kv.cache.bytes_per_block
     config = disk_config(tmp_path, per_block)
     first, first_stats = run(model_dir, prompts, GREEDY, **config)  # writes its blocks through to disk, then exits
     again, stats = run(model_dir, [SYSTEM + QUESTIONS[0]], GREEDY, **config)
@@ -109,7 +109,7 @@ def test_the_last_steps_blocks_reach_the_disk_at_close(model_dir, tmp_path) -> N
     """A request that finishes in its prompt's step: its blocks are registered after the step and written through
     when the engine closes, not only at a next step that never comes."""
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.kv.bytes_per_block
+        per_block = probe.parts.kv.cache.bytes_per_block
     config = disk_config(tmp_path, per_block)
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     run(model_dir, [SYSTEM + QUESTIONS[0]], one, **config)
@@ -122,8 +122,8 @@ def test_a_damaged_disk_block_is_dropped_and_recomputed(model_dir, tmp_path, dam
     prompts = [SYSTEM + QUESTIONS[0]]
     expected, _ = run(model_dir, prompts, GREEDY, prefix_cache=False)
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.kv.bytes_per_block
-        keys = probe.tables.keys(0, SYSTEM + QUESTIONS[0])
+        per_block = probe.parts.kv.cache.bytes_per_block
+        keys = probe.parts.kv.tables.keys(0, SYSTEM + QUESTIONS[0])
     config = disk_config(tmp_path, per_block)
     run(model_dir, prompts, GREEDY, **config)
     folder = tmp_path / "kv"
@@ -151,12 +151,12 @@ def test_a_damaged_disk_block_is_dropped_and_recomputed(model_dir, tmp_path, dam
 
 def test_the_disk_budget_holds(model_dir, tmp_path) -> None:
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.kv.bytes_per_block
+        per_block = probe.parts.kv.cache.bytes_per_block
     config = disk_config(tmp_path, per_block, blocks=6)
     prompts = [[200 + 7 * i + j for j in range(30)] for i in range(4)]
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, **config)) as llm:
         llm.generate_ids(prompts, GREEDY)
-        llm.kv_tiers.flush()
-        disk = llm.kv_tiers.disk
+        llm.parts.kv.tiers.flush()
+        disk = llm.parts.kv.tiers.disk
         assert 0 < disk.blocks <= 6 and disk.peak <= config["kv_disk_memory"]
         disk.check_integrity()

@@ -122,9 +122,9 @@ def test_streamed_quantized_layers_compute_what_resident_ones_do(converted):
     budget = _streaming_budget(out, torch.float32)
     config = EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES, device_memory=budget, io_backend="pread")
     with LLM(out, config) as llm:
-        assert "nvme" in llm.policy.layer_tiers
+        assert "nvme" in llm.placement.layer_tiers
         streamed = [c.token_ids for c in llm.generate_ids(PROMPTS, params)]
-        assert llm.weights.stats.bytes_read > 0
+        assert llm.stats().weights.bytes_read > 0
     assert streamed == resident
 
 
@@ -234,5 +234,5 @@ def test_a_float32_checkpoint_quantized_streams_in_bfloat16_through_spill_files(
         io_backend="pread",
     )
     with LLM(out, config) as llm:
-        assert llm.spill is not None and llm.spill.layers
+        assert llm.placement.spill is not None and llm.placement.spill.layers
         assert [c.token_ids for c in llm.generate_ids(PROMPTS, params)] == resident

@@ -31,7 +31,7 @@ def test_wall_clock_covers_the_loop_around_the_steps(llm, monkeypatch):
 
     monkeypatch.setattr(Batcher, "schedule", slow_schedule)
     llm.generate_ids([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, ignore_eos=True))
-    s = llm.stats
+    s = llm.last_run
     assert s.steps >= 6
     assert s.wall_seconds >= s.step_seconds + s.steps * PAUSE
     assert s.step_seconds == pytest.approx(s.prefill_seconds + s.decode_seconds)
@@ -44,5 +44,5 @@ def test_the_wall_clock_is_the_calls_own(llm):
     start = time.perf_counter()
     llm.generate_ids([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
     outside = time.perf_counter() - start
-    assert 0 < llm.stats.wall_seconds <= outside
-    assert llm.stats.requests == 1 and llm.stats.generated_tokens == 2
+    assert 0 < llm.last_run.wall_seconds <= outside
+    assert llm.last_run.requests == 1 and llm.last_run.generated_tokens == 2

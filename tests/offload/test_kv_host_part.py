@@ -30,7 +30,7 @@ GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
 @pytest.fixture(scope="module")
 def per_block(tiny_llama) -> int:
     with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 20)) as llm:
-        return llm.kv.bytes_per_block
+        return llm.parts.kv.cache.bytes_per_block
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +47,12 @@ def test_sequences_past_the_device_budget_run_from_host_ram(tiny_llama, per_bloc
     )
     with LLM(tiny_llama, config) as llm:
         out = llm.generate_ids(PROMPTS, GREEDY)
-        host_peak, host_budget = llm.kv_tiers.host.peak, llm.kv_tiers.host.capacity
-        llm.tables.check_integrity()
-        llm.host_tables.check_integrity()
-        assert llm.host_tables.pool.num_free == llm.kv_tiers.host_slots  # every host block back (or cached)
-        stats = llm.stats
+        host_peak, host_budget = llm.parts.kv.tiers.host.peak, llm.parts.kv.tiers.host.capacity
+        llm.check_integrity()  # the host part's tables too
+        assert (
+            llm.parts.kv.host_tables.pool.num_free == llm.parts.kv.tiers.host_slots
+        )  # every host block back (or cached)
+        stats = llm.last_run
     assert stats.preemptions == 0  # the host part held what the device part could not
     assert host_peak <= host_budget
     if kv_dtype == "auto":
@@ -70,10 +71,9 @@ def test_host_sequences_move_back_up_when_the_device_part_frees(tiny_llama, per_
     config = EngineConfig(block_size=4, kv_cache_bytes=40 * per_block, kv_host_memory=200 * per_block)
     with LLM(tiny_llama, config) as llm:
         got = [c.token_ids for c in llm.generate_ids(PROMPTS, params)]
-        stats, counters = llm.stats, llm.kv_tiers.counters
-        llm.tables.check_integrity()
-        llm.host_tables.check_integrity()
-        assert llm.kv_tiers.host.peak <= llm.kv_tiers.host.capacity
+        stats, counters = llm.last_run, llm.stats().kv_tiers
+        llm.check_integrity()  # the host part's tables too
+        assert llm.parts.kv.tiers.host.peak <= llm.parts.kv.tiers.host.capacity
     assert stats.moved_up > 0 and counters.bytes_up > 0 and stats.preemptions == 0
     assert got == want
 
@@ -90,7 +90,7 @@ def test_a_sequence_that_cannot_grow_moves_down_or_is_recomputed_by_price(
     config = EngineConfig(block_size=4, kv_cache_bytes=40 * per_block, kv_host_memory=200 * per_block)
     with LLM(tiny_llama, config) as llm:
         got = [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
-        stats, priced_out = llm.stats, llm.core.batcher.num_priced_out
+        stats, priced_out = llm.last_run, llm.core.batcher.num_priced_out
     assert got == all_device
     if copying_pays:
         assert stats.moved_down > 0 and stats.preemptions == 0 and priced_out == 0
@@ -101,7 +101,7 @@ def test_a_sequence_that_cannot_grow_moves_down_or_is_recomputed_by_price(
 def test_without_a_host_part_the_same_budget_preempts(tiny_llama, per_block, all_device) -> None:
     with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=12 * per_block)) as llm:
         out = llm.generate_ids(PROMPTS, GREEDY)
-        assert llm.stats.preemptions > 0
+        assert llm.last_run.preemptions > 0
     assert [c.token_ids for c in out] == all_device
 
 
@@ -115,10 +115,10 @@ def test_host_resident_sequences_share_prefixes_in_host_ram(tiny_llama, per_bloc
     )
     with LLM(tiny_llama, config) as llm:
         out = llm.generate_ids(prompts, GREEDY)
-        hits = llm.host_tables.counters.hit_tokens
+        hits = llm.parts.kv.host_tables.counters.hit_tokens
         # the run's statistics count both parts' admissions
-        assert llm.stats.preemptions == 0 and llm.stats.prefix_lookup_tokens == sum(map(len, prompts))
-        assert llm.stats.prefix_hit_tokens >= hits
+        assert llm.last_run.preemptions == 0 and llm.last_run.prefix_lookup_tokens == sum(map(len, prompts))
+        assert llm.last_run.prefix_hit_tokens >= hits
     with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, prefix_cache=False)) as llm:
         assert [c.token_ids for c in out] == [c.token_ids for c in llm.generate_ids(prompts, GREEDY)]
     assert hits >= 2 * 24  # host-resident sequences admitted after the first share its six blocks
@@ -134,8 +134,8 @@ def test_cuda_sequences_in_host_ram_attend_on_the_cpu_and_match_the_device(tiny_
     config = EngineConfig(block_size=4, kv_cache_bytes=12 * per_block, kv_host_memory=200 * per_block, device="cuda")
     with LLM(tiny_llama, config) as llm:
         got = [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
-        assert llm.kv_tiers.host_kv.storage.is_pinned() and llm.kv.storage.is_cuda
-        assert llm.stats.preemptions == 0
+        assert llm.parts.kv.tiers.host_kv.storage.is_pinned() and llm.parts.kv.cache.storage.is_cuda
+        assert llm.last_run.preemptions == 0
     assert got == want
 
 
@@ -155,12 +155,12 @@ def test_host_micro_batches_staged_to_the_device_give_the_same_tokens(tiny_llama
     )
     with LLM(tiny_llama, config) as llm:
         got = [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
-        assert llm.engine.staged_micro_batches > 0 and llm.stats.preemptions == 0
-        staged = llm.engine.staged_micro_batches
+        assert llm.parts.engine.staged_micro_batches > 0 and llm.last_run.preemptions == 0
+        staged = llm.parts.engine.staged_micro_batches
         assert f"attended on cpu {staged} times (--host-kv-attention device)" in _summary(llm, [])
     assert got == want
     with LLM(tiny_llama, dataclasses.replace(config, host_kv_attention="auto")) as llm:
-        assert llm.engine.host_attention is None  # a CPU device: the host part is where the compute is
+        assert llm.parts.engine.host_attention is None  # a CPU device: the host part is where the compute is
 
 
 def test_staging_renumbers_the_blocks_each_sequence_reads_once_each() -> None:
@@ -225,5 +225,5 @@ def test_cuda_host_micro_batches_staged_to_the_gpu_match_the_device(tiny_llama, 
     )
     with LLM(tiny_llama, config) as llm:
         got = [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]
-        assert llm.engine.staged_micro_batches > 0
+        assert llm.parts.engine.staged_micro_batches > 0
     assert got == want

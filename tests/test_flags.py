@@ -53,6 +53,9 @@ def test_unset_flags_leave_the_config_defaults_and_set_ones_are_read_as_declared
     )
     params = from_args(SamplingParams, parse("--stop", "a", "--stop", "b", "--temperature", "0.5", "--ignore-eos"))
     assert params == SamplingParams(stop=("a", "b"), temperature=0.5, ignore_eos=True)
+    # numbers whose default is None are read as numbers all the same
+    assert engine_config(parse("--max-num-seqs", "4")).max_num_seqs == 4
+    assert from_args(SamplingParams, parse("--seed", "7")).seed == 7
 
 
 def test_a_bad_size_names_its_flag():

@@ -30,6 +30,9 @@ GROUPS = {
 }
 
 
+_NUMBERS = {"int": int, "float": float}  # a field annotated so takes its flag's value as that number
+
+
 @dataclass(frozen=True, slots=True)
 class Knob:
     """How one setting reads on the command line and in the docs."""
@@ -100,8 +103,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[str, Any]
         elif k.repeat:
             kw |= {"action": "append", "metavar": k.metavar or "TEXT"}
         else:
-            kind = type(f.default) if f.default is not None and not k.size else None
-            if kind in (int, float) and not k.choices:
+            kind = _NUMBERS.get(str(f.type).split("|")[0].strip()) if not k.size else None
+            if kind is not None and not k.choices:
                 kw["type"] = kind
             elif k.choices and all(isinstance(c, int) for c in k.choices):
                 kw["type"] = int

@@ -79,7 +79,7 @@ def parse_quant(config: dict, source: str) -> WeightQuant | None:
         raise OffloadError(
             f"{source}: quantization_config.quant_method {method!r} is not run by this engine (it runs its own "
             f"{QUANT_METHOD!r} checkpoints: `offload convert --model DIR --quant int4|int8 --out DIR` quantizes a "
-            "float checkpoint; the README's Quantized weights section says why GPTQ and AWQ files are not read)"
+            "float checkpoint; docs/quantization.md says why GPTQ and AWQ files are not read)"
         )
     try:
         return WeightQuant(bits=q["bits"], group_size=q["group_size"], layout=q["layout"])

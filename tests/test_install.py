@@ -1,0 +1,71 @@
+"""The distribution installs one import name, `offload`, and so installs beside Hugging Face's `kernels` and the
+newest transformers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_FOLDERS = {
+    "offload": "offload",
+    "kernels": "offload/kernels",
+    "tiers": "offload/tiers",
+    "scheduler": "offload/scheduler",
+}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        cwd=out,
+        timeout=600,
+    )
+    (path,) = out.glob("offload-*.whl")
+    return zipfile.ZipFile(path)
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_one_top_level_name_and_every_module(wheel):
+    names = wheel.namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"offload"}
+    top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+    assert wheel.read(top_level).decode().split() == ["offload"]
+    for folder, package in SOURCE_FOLDERS.items():
+        for source in (ROOT / folder).rglob("*.py"):
+            assert f"{package}/{source.relative_to(ROOT / folder).as_posix()}" in names, source
+
+
+def test_hugging_face_kernels_and_transformers_import_beside_the_engine(tmp_path):
+    """Run where the repository's folders are not on sys.path, as an installed engine is: `kernels` is Hugging Face's,
+    transformers' integration with it imports, and the engine's kernels are offload.kernels."""
+    pytest.importorskip("kernels")
+    code = (
+        "import kernels, transformers.integrations.hub_kernels, offload.kernels.dispatch, offload.tiers.ring;"
+        "import offload.scheduler.batcher;"
+        "print(kernels.__file__); print(offload.kernels.dispatch.__file__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    hf, ours = out.stdout.split()
+    assert Path(hf).parent.parent.name == "site-packages"
+    assert Path(ours) == ROOT / "kernels" / "dispatch.py"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from offload.scheduler.sequence import SeqState, Sequence
 from offload.tiers.blocks import BlockTables
+from offload.tiers.kv_events import Tier
 
 LOOKAHEAD = 64  # waiting sequences compared by cached prefix at each admission
 MAX_SKIPS = 16  # admissions a waiting sequence may be passed over for a longer cached prefix
@@ -131,7 +132,7 @@ class Batcher:
             admitted = self.tables.admit(seq.seq_id, seq.token_ids, budget)
             if admitted is None and self.host_tables is not None:  # the device part is full: its KV goes to host RAM
                 admitted = self.host_tables.admit(seq.seq_id, seq.token_ids, budget)
-                seq.kv_tier = "host" if admitted is not None else "device"
+                seq.kv_tier = Tier.HOST if admitted is not None else Tier.DEVICE
             if admitted is None:
                 break
             table, seq.num_cached, end = admitted
@@ -221,20 +222,15 @@ class Batcher:
         """Give `seq`'s blocks in the device part copies in the host part (made before the next step) and free the
         device ones: it keeps running from host RAM instead of being preempted. False if the host part lacks room,
         or if copying them is predicted dearer than computing its cached tokens again (`swap_pays`)."""
-        if self.host_tables is None or seq.kv_tier != "device":
+        if self.host_tables is None or seq.kv_tier != Tier.DEVICE:
             return False
-        device_blocks = list(self.tables.table(seq.seq_id))
-        if self.swap_pays is not None and not self.swap_pays(len(device_blocks), seq.num_cached):
+        blocks = len(self.tables.table(seq.seq_id))
+        if self.swap_pays is not None and not self.swap_pays(blocks, seq.num_cached):
             self.num_priced_out += 1
             return False
-        host_blocks = self.host_tables.grow(seq.seq_id, len(device_blocks) * self.tables.block_size)
-        if host_blocks is None:
+        if self.tables.move_down(seq.seq_id, self.host_tables) is None:
             return False
-        self.host_tables.pool.events.extend(
-            ("move", None, dst, src) for dst, src in zip(host_blocks, device_blocks, strict=True)
-        )
-        self.tables.free(seq.seq_id)
-        seq.kv_tier = "host"
+        seq.kv_tier = Tier.HOST
         self.num_moved_down += 1
         return True
 
@@ -243,22 +239,19 @@ class Batcher:
         has room for a sequence's blocks and for everything every device sequence (it included) could grow by in
         this step, so that planning the step never has to move or preempt one (a sequence moved up and down in one
         step would copy blocks not yet written), and no waiting sequence could be admitted into that room instead.
-        Their blocks are copied up before the next step (event "up", read before anything is written)."""
+        Their blocks are copied up before the next step (`BlockTables.move_up`: read before anything is written)."""
         if self.host_tables is None or (self.waiting and len(self.running) < self.limits.max_running):
             return
-        growth = sum(self._growth(s, self.tables) for s in self.running if s.kv_tier == "device")
-        for seq in [s for s in self.running if s.kv_tier == "host"]:
-            host_blocks = list(self.host_tables.table(seq.seq_id))
-            need = len(host_blocks) + self._growth(seq, self.host_tables)
+        growth = sum(self._growth(s, self.tables) for s in self.running if s.kv_tier == Tier.DEVICE)
+        for seq in [s for s in self.running if s.kv_tier == Tier.HOST]:
+            blocks = len(self.host_tables.table(seq.seq_id))
+            need = blocks + self._growth(seq, self.host_tables)
             if self.tables.pool.num_free < need + growth:
                 return
-            growth += need - len(host_blocks)
-            device_blocks = self.tables.grow(seq.seq_id, len(host_blocks) * self.tables.block_size)
-            self.tables.pool.events.extend(
-                ("up", None, dst, src) for dst, src in zip(device_blocks, host_blocks, strict=True)
-            )
-            self.host_tables.free(seq.seq_id)
-            seq.kv_tier = "device"
+            growth += need - blocks
+            moved = self.tables.move_up(seq.seq_id, self.host_tables)
+            assert moved is not None  # room checked above
+            seq.kv_tier = Tier.DEVICE
             self.num_moved_up += 1
 
     def _growth(self, seq: Sequence, tables: BlockTables) -> int:
@@ -280,14 +273,14 @@ class Batcher:
         )
 
     def _tables_of(self, seq: Sequence) -> BlockTables:
-        return self.host_tables if seq.kv_tier == "host" else self.tables
+        return self.host_tables if seq.kv_tier == Tier.HOST else self.tables
 
     def _free(self, seq: Sequence) -> None:
         """Let go of the blocks of `seq` (and of the prefix keys any tables computed for it)."""
         for tables in (self.tables, self.host_tables):
             if tables is not None:
                 tables.free(seq.seq_id)
-        seq.kv_tier = "device"  # where its KV goes is decided again at its next admission
+        seq.kv_tier = Tier.DEVICE  # where its KV goes is decided again at its next admission
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)

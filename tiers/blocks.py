@@ -7,8 +7,10 @@ hash chain of tiers/prefix.py). A block has a reference count, one per sequence 
 admitted with a prefix whose keys are registered takes those blocks into its table (copy-free) and computes only
 the rest. A keyed block whose last holder lets go stays cached: findable by its key, and evicted, least recently
 released first, only when an allocation finds no unkeyed free block. With lower tiers (tiers/kv_tiers.py), the pool
-logs what they must do before the next step (`BlockPool.events`): copy an evicted block's bytes down before the
-step overwrites it, copy a prefix found below into the fresh blocks it was given, write computed blocks through.
+logs what they must do before the next step (`BlockPool.events`, typed in tiers/kv_events.py), and only these verbs
+log it: copy an evicted block's bytes down before the step overwrites it (Evicted), copy a prefix found below into
+the fresh blocks it was given (Promoted), write computed blocks through (Computed), copy a running sequence's blocks
+between the device and host parts (MovedDown, MovedUp).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from offload.tiers.kv_events import Computed, Evicted, KVEvent, MovedDown, MovedUp, Promoted
 from offload.tiers.prefix import LowerTiers, PrefixCounters, extend_chain
 
 
@@ -32,11 +35,22 @@ class BlockPool:
         self._cached: OrderedDict[int, bytes] = OrderedDict()  # keyed, unreferenced: block -> key, least recent first
         self._key_of: dict[int, bytes] = {}  # every keyed block, held or cached
         self._by_key: dict[bytes, int] = {}
-        # what the lower tiers must do before the next step, in order (recorded only with `record`):
-        #   ("done", key, block)              a computed block was registered (its bytes may be written through)
-        #   ("evict", key, block)             a cached block was evicted; its bytes are its key's until the step
-        #   ("promote", key, block, payload)  a block fetched from below must be copied into `block`
-        self.events: list[tuple] = []
+        self._events: list[KVEvent] = []  # what the lower tiers must do before the next step, in order
+
+    @property
+    def events(self) -> tuple[KVEvent, ...]:
+        """What was logged since the last `take_events`, oldest first (empty unless `record`)."""
+        return tuple(self._events)
+
+    def take_events(self) -> list[KVEvent]:
+        """Hand over the log, oldest first, and start an empty one: for the lower tiers, to carry it out."""
+        events, self._events = self._events, []
+        return events
+
+    def _log(self, event: KVEvent) -> None:
+        """Log `event` where there are lower tiers to take it (`record`). Only this module's verbs log."""
+        if self.record:
+            self._events.append(event)
 
     @property
     def num_free(self) -> int:
@@ -63,8 +77,7 @@ class BlockPool:
         while len(blocks) < n:
             block, key = self._cached.popitem(last=False)
             del self._key_of[block], self._by_key[key]
-            if self.record:
-                self.events.append(("evict", key, block))
+            self._log(Evicted(key, block))
             blocks.append(block)
         for b in blocks:
             self._refs[b] = 1
@@ -106,6 +119,21 @@ class BlockPool:
         self._by_key[key] = block
         return True
 
+    def register_computed(self, block: int, key: bytes) -> bool:
+        """`register` a block the step computed; where that registers it, log it (Computed): its bytes may be
+        written through."""
+        registered = self.register(block, key)
+        if registered:
+            self._log(Computed(key, block))
+        return registered
+
+    def register_promoted(self, block: int, key: bytes, payload: object) -> None:
+        """Fill a fresh block with a block found below, logging it (Promoted): `payload`, its row from the lower
+        tiers, is copied into it before the next step. It is `register`ed too, unless `key` names another block
+        already (then it is only its holder's)."""
+        self.register(block, key)
+        self._log(Promoted(key, block, payload))
+
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The blocks of the longest run of `keys`, from the first, registered here."""
         blocks = []
@@ -145,11 +173,14 @@ class BlockTables:
 
     With a chain `root` (tiers/prefix.py), full blocks are shared by prefix: `admit` starts a sequence from the
     longest cached prefix of its tokens (on the device, else fetched from `lower`), `commit` registers the blocks
-    a step completed. Without one, every block is the sequence's own."""
+    a step completed. Without one, every block is the sequence's own. Lower tiers need a pool that records what they
+    must do (`BlockPool.record`)."""
 
     def __init__(
         self, pool: BlockPool, block_size: int, root: bytes | None = None, lower: LowerTiers | None = None
     ) -> None:
+        if lower is not None and not pool.record:
+            raise ValueError("block tables over lower tiers need a pool that records their events (record=True)")
         self.pool = pool
         self.block_size = block_size
         self.root = root
@@ -250,8 +281,7 @@ class BlockTables:
         blocks = self.pool.allocate(fresh)
         assert blocks is not None  # checked above
         for block, key, payload in zip(blocks, keys[len(device) : hit], payloads, strict=False):
-            self.pool.register(block, key)
-            self.pool.events.append(("promote", key, block, payload))
+            self.pool.register_promoted(block, key, payload)
         table = self._tables[seq_id] = device + blocks
         self._registered[seq_id] = hit
         c = self.counters
@@ -272,9 +302,22 @@ class BlockTables:
             return
         keys, table = self.keys(seq_id, token_ids), self._tables[seq_id]
         for b in range(done, full):
-            if self.pool.register(table[b], keys[b]) and self.pool.record:
-                self.pool.events.append(("done", keys[b], table[b]))
+            self.pool.register_computed(table[b], keys[b])
         self._registered[seq_id] = full
+
+    # ---- a running sequence's KV between the device and host parts -----------------------------------
+
+    def move_down(self, seq_id: int, host: BlockTables) -> list[int] | None:
+        """Move the blocks of `seq_id` from these tables (the device part's) to `host` (the host part's): fresh
+        blocks there, each logged in its pool to take its device block's bytes before the next step (MovedDown),
+        then the device ones freed. Returns its host table, or None (nothing changes) when they do not fit there."""
+        return _move(seq_id, self, host, MovedDown)
+
+    def move_up(self, seq_id: int, host: BlockTables) -> list[int] | None:
+        """Move the blocks of `seq_id` from `host` (the host part's tables) back to these (the device part's): fresh
+        blocks here, each logged in this pool to take its host block's bytes before the next step (MovedUp), then
+        the host ones freed. Returns its device table, or None (nothing changes) when they do not fit here."""
+        return _move(seq_id, host, self, MovedUp)
 
     def free(self, seq_id: int) -> None:
         """Let go of every block of `seq_id`, its last ones first (so, cached, they are evicted first: a prefix's
@@ -299,3 +342,15 @@ class BlockTables:
         )
         if not self.prefix_caching:
             assert len(owned) == len(set(owned)), "a block belongs to two sequences"
+
+
+def _move(seq_id: int, src: BlockTables, dst: BlockTables, moved: type[MovedDown] | type[MovedUp]) -> list[int] | None:
+    """`seq_id`'s table in `src` moved to fresh blocks of `dst`, each logged there; None when they do not fit."""
+    source = list(src.table(seq_id))
+    blocks = dst.grow(seq_id, len(source) * dst.block_size)
+    if blocks is None:
+        return None
+    for block, from_block in zip(blocks, source, strict=True):
+        dst.pool._log(moved(block, from_block))
+    src.free(seq_id)
+    return blocks

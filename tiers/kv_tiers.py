@@ -14,10 +14,10 @@ A block moves as one row of bytes, whatever the cache's format (KVCache.read_blo
 cache moves its quantized bytes. Host and disk copies of cached blocks are inclusive: a promoted block keeps its
 copy below, and a block demoted again finds it there and moves nothing.
 
-All moves happen at the step boundary, in `settle`, which replays the event logs of both pools (tiers/blocks.py) in
-order, the host part's first: every row it copies is read before any row is written, so an evicted or moved block's
-bytes are still its own. `count` and `fetch` answer the device part's admissions (`LowerTiers`), `below_host` the
-host part's (the disk only); fetched payloads are verified copies.
+All moves happen at the step boundary, in `settle`, which replays the event logs of both pools (tiers/blocks.py,
+events in tiers/kv_events.py) in order, the host part's first: every row it copies is read before any row is
+written, so an evicted or moved block's bytes are still its own. `count` and `fetch` answer the device part's
+admissions (`LowerTiers`), `below_host` the host part's (the disk only); fetched payloads are verified copies.
 
 Reading a block back is not always cheaper than computing it again: host RAM always is (a copy), the disk is when
 a block's bytes read faster than its tokens prefill (`disk_pays`); a running sequence moves down rather than being
@@ -47,6 +47,7 @@ import torch
 from offload.tiers.blocks import BlockPool
 from offload.tiers.kv import KVCache
 from offload.tiers.kv_disk_threads import ReadAhead, WriteThrough
+from offload.tiers.kv_events import Computed, Evicted, MovedDown, MovedUp, Promoted
 from offload.tiers.memory import MemoryTier
 
 WRITE_QUEUE = 256  # blocks waiting for the disk writer; a block that finds the queue full is not written through
@@ -234,7 +235,7 @@ class KVTiers:
         """Place the blocks read ahead so far as cached blocks above the disk, before this step's admissions, each
         evicting the least recent cached block there if need be: in the host part (written now, after the host
         part's pending events are carried out, so none of them reads a block this reuses), else in `pool` (the
-        device part; written before the next step, event "promote", after what it evicted is handed down)."""
+        device part; written before the next step, event Promoted, after what it evicted is handed down)."""
         if self._ahead is None:
             return
         rows, seconds = self._ahead.take()
@@ -252,8 +253,7 @@ class KVTiers:
                 placed = self._place_host(key, row)
             elif placed := pool.num_free > 0:
                 block = pool.allocate(1)  # evicting the least recent cached block, handed down at the step boundary
-                pool.register(block[0], key)
-                pool.events.append(("promote", key, block[0], row))
+                pool.register_promoted(block[0], key, row)
                 pool.free(block)
                 c.bytes_up += self.row_bytes
             if not placed:
@@ -267,49 +267,51 @@ class KVTiers:
     def settle(self, pool: BlockPool) -> None:
         """Carry out what the device part's pool and the host part's logged since the last call, before the next
         step reads or writes either cache."""
-        # ("up", None, device block, host block): a running sequence's blocks moved back up; read before the host
-        # part's replay writes into its freed blocks
-        up = [e for e in pool.events if e[0] == "up"]
-        rows = dict(zip((e[2] for e in up), self.host_kv.read_blocks([e[3] for e in up]), strict=True)) if up else {}
+        # a running sequence's blocks moved back up (MovedUp, in the device part's log): read before the host part's
+        # replay writes into its freed blocks
+        up = [e for e in pool.events if isinstance(e, MovedUp)]
+        rows = {}
+        if up:
+            rows = dict(zip((e.block for e in up), self.host_kv.read_blocks([e.source for e in up]), strict=True))
         if self.host_kv is not None:
             self._replay(self.host_pool, self.host_kv, self._evict_host)
         self._replay(pool, self.kv, self._demote, rows)
 
     def _replay(self, pool: BlockPool, kv: KVCache, evicted, up: dict[int, torch.Tensor] | None = None) -> None:
-        events, pool.events = pool.events, []
+        events = pool.take_events()
         if not events:
             return
-        overlay: dict[int, torch.Tensor] = {}  # block -> the row a promotion puts there (written last)
-        down: list[tuple[bytes, int | torch.Tensor, str]] = []  # (key, block or row, "evict" | "done")
-        # ("move", None, host block, device block): a running sequence's blocks moved down, read before any write
-        moved = [e for e in events if e[0] == "move"]
+        overlay: dict[int, torch.Tensor] = {}  # block -> the row a promotion or move puts there (written last)
+        down: list[tuple[Evicted | Computed, int | torch.Tensor]] = []  # (event, its block, or the row put there)
+        # a running sequence's blocks moved down (MovedDown, in the host part's log): read before any write
+        moved = [e for e in events if isinstance(e, MovedDown)]
         rows = {}
         start = time.perf_counter()
         if moved:
-            rows = dict(zip((e[2] for e in moved), self.kv.read_blocks([e[3] for e in moved]), strict=True))
+            rows = dict(zip((e.block for e in moved), self.kv.read_blocks([e.source for e in moved]), strict=True))
         read_seconds = time.perf_counter() - start
         for event in events:
-            kind, key, block = event[:3]
-            if kind == "promote":
-                overlay[block] = event[3]
-            elif kind == "move":
-                overlay[block] = rows[block]
-                self.counters.bytes_down += self.row_bytes
-            elif kind == "up":
-                overlay[block] = up[block]
-                self.counters.bytes_up += self.row_bytes
-            elif kind == "evict":
-                down.append((key, overlay.pop(block, block), kind))
-            elif self.disk is not None:  # "done": write through to disk
-                down.append((key, overlay.get(block, block), kind))
-        blocks = sorted({src for _, src, _ in down if isinstance(src, int)})
+            match event:
+                case Promoted(block=block, payload=row):
+                    overlay[block] = row
+                case MovedDown(block=block):
+                    overlay[block] = rows[block]
+                    self.counters.bytes_down += self.row_bytes
+                case MovedUp(block=block):
+                    overlay[block] = up[block]
+                    self.counters.bytes_up += self.row_bytes
+                case Evicted(block=block):
+                    down.append((event, overlay.pop(block, block)))
+                case Computed(block=block) if self.disk is not None:  # written through to disk
+                    down.append((event, overlay.get(block, block)))
+        blocks = sorted({src for _, src in down if isinstance(src, int)})
         read = dict(zip(blocks, kv.read_blocks(blocks), strict=True)) if blocks else {}
-        for key, src, kind in down:
+        for event, src in down:
             row = read[src] if isinstance(src, int) else src
-            if kind == "evict":
-                evicted(key, row)
+            if isinstance(event, Evicted):
+                evicted(event.key, row)
             else:
-                self._write_through(key, row)
+                self._write_through(event.key, row)
         if overlay:
             start = time.perf_counter()
             kv.write_blocks(list(overlay), torch.stack(list(overlay.values())))
@@ -347,9 +349,10 @@ class KVTiers:
         block = self.host_pool.allocate(1) if self.host_kv is not None else None
         if block is None:
             return False
-        for event in self.host_pool.events:  # the cached block this allocation evicted: its bytes go first
-            self._evict_host(event[1], self.host_kv.read_blocks([event[2]])[0])
-        self.host_pool.events.clear()
+        for event in self.host_pool.take_events():  # the cached block this allocation evicted: its bytes go first
+            match event:
+                case Evicted(key=evicted_key, block=evicted):
+                    self._evict_host(evicted_key, self.host_kv.read_blocks([evicted])[0])
         self.host_kv.write_blocks(block, row[None])
         self.host_pool.register(block[0], key)
         self.host_pool.free(block)

@@ -11,6 +11,7 @@ from offload.scheduler.batcher import Batcher, BatchLimits
 from offload.scheduler.plan import MicroBatch, SeqChunk, StepPlan, split_micro_batches
 from offload.scheduler.sequence import SeqState, Sequence
 from offload.tiers.blocks import BlockPool, BlockTables
+from offload.tiers.kv_events import MovedUp, Tier
 
 EOS = 2
 
@@ -858,16 +859,16 @@ def test_a_host_sequence_moves_up_only_when_every_device_sequence_can_grow_this_
     decoding.state, decoding.num_cached = SeqState.DECODING, 8
     tables.grow(0, 8)
     in_host = make_seq(1, 20)  # 12 of 20 tokens cached in 3 host blocks; this step may prefill the other 8 (2 blocks)
-    in_host.state, in_host.num_cached, in_host.kv_tier = SeqState.PREFILLING, 12, "host"
+    in_host.state, in_host.num_cached, in_host.kv_tier = SeqState.PREFILLING, 12, Tier.HOST
     old = list(host.grow(1, 12))
     b.running.extend([decoding, in_host])
     b._move_up()  # 4 device blocks free, 3 + 2 + 1 needed
-    assert in_host.kv_tier == "host" and b.num_moved_up == 0 and not tables.pool.events
+    assert in_host.kv_tier == Tier.HOST and b.num_moved_up == 0 and not tables.pool.events
     b.finish(decoding, "stop")  # its 2 blocks come back: 6 free
     b._move_up()
-    assert in_host.kv_tier == "device" and b.num_moved_up == 1
+    assert in_host.kv_tier is Tier.DEVICE and b.num_moved_up == 1
     new = list(tables.table(1))
-    assert tables.pool.events == [("up", None, dst, src) for dst, src in zip(new, old, strict=True)]
+    assert tables.pool.events == tuple(MovedUp(dst, src) for dst, src in zip(new, old, strict=True))
     assert host.table(1) == [] and host.pool.num_free == 10
     plan = b.schedule()  # its chunk now runs over the device blocks: the copies are made before this step
     (chunk,) = plan.chunks
@@ -894,7 +895,8 @@ def test_a_sequence_that_cannot_grow_moves_down_only_where_copying_pays(pays) ->
     plan = b.schedule()
     assert asked == [(2, 8)]  # the latest admitted, with its 2 blocks and 8 cached tokens
     if pays:
-        assert new.kv_tier == "host" and b.num_moved_down == 1 and b.num_preemptions == 0
+        assert new.kv_tier is Tier.HOST and b.num_moved_down == 1 and b.num_preemptions == 0
+        assert [e.source for e in host.pool.events] == [2, 3]  # its device blocks, copied before the next step
         assert {c.seq_id for c in plan.chunks} == {0, 1}
     else:
         assert new.state is SeqState.WAITING and b.num_preemptions == 1 and b.num_priced_out == 1

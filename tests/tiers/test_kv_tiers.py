@@ -1,7 +1,7 @@
 """The KV pool below the device (tiers/kv_tiers.py, tiers/kv_disk_threads.py). Read-ahead: what is read lands
 byte-identical above the disk, within its room, stops at the first block the disk lacks, skips bad blocks, and never
-lets a pending write-through read a block the landing reused. Moves: a running sequence's blocks copied down are
-timed, and moving is chosen while it beats recomputing."""
+lets a pending write-through read a block the landing reused. Moves: a running sequence's blocks copied down or up
+land byte-identical, the copies down are timed, and moving is chosen while it beats recomputing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import hashlib
 
 import torch
 
-from offload.tiers.blocks import BlockPool
+from offload.tiers.blocks import BlockPool, BlockTables
 from offload.tiers.kv import KVCache
 from offload.tiers.kv_store import KVDiskStore
 from offload.tiers.kv_tiers import KVTiers
@@ -53,7 +53,7 @@ def test_blocks_read_ahead_land_in_the_devices_empty_blocks_byte_identical(tmp_p
     tiers.land(pool)
     landed = pool.lookup(keys)
     assert len(landed) == 6 and pool.num_cached == 6  # cached: findable, held by no one
-    tiers.settle(pool)  # the "promote" events write the rows before the next step
+    tiers.settle(pool)  # the Promoted events write the rows before the next step
     for i, block in enumerate(landed):
         assert torch.equal(kv.read_blocks([block])[0], row(kv, i))
     c = tiers.counters
@@ -95,15 +95,14 @@ def test_a_bad_block_read_ahead_is_dropped_and_asked_for_no_more(tmp_path) -> No
 
 
 def test_landing_in_host_ram_carries_out_pending_write_throughs_before_reusing_their_blocks(tmp_path) -> None:
-    """Host blocks cached with a write-through still pending (a "done" logged after the last step): landing evicts
+    """Host blocks cached with a write-through still pending (Computed, logged after the last step): landing evicts
     them for the blocks read ahead, and the disk must still receive their own bytes, not the landed ones."""
     kv, tiers, pool = tiers_over(tmp_path, device_blocks=16, host_blocks=4, on_disk=range(4))
     host_kv, host_pool = tiers.host_kv, tiers.host_pool
     for i in range(10, 14):  # four computed blocks of a host-resident sequence, then released
         block = host_pool.allocate(1)
         host_kv.write_blocks(block, row(host_kv, i)[None])
-        host_pool.register(block[0], key(i))
-        host_pool.events.append(("done", key(i), block[0]))
+        assert host_pool.register_computed(block[0], key(i))
         host_pool.free(block)
     tiers.prefetch([key(i) for i in range(4)], pool)  # 4 host blocks not held: 2 may be asked for
     tiers._ahead.wait()
@@ -132,13 +131,19 @@ def test_a_sequence_moves_down_while_copying_its_blocks_beats_recomputing_its_to
     tiers.close()
 
 
-def test_moving_a_sequence_down_measures_the_copy(tmp_path) -> None:
+def test_moving_a_sequence_down_and_back_up_copies_its_blocks_and_times_the_copy_down(tmp_path) -> None:
     kv, tiers, pool = tiers_over(tmp_path, device_blocks=16, host_blocks=8, on_disk=range(0))
-    src = pool.allocate(3)
+    device, host = BlockTables(pool, BLOCK), BlockTables(tiers.host_pool, BLOCK)
+    src = list(device.grow(0, 3 * BLOCK))
     kv.write_blocks(src, torch.stack([row(kv, i) for i in range(3)]))
-    dst = tiers.host_pool.allocate(3)
-    tiers.host_pool.events.extend(("move", None, d, s) for d, s in zip(dst, src, strict=True))
+    dst = list(device.move_down(0, host))
     tiers.settle(pool)
     assert [torch.equal(tiers.host_kv.read_blocks([d])[0], row(kv, i)) for i, d in enumerate(dst)] == [True] * 3
-    assert tiers.counters.moved_blocks == 3 and tiers.counters.move_seconds > 0
+    c = tiers.counters
+    assert c.moved_blocks == 3 and c.move_seconds > 0 and c.bytes_down == 3 * kv.bytes_per_block
+    kv.write_blocks(src, torch.zeros(3, kv.bytes_per_block, dtype=torch.uint8))  # the device blocks are reused
+    back = list(device.move_up(0, host))
+    tiers.settle(pool)
+    assert [torch.equal(kv.read_blocks([b])[0], row(kv, i)) for i, b in enumerate(back)] == [True] * 3
+    assert c.moved_blocks == 3 and c.bytes_up == 3 * kv.bytes_per_block  # only copies down are timed
     tiers.close()

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from offload.tiers.blocks import BlockPool, BlockTables
+from offload.tiers.kv_events import Computed, Evicted, MovedDown, MovedUp, Promoted
 from offload.tiers.prefix import chain_root, extend_chain
 
 ROOT = chain_root({"model": "test"})
@@ -180,19 +181,19 @@ def test_evictions_promotions_and_completions_are_logged_in_order() -> None:
     tokens = list(range(9))
     compute(tables, 0, tokens)
     keys = tables.keys(0, tokens)
-    assert tables.pool.events == [("done", keys[0], 0), ("done", keys[1], 1)]
-    tables.pool.events.clear()
+    assert tables.pool.take_events() == [Computed(keys[0], 0), Computed(keys[1], 1)]
+    assert tables.pool.events == ()
     tables.free(0)
     compute(tables, 1, [100 + i for i in range(9)])  # takes every block: evicts 1 then 0
-    assert [e[:3] for e in tables.pool.events[:2]] == [("evict", keys[1], 1), ("evict", keys[0], 0)]
+    assert tables.pool.events[:2] == (Evicted(keys[1], 1), Evicted(keys[0], 0))
     tables.free(1)
-    tables.pool.events.clear()
+    tables.pool.take_events()
     for k in keys:
         lower.held[k] = f"payload {k.hex()[:6]}"
     table, hit = compute(tables, 2, tokens)
     assert hit == 8
-    promotes = [e for e in tables.pool.events if e[0] == "promote"]
-    assert [(e[1], e[2], e[3]) for e in promotes] == [(keys[i], table[i], lower.held[keys[i]]) for i in range(2)]
+    promotes = [e for e in tables.pool.events if isinstance(e, Promoted)]
+    assert promotes == [Promoted(keys[i], table[i], lower.held[keys[i]]) for i in range(2)]
     assert tables.counters.promoted_blocks == 2 and tables.counters.device_hit_tokens == 0
 
 
@@ -207,16 +208,41 @@ def test_a_bad_lower_block_ends_the_hit_there() -> None:
     assert tables.cached_prefix(0, tokens) == 12
     table, hit, end = tables.admit(0, tokens, 1000)
     assert (hit, end) == (4, 13) and len(table) == 4
-    assert [e[0] for e in tables.pool.events] == ["promote"]
+    assert [type(e) for e in tables.pool.events] == [Promoted]
+
+
+def test_lower_tiers_need_a_pool_that_records() -> None:
+    with pytest.raises(ValueError, match="record"):
+        BlockTables(BlockPool(4), 4, ROOT, FakeLower())
+
+
+def test_a_sequence_moves_down_and_up_through_fresh_blocks_logged_where_they_land() -> None:
+    device = BlockTables(BlockPool(4, record=True), 4, ROOT)
+    host = BlockTables(BlockPool(6, record=True), 4, ROOT)
+    host.grow(9, 4)  # host block 0 taken: the moved blocks are not the device ones' numbers
+    old = list(device.grow(0, 8))
+    assert device.move_down(0, host) == [1, 2]
+    assert host.pool.events == (MovedDown(1, old[0]), MovedDown(2, old[1])) and device.pool.events == ()
+    assert device.table(0) == [] and device.pool.num_free == 4
+    device.grow(1, 12)  # three of the device's four blocks: no room to come back up
+    assert device.move_up(0, host) is None and host.table(0) == [1, 2]
+    device.free(1)
+    assert device.move_up(0, host) == device.table(0) and len(device.table(0)) == 2
+    assert device.pool.events == tuple(MovedUp(b, s) for b, s in zip(device.table(0), [1, 2], strict=True))
+    assert host.table(0) == [] and host.pool.num_free == 5
+    assert device.move_down(0, BlockTables(BlockPool(1, record=True), 4)) is None and len(device.table(0)) == 2
+    device.check_integrity()
+    host.check_integrity()
 
 
 @pytest.mark.parametrize("record", [False, True])
 def test_events_are_recorded_only_for_a_consumer(record: bool) -> None:
     tables = BlockTables(BlockPool(2, record=record), 4, ROOT)
     compute(tables, 0, list(range(5)))
+    (key,) = tables.keys(0, list(range(5)))
     tables.free(0)
-    tables.pool.allocate(2)
-    assert bool(tables.pool.events) == record
+    tables.pool.allocate(2)  # the free block, then the cached one
+    assert tables.pool.events == ((Computed(key, 0), Evicted(key, 0)) if record else ())
 
 
 def test_dropping_cached_blocks_frees_them_and_keeps_held_ones() -> None:

@@ -61,9 +61,9 @@ def test_streamed_experts_give_the_resident_tokens_reading_only_chosen_experts(c
     path, resident = checkpoint
     slot, expert_bytes, _, _ = _sizes(path)
     with LLM(path, _config(expert_cache_memory=3 * slot)) as llm:  # fewer than a prefill chooses: fetched in batches
-        assert llm.experts.slots == 3
+        assert llm.parts.experts.cache.slots == 3
         got = [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
-        s = llm.stats
+        s = llm.last_run
     assert got == resident
     x = s.experts
     assert x.misses > 0 and x.hits + x.misses > 0
@@ -77,15 +77,15 @@ def test_router_prefetch_guesses_with_copies_of_the_next_routers_and_keeps_the_t
     slot, *_ = _sizes(path)
     spec, _ = load_spec(path)
     with LLM(path, _config(expert_cache_memory=6 * slot)) as llm:  # router prefetch: the default
-        routed = llm.engine.experts
+        routed = llm.parts.engine.experts
         sparse = sorted(routed)
         assert [routed[i].next_layer for i in sparse] == sparse[1:] + sparse[:1]
         assert all(routed[i].gate is not None for i in sparse[:-1]) and routed[sparse[-1]].gate is None
         gate_bytes = sum(r.gate.rows.nbytes for r in routed.values() if r.gate is not None)
         assert gate_bytes == (len(sparse) - 1) * (spec.num_experts + 1) * spec.hidden_size * 4
         assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
-        x = llm.stats.experts
-        llm.device_tier.check_integrity()
+        x = llm.last_run.experts
+        llm.check_integrity()
     assert x.prefetches > 0 and 0 < x.prefetch_used <= x.prefetches
 
 
@@ -93,9 +93,9 @@ def test_frequency_prefetch_keeps_no_router_copies_and_the_tokens(checkpoint):
     path, resident = checkpoint
     slot, *_ = _sizes(path)
     with LLM(path, _config(expert_cache_memory=6 * slot, expert_prefetch="frequency")) as llm:
-        assert all(r.gate is None for r in llm.engine.experts.values())
+        assert all(r.gate is None for r in llm.parts.engine.experts.values())
         assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
-        assert llm.stats.experts.prefetches > 0
+        assert llm.last_run.experts.prefetches > 0
 
 
 def test_a_gate_guesses_each_tokens_first_choice_of_the_normalized_residual():
@@ -116,9 +116,9 @@ def test_a_cache_holding_every_expert_reads_each_once(checkpoint):
     experts = sum(spec.sparse(i) for i in range(spec.num_layers)) * spec.num_experts
     with LLM(path, _config(expert_cache_memory=experts * slot)) as llm:
         assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
-        x = llm.stats.experts
+        x = llm.last_run.experts
         assert x.bytes_read <= expert_bytes  # nothing is evicted, so nothing is read twice
-        assert x.misses + x.prefetches == len(llm.experts.cached())
+        assert x.misses + x.prefetches == len(llm.parts.experts.cache.cached())
         assert "experts    " in _summary(llm, []) and "prefetch by router:" in _summary(llm, [])
         assert f"cache of {experts} experts" in _placement_table(llm)
 
@@ -131,10 +131,10 @@ def test_dense_parts_stream_too_and_the_device_budget_holds(family, tmp_path):
     slot, _, fixed, layers = _sizes(tmp_path)
     budget = KV_BYTES + fixed + 2 * max(layers) + min(layers) // 2 + 2 * slot  # a two-slot ring: layers stream
     with LLM(tmp_path, _config(device_memory=budget, expert_cache_memory=2 * slot)) as llm:
-        assert "nvme" in llm.policy.layer_tiers
+        assert "nvme" in llm.placement.layer_tiers
         assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
-        llm.device_tier.check_integrity()
-        assert llm.device_tier.peak <= budget
+        llm.check_integrity()
+        assert llm.placement.device_peak <= budget
 
 
 def test_a_cache_smaller_than_one_expert_names_the_flag(checkpoint):
@@ -157,7 +157,7 @@ def test_quantized_experts_stream_with_their_scales(tmp_path):
     with LLM(model, EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES, device="cpu")) as llm:
         resident = [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
     with LLM(model, _config(expert_cache_memory=1 << 20)) as llm:
-        assert sorted(llm.experts.layouts[(0, 0)].views(torch.zeros(1 << 20, dtype=torch.uint8))) == [
+        assert sorted(llm.parts.experts.cache.layouts[(0, 0)].views(torch.zeros(1 << 20, dtype=torch.uint8))) == [
             "down_proj",
             "down_proj.scales",
             "gate_proj",
@@ -166,4 +166,4 @@ def test_quantized_experts_stream_with_their_scales(tmp_path):
             "up_proj.scales",
         ]
         assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
-        assert llm.stats.experts.misses > 0
+        assert llm.last_run.experts.misses > 0

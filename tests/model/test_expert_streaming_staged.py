@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import make_checkpoint, toy_spec
-from offload import api
+from offload import build
 from offload.api import LLM
 from offload.cli import _placement_table, _summary
 from offload.common.config import EngineConfig, SamplingParams
@@ -58,23 +58,24 @@ def checkpoint(request, tmp_path_factory):
 @pytest.fixture
 def staged(monkeypatch):
     """LLMs built in the test stream their experts as on CUDA: host cache, device slots, the copy engine."""
-    monkeypatch.setattr(api, "expert_caches", functools.partial(expert_caches, staged=True))
+    monkeypatch.setattr(build, "expert_caches", functools.partial(expert_caches, staged=True))
 
 
 def _run(path, **fields):
     with LLM(path, _config(**fields)) as llm:
         tokens = [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
-        llm.device_tier.check_integrity()
-        llm.host_tier.check_integrity()
-        return tokens, llm.stats.experts, llm
+        llm.check_integrity()
+        return tokens, llm.last_run.experts, llm
 
 
 def test_copied_to_device_slots_the_tokens_are_the_resident_ones(checkpoint, staged):
     path, resident, slot = checkpoint
     tokens, x, llm = _run(path, expert_cache_memory=3 * slot, cold_experts="device")
     assert tokens == resident
-    assert llm.expert_slots.slots == 3 and llm.experts.tier is llm.host_tier  # the cache of experts as read
-    assert llm.experts.slots == 3  # --expert-host-memory 0: as many as the device slots
+    assert (
+        llm.parts.experts.slots.slots == 3 and llm.parts.experts.cache.tier is llm.parts.host_tier
+    )  # the cache of experts as read
+    assert llm.parts.experts.cache.slots == 3  # --expert-host-memory 0: as many as the device slots
     assert x.misses > 0 and x.cpu_runs == 0 and x.h2d_bytes > 0
     assert x.device_hits <= x.hits
     assert "in pinned host RAM" in _placement_table(llm) and "and 3 expert slots on cpu" in _placement_table(llm)
@@ -93,11 +94,11 @@ def test_auto_runs_each_cold_expert_where_it_is_priced_cheaper(checkpoint, stage
     tokens stay the resident ones."""
     path, resident, slot = checkpoint
     prices = ColdExperts("auto", cpu_seconds=lambda rows: float(rows), device_seconds=lambda rows: 1.5)
-    monkeypatch.setattr(api, "cold_experts", lambda *args: prices)
+    monkeypatch.setattr(build, "cold_experts", lambda *args: prices)
     tokens, x, llm = _run(path, expert_cache_memory=4 * slot)
     assert tokens == resident
     assert x.cpu_runs > 0 and x.h2d_bytes > 0
-    assert all(r.cold is prices for r in llm.engine.experts.values())
+    assert all(r.cold is prices for r in llm.parts.engine.experts.values())
 
 
 def test_a_larger_host_cache_reads_less_from_disk(checkpoint, staged):
@@ -108,7 +109,7 @@ def test_a_larger_host_cache_reads_less_from_disk(checkpoint, staged):
     tokens, big, llm = _run(path, expert_cache_memory=2 * slot, expert_host_memory=every * llm_slot_cost(path))
     assert tokens == resident
     assert big.bytes_read < small.bytes_read
-    assert llm.experts.slots == every and llm.expert_slots.slots == 2
+    assert llm.parts.experts.cache.slots == every and llm.parts.experts.slots.slots == 2
 
 
 def llm_slot_cost(path) -> int:
@@ -232,7 +233,7 @@ def test_a_host_buffer_takes_no_read_before_its_copy_to_the_device_landed(checkp
     path, _, slot = checkpoint
     with LLM(path, _config(expert_cache_memory=2 * slot, cold_experts="device")) as llm:
         log: list = []
-        entries = llm.experts._entries
+        entries = llm.parts.experts.cache._entries
         llm.generate_ids(_prompts()[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
         for key, entry in entries.items():
             if entry.copied is not None:
@@ -251,7 +252,7 @@ def test_on_cuda_streamed_experts_give_the_resident_tokens(checkpoint, cold):
     path, resident, slot = checkpoint
     tokens, x, llm = _run(path, device="cuda", expert_cache_memory=3 * slot, cold_experts=cold)
     assert tokens == resident
-    assert llm.expert_slots is not None and llm.experts.tier is llm.host_tier
+    assert llm.parts.experts.slots is not None and llm.parts.experts.cache.tier is llm.parts.host_tier
     assert x.misses > 0
     if cold == "cpu":
         assert x.cpu_runs == x.hits + x.misses and x.h2d_bytes == 0

@@ -119,9 +119,9 @@ def test_streamed_layers_give_the_resident_tokens(variant, tmp_path):
         dtype="float32", kv_cache_bytes=KV_BYTES, device_memory=_streaming_budget(tmp_path), io_backend="pread"
     )
     with LLM(tmp_path, config) as llm:
-        assert "nvme" in llm.policy.layer_tiers
+        assert "nvme" in llm.placement.layer_tiers
         streamed = [c.token_ids for c in llm.generate_ids(batch, params)]
-        assert llm.weights.stats.bytes_read > 0
+        assert llm.stats().weights.bytes_read > 0
     assert streamed == resident
 
 

@@ -32,8 +32,8 @@ def test_prefill_logits_ragged_batch(family_checkpoint, micro_batch_tokens):
     for ids, ours in zip(batch, llm.score(batch), strict=True):
         assert ours.shape == (len(ids), 300)
         torch.testing.assert_close(ours.cpu(), reference_logits(model, ids), atol=ATOL, rtol=0)
-    llm.tables.check_integrity()
-    assert llm.tables.num_used == 0
+    llm.check_integrity()
+    assert llm.stats().kv_blocks_used == 0
 
 
 def test_decode_logits_through_the_paged_cache(family_checkpoint):
@@ -45,23 +45,23 @@ def test_decode_logits_through_the_paged_cache(family_checkpoint):
     refs = [reference_logits(model, ids) for ids in full]
     chunks = []
     for seq_id, (ids, n) in enumerate(zip(full, prefix, strict=True)):
-        table = llm.tables.grow(seq_id, n)
+        table = llm.parts.kv.tables.grow(seq_id, n)
         chunks.append(SeqChunk(seq_id, tuple(ids[:n]), 0, tuple(table)))
-    out = llm.engine.step(StepPlan(split_micro_batches(chunks, 4096)))
+    out = llm.parts.engine.step(StepPlan(split_micro_batches(chunks, 4096)))
     for row, seq_id in enumerate(out.seq_ids):
         torch.testing.assert_close(out.logits[row].cpu(), refs[seq_id][prefix[seq_id] - 1], atol=ATOL, rtol=0)
     for pos in range(min(prefix), max(len(ids) for ids in full)):
         chunks = []
         for seq_id, ids in enumerate(full):
             if prefix[seq_id] <= pos < len(ids):
-                table = llm.tables.grow(seq_id, pos + 1)
+                table = llm.parts.kv.tables.grow(seq_id, pos + 1)
                 chunks.append(SeqChunk(seq_id, (ids[pos],), pos, tuple(table)))
         if not chunks:
             continue
-        out = llm.engine.step(StepPlan(split_micro_batches(chunks, 4096)))
+        out = llm.parts.engine.step(StepPlan(split_micro_batches(chunks, 4096)))
         for row, seq_id in enumerate(out.seq_ids):
             torch.testing.assert_close(out.logits[row].cpu(), refs[seq_id][pos], atol=ATOL, rtol=0)
-    llm.tables.check_integrity()
+    llm.check_integrity()
 
 
 def test_greedy_tokens_match_transformers_generate(family_checkpoint):
@@ -84,7 +84,7 @@ def test_half_precision_checkpoints_track_transformers(tmp_path, dtype):
     """bf16/fp16 run in the checkpoint's dtype, like transformers; logits agree to that dtype's precision."""
     model = make_checkpoint(tmp_path, "llama", dtype=dtype)
     llm = LLM(tmp_path, EngineConfig(kv_cache_bytes=1 << 22))
-    assert llm.dtype == dtype
+    assert llm.parts.dtype == dtype
     ids = prompts((24,))[0]
     ours = llm.score([ids])[0]
     ref = reference_logits(model, ids)

@@ -42,12 +42,12 @@ def test_planned_config_fits_the_budget_and_runs(model_dir):
     assert config.kv_cache_bytes == cand.batch * spec_blocks * per_block
     assert config.max_step_tokens >= cand.batch * 10  # every prompt of the batch in one pass
     llm = LLM(model_dir, config)
-    assert llm.device_tier.capacity == budget
-    assert llm.policy == cand.policy  # the engine runs the placement the cost model priced, ring included
+    assert llm.placement.device_budget == budget
+    assert llm.parts.weights.policy == cand.policy  # the engine runs the placement the cost model priced, ring included
     out = llm.generate_ids([[5 + i] * 10 for i in range(12)], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert all(len(c.token_ids) == 6 for c in out)
-    assert llm.stats.preemptions == 0  # the KV cache holds the whole batch
-    assert llm.device_tier.peak <= budget
+    assert llm.last_run.preemptions == 0  # the KV cache holds the whole batch
+    assert llm.placement.device_peak <= budget
 
 
 def test_a_quantized_kv_cache_is_planned_with_its_own_block_size(model_dir):
@@ -60,7 +60,7 @@ def test_a_quantized_kv_cache_is_planned_with_its_own_block_size(model_dir):
     assert config.kv_cache_bytes == prediction.candidate.batch * -(-(10 + 6) // config.block_size) * per_block
     with LLM(model_dir, config) as llm:
         out = llm.generate_ids([[5 + i] * 10 for i in range(12)], SamplingParams(max_new_tokens=6, ignore_eos=True))
-        assert all(len(c.token_ids) == 6 for c in out) and llm.stats.preemptions == 0
+        assert all(len(c.token_ids) == 6 for c in out) and llm.last_run.preemptions == 0
 
 
 def test_a_slow_disk_makes_the_batch_as_large_as_the_requests(model_dir):
@@ -127,7 +127,7 @@ def test_memory_plans_in_the_cap_less_the_rss_and_the_reserve(model_dir, held):
     cand = prediction.candidate
     assert (cand.batch, cand.micro_batches, cand.policy.counts) == (12, 4, (1, 0, 5))
     shape = load_model_spec(str(model_dir))
-    activations = autoconfig.activation_bytes(shape, hw, "float32", 16, cand, Workload(10, 6, 12))
+    activations = autoconfig.activation_bytes(shape, hw, "float32", base, cand, Workload(10, 6, 12))
     # float32: a prefill micro-batch of 3 prompts of 10 tokens, 672 values live per token in a layer (hidden 64,
     # q/k/v, MLP 96), the batch's hidden states between layers, and the logits of 12 rows over 300 tokens
     assert activations == (3 * 10 * 672 + 12 * 10 * 64 + 12 * 300) * 4
@@ -135,9 +135,9 @@ def test_memory_plans_in_the_cap_less_the_rss_and_the_reserve(model_dir, held):
     assert config.memory is None and config.device_memory == ROOM - activations
     assert config.max_num_seqs == cand.batch
     llm = LLM(model_dir, config)
-    assert llm.policy == cand.policy
+    assert llm.parts.weights.policy == cand.policy
     out = llm.generate_ids([[5 + i] * 10 for i in range(12)], SamplingParams(max_new_tokens=6, ignore_eos=True))
-    assert all(len(c.token_ids) == 6 for c in out) and llm.device_tier.peak <= config.device_memory
+    assert all(len(c.token_ids) == 6 for c in out) and llm.placement.device_peak <= config.device_memory
 
 
 def test_what_the_process_holds_comes_out_of_the_cap(model_dir, monkeypatch):
@@ -176,9 +176,19 @@ def test_bad_memory_is_one_clear_error(fields, message):
         EngineConfig(**fields)
 
 
-def test_memory_is_only_honoured_through_the_cost_model(model_dir):
-    with pytest.raises(OffloadError, match="autoconfigure"):
-        LLM(model_dir, EngineConfig(memory=1 << 30, dtype="float32"))
+def test_an_llm_given_a_cap_runs_what_the_cost_model_plans(model_dir, held, monkeypatch):
+    """LLM(model, EngineConfig(memory=...)) plans for its workload as autoconfigure does, and runs that plan."""
+    import offload.planner.probe
+
+    monkeypatch.setattr(offload.planner.probe, "local_profile", slow_disk_cpu)
+    given = EngineConfig(memory=HELD + autoconfig.MEMORY_RESERVE + ROOM, dtype="float32", device="cpu")
+    planned, prediction = autoconfigure(model_dir, given, [10] * 12, 6, slow_disk_cpu())
+    with LLM(model_dir, given, Workload(10, 6, 12)) as llm:
+        assert llm.config == planned and llm.parts.prediction == prediction and llm.parts.given == given
+        assert llm.placement.device_budget == planned.device_memory and llm.config.memory is None
+        out = llm.generate_ids([[5 + i] * 10 for i in range(12)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert all(len(c.token_ids) == 6 for c in out) and llm.last_run.preemptions == 0
+        assert llm.placement.device_peak <= planned.device_memory
     with pytest.raises(OffloadError, match="only on a CPU device"):
         autoconfigure(model_dir, EngineConfig(memory=1 << 30, device="cuda"), [8], 4, slow_disk_cpu())
 
@@ -195,7 +205,8 @@ def test_cli_memory_plans_like_device_memory(model_dir, held, capsys, monkeypatc
     assert "the cost model's choice" in err and f"memory     cap {format_size(int(cap))}: " in err
     assert main([*argv, "--memory", cap, "--max-num-seqs", "1"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: --memory sizes the batch and KV cache itself: drop --max-num-seqs and --kv-cache-memory"
+        "error: memory sizes the batch and the KV cache itself: leave max_num_seqs (--max-num-seqs) and "
+        "kv_cache_bytes (--kv-cache-memory) unset"
     )
     assert main([*argv, "--memory", cap, "--device-memory", "700000"]) == 2
     assert "are exclusive" in capsys.readouterr().err
@@ -230,7 +241,7 @@ def test_the_planned_placement_leaves_a_big_table_in_storage_as_the_engine_does(
     cand = prediction.candidate
     assert prediction.fits and cand.policy.embed_tier == "nvme" and cand.policy.counts[0] >= 1
     llm = LLM(tmp_path, config)
-    assert llm.policy == cand.policy
+    assert llm.parts.weights.policy == cand.policy
     out = llm.generate_ids([[5 + i] * 10 for i in range(4)], SamplingParams(max_new_tokens=6, ignore_eos=True))
-    assert all(len(c.token_ids) == 6 for c in out) and llm.weights.stats.embed_rows_read >= 4 * 6
+    assert all(len(c.token_ids) == 6 for c in out) and llm.stats().weights.embed_rows_read >= 4 * 6
     llm.close()

@@ -24,6 +24,7 @@ from offload.model.detokenize import TextStream
 from offload.model.engine import Engine
 from offload.model.sampling import sample
 from offload.scheduler.batcher import Batcher, BatchLimits
+from offload.scheduler.kv_prices import KVPrices
 from offload.scheduler.sequence import Sequence
 from offload.tiers.blocks import BlockTables
 from offload.tiers.kv_tiers import KVTiers
@@ -153,8 +154,9 @@ class EngineCore:
         `host_tables`: its host part's tables, for sequences admitted when the device part is full."""
         self.engine, self.tables, self.limits, self.weights = engine, tables, limits, weights
         self.kv_tiers = kv_tiers
-        swap_pays = kv_tiers.swap_pays if kv_tiers is not None else None
-        self.batcher = Batcher(tables, limits, eos_ids, host_tables, swap_pays)
+        # KV moves against recomputing, priced at the rates the KV tiers and the prefill steps measure
+        self.kv_prices = KVPrices(tables.block_size, kv_tiers.counters) if kv_tiers is not None else None
+        self.batcher = Batcher(tables, limits, eos_ids, host_tables, self.kv_prices)
         self._tokenizer = tokenizer
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
@@ -276,10 +278,8 @@ class EngineCore:
         tokens = sample(out.logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
         logprobs = _logprobs(out.logits, tokens, [r.seq.params.logprobs for r in reqs])
         now = time.perf_counter()
-        if self.kv_tiers is not None and plan.num_prefill_tokens >= PREFILL_SAMPLE:  # the cost of recomputing KV
-            rate = plan.num_prefill_tokens / max(now - start, 1e-9)
-            last = self.kv_tiers.prefill_rate
-            self.kv_tiers.prefill_rate = rate if last is None else 0.8 * last + 0.2 * rate
+        if self.kv_prices is not None and plan.num_prefill_tokens >= PREFILL_SAMPLE:  # the cost of recomputing KV
+            self.kv_prices.observe_prefill(plan.num_prefill_tokens, now - start)
         kind = "prefill_seconds" if plan.num_prefill_tokens else "decode_seconds"
         self._totals[kind] += now - start
         if not plan.num_prefill_tokens:

@@ -21,16 +21,17 @@ a chunk of this step is computing waits one step and then shares it. The cached 
 holds, of the waiting sequences likely admitted next (as many as can run at once), start coming up while the step
 computes (`BlockTables.prefetch`), and are placed before the next step's admissions (`BlockTables.land`). A
 preempted sequence's full blocks stay cached (and go down to host RAM or disk when evicted, with lower tiers), so
-it comes back to them instead of recomputing.
+it comes back to them instead of recomputing. Whether a block only the disk holds is read back (or computed again),
+and whether a running sequence moves down to host RAM (or is preempted), the KV prices say (scheduler/kv_prices.py).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from offload.scheduler.kv_prices import KVPrices
 from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from offload.scheduler.sequence import SeqState, Sequence
 from offload.tiers.blocks import BlockTables
@@ -60,12 +61,12 @@ class Batcher:
         limits: BatchLimits,
         eos_ids: tuple[int, ...] = (),
         host_tables: BlockTables | None = None,
-        swap_pays: Callable[[int, int], bool] | None = None,
+        prices: KVPrices | None = None,
     ) -> None:
         """`host_tables`: blocks in host RAM for sequences admitted when the device's do not fit (their KV lives
-        there and their attention runs there); None: the device's only. `swap_pays(blocks, tokens)`: whether moving
-        a sequence's `blocks` down to host RAM is predicted cheaper than computing its `tokens` again (None: always
-        move when there is room)."""
+        there and their attention runs there); None: the device's only. `prices`: whether moving KV between tiers
+        is predicted cheaper than computing it again (None: a sequence always moves down when there is room, and
+        cached blocks on disk are always read)."""
         largest = max(tables.pool.num_blocks, host_tables.pool.num_blocks if host_tables is not None else 0)
         if tables.blocks_for(limits.max_model_len) > largest:
             raise ValueError(f"max_model_len {limits.max_model_len} does not fit the KV cache")
@@ -79,7 +80,7 @@ class Batcher:
         self.num_moved_down = 0  # running sequences whose blocks went to the host part instead of being preempted
         self.num_moved_up = 0  # running sequences whose blocks came back from the host part
         self.num_priced_out = 0  # preemptions where the host part had room but recomputing was predicted cheaper
-        self.swap_pays = swap_pays
+        self.prices = prices
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens >= self.limits.max_model_len:
@@ -124,14 +125,14 @@ class Batcher:
         ):
             seq = self._next_waiting()
             keys = self.tables.keys(seq.seq_id, seq.token_ids)
-            hit = self.tables.cached_prefix(seq.seq_id, seq.token_ids) // self.tables.block_size
+            hit = self._cached_prefix(seq) // self.tables.block_size
             if hit < len(keys) and keys[hit] in in_flight:  # a block it needs is being computed: share it next step
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
-            admitted = self.tables.admit(seq.seq_id, seq.token_ids, budget)
+            admitted = self.tables.admit(seq.seq_id, seq.token_ids, budget, self._reads_disk())
             if admitted is None and self.host_tables is not None:  # the device part is full: its KV goes to host RAM
-                admitted = self.host_tables.admit(seq.seq_id, seq.token_ids, budget)
+                admitted = self.host_tables.admit(seq.seq_id, seq.token_ids, budget, self._reads_disk())
                 seq.kv_tier = Tier.HOST if admitted is not None else Tier.DEVICE
             if admitted is None:
                 break
@@ -144,10 +145,18 @@ class Batcher:
             budget -= end - seq.num_cached
         for seq in reversed(deferred):  # back where they were, ahead of later arrivals
             self._requeue(seq)
-        if self.tables.reads_ahead:  # the cached blocks of those next in line come up while the step computes
+        if self.tables.reads_ahead and self._reads_disk():  # those next in line: their blocks come up meanwhile
             for seq in self._next_in_line(self.limits.max_running):
                 self.tables.prefetch(seq.seq_id, seq.token_ids)
         return StepPlan(split_micro_batches(chunks, self.limits.micro_batch_tokens))
+
+    def _reads_disk(self) -> bool:
+        """Whether cached blocks only the disk holds are read back rather than computed again, at the prices now."""
+        return self.prices is None or self.prices.disk_pays()
+
+    def _cached_prefix(self, seq: Sequence) -> int:
+        """Tokens of `seq` an admission now would take from cached blocks (`BlockTables.cached_prefix`)."""
+        return self.tables.cached_prefix(seq.seq_id, seq.token_ids, self._reads_disk())
 
     def _next_in_line(self, n: int) -> list[Sequence]:
         """The `n` waiting sequences likely admitted next, in that order: without prefix reuse the queue's first;
@@ -158,7 +167,7 @@ class Batcher:
             return list(itertools.islice(self.waiting, n))
         head = self.waiting[0].priority
         same = list(itertools.takewhile(lambda s: s.priority == head, itertools.islice(self.waiting, LOOKAHEAD)))
-        cached = {s.seq_id: self.tables.cached_prefix(s.seq_id, s.token_ids) for s in same}
+        cached = {s.seq_id: self._cached_prefix(s) for s in same}
         ranked = sorted(same, key=lambda s: -cached[s.seq_id])  # stable: queue order among equals
         return list(itertools.islice(itertools.chain(ranked, itertools.islice(self.waiting, len(same), None)), n))
 
@@ -170,13 +179,13 @@ class Batcher:
         head = self.waiting[0]
         if not self.tables.prefix_caching or head.skipped >= MAX_SKIPS:
             return head
-        best, best_hit = head, self.tables.cached_prefix(head.seq_id, head.token_ids)
+        best, best_hit = head, self._cached_prefix(head)
         for seq in itertools.islice(self.waiting, 1, LOOKAHEAD):
             if seq.priority != head.priority:
                 break
             if seq.skipped >= MAX_SKIPS:  # overdue: nothing behind it may pass it
                 break
-            hit = self.tables.cached_prefix(seq.seq_id, seq.token_ids)
+            hit = self._cached_prefix(seq)
             if hit > best_hit:
                 best, best_hit = seq, hit
         if best is not head:
@@ -221,11 +230,11 @@ class Batcher:
     def _move_down(self, seq: Sequence) -> bool:
         """Give `seq`'s blocks in the device part copies in the host part (made before the next step) and free the
         device ones: it keeps running from host RAM instead of being preempted. False if the host part lacks room,
-        or if copying them is predicted dearer than computing its cached tokens again (`swap_pays`)."""
+        or if copying them is predicted dearer than computing its cached tokens again (`KVPrices.swap_pays`)."""
         if self.host_tables is None or seq.kv_tier != Tier.DEVICE:
             return False
         blocks = len(self.tables.table(seq.seq_id))
-        if self.swap_pays is not None and not self.swap_pays(blocks, seq.num_cached):
+        if self.prices is not None and not self.prices.swap_pays(blocks, seq.num_cached):
             self.num_priced_out += 1
             return False
         if self.tables.move_down(seq.seq_id, self.host_tables) is None:

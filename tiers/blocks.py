@@ -221,14 +221,15 @@ class BlockTables:
             return []
         return extend_chain(self._keys.setdefault(seq_id, []), self.root, token_ids, self.block_size)
 
-    def cached_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def cached_prefix(self, seq_id: int, token_ids: Sequence[int], read_disk: bool = True) -> int:
         """Tokens of `token_ids` an admission now would take from cached blocks (device or lower tiers, without
-        reading them): whole blocks, short of the last token, which is always computed (its logits are needed)."""
+        reading them): whole blocks, short of the last token, which is always computed (its logits are needed).
+        `read_disk`: as `admit` would be given it."""
         if self.root is None:
             return 0
         keys = self.keys(seq_id, token_ids)[: (len(token_ids) - 1) // self.block_size]
         on_device = len(self.pool.lookup(keys))
-        below = self.lower.count(keys[on_device:]) if self.lower is not None and on_device < len(keys) else 0
+        below = self._below(keys[on_device:], read_disk)
         return (on_device + below) * self.block_size
 
     def prefetch(self, seq_id: int, token_ids: Sequence[int]) -> None:
@@ -251,15 +252,18 @@ class BlockTables:
         if self.root is not None and self.lower is not None:
             self.lower.land(self.pool)
 
-    def admit(self, seq_id: int, token_ids: Sequence[int], budget: int) -> tuple[list[int], int, int] | None:
+    def admit(
+        self, seq_id: int, token_ids: Sequence[int], budget: int, read_disk: bool = True
+    ) -> tuple[list[int], int, int] | None:
         """Start the table of a sequence not in the cache: its longest cached prefix (short of the last token), then
         fresh blocks for up to `budget` more tokens. Returns (table, cached tokens, end of the first chunk), or None
-        (nothing taken) when the blocks do not fit."""
+        (nothing taken) when the blocks do not fit. `read_disk`: whether blocks only the disk holds count as cached
+        (False: they are computed again; the scheduler prices which is faster)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has a table")
         keys = self.keys(seq_id, token_ids)[: (len(token_ids) - 1) // self.block_size]
         device = self.pool.lookup(keys)
-        below = self.lower.count(keys[len(device) :]) if self.lower is not None and len(device) < len(keys) else 0
+        below = self._below(keys[len(device) :], read_disk)
         room = self.pool.num_free - sum(1 for b in device if not self.pool.refs(b))  # sharing takes cached ones
 
         def fit(hit: int) -> tuple[int, int] | None:
@@ -290,6 +294,10 @@ class BlockTables:
         c.device_hit_tokens += len(device) * self.block_size
         c.promoted_blocks += hit - len(device)
         return table, hit * self.block_size, end
+
+    def _below(self, keys: Sequence[bytes], read_disk: bool) -> int:
+        """Leading `keys` the lower tiers hold (0 without lower tiers; they are not asked about no keys)."""
+        return self.lower.count(keys, disk=read_disk) if self.lower is not None and keys else 0
 
     def commit(self, seq_id: int, token_ids: Sequence[int], num_cached: int) -> None:
         """Register the full blocks among the first `num_cached` tokens of `seq_id` (their keys and values are now

@@ -20,10 +20,11 @@ written, so an evicted or moved block's bytes are still its own. `count` and `fe
 admissions (`LowerTiers`), `below_host` the host part's (the disk only); fetched payloads are verified copies.
 
 Reading a block back is not always cheaper than computing it again: host RAM always is (a copy), the disk is when
-a block's bytes read faster than its tokens prefill (`disk_pays`); a running sequence moves down rather than being
-preempted when copying its blocks is faster than prefilling its tokens again (`swap_pays`). The rates are measured
-as the engine runs (here, the seconds per block read or moved; `prefill_rate` from the core's prefill steps); until
-they are, the disk is read and sequences move.
+a block's bytes read faster than its tokens prefill; a running sequence moves down rather than being preempted when
+copying its blocks is faster than prefilling its tokens again. The tiers only measure: their counters give the
+seconds per block read from disk or moved down (`KVTierCounters.seconds_per_block_read`, `seconds_per_block_moved`);
+the scheduler prices them against the core's measured prefill rate (scheduler/kv_prices.py) and says whether an
+admission may count blocks only the disk holds (`count(keys, disk=...)`) and whether to read ahead.
 
 Disk reads need not wait for admission. After planning a step, the scheduler names the cached blocks the next
 waiting sequences will ask for (`prefetch`); a reader thread reads and verifies those only the disk holds while the
@@ -72,6 +73,16 @@ class KVTierCounters:
     prefetched: int = 0  # blocks read from disk ahead of admission and placed above it (in promoted_disk too)
     prefetch_dropped: int = 0  # blocks read ahead that found no room when they landed, or were already above
 
+    @property
+    def seconds_per_block_moved(self) -> float | None:
+        """What copying a running sequence's block down has cost so far, on average; None until one was timed."""
+        return self.move_seconds / self.moved_blocks if self.moved_blocks and self.move_seconds > 0 else None
+
+    @property
+    def seconds_per_block_read(self) -> float | None:
+        """What reading a block back from disk has cost so far, on average; None until one was timed."""
+        return self.disk_seconds / self.promoted_disk if self.promoted_disk and self.disk_seconds > 0 else None
+
 
 class _DiskOnly:
     """The lower tier of the host part's own tables: the disk."""
@@ -79,8 +90,8 @@ class _DiskOnly:
     def __init__(self, tiers: KVTiers) -> None:
         self.tiers = tiers
 
-    def count(self, keys: Sequence[bytes]) -> int:
-        if not self.tiers.disk_pays():
+    def count(self, keys: Sequence[bytes], disk: bool = True) -> int:
+        if not disk:
             return 0
         return sum(1 for _ in itertools.takewhile(self.tiers._on_disk, keys))
 
@@ -120,7 +131,6 @@ class KVTiers:
         # blocks of sequences whose KV lives in host RAM
         self.host_pool = BlockPool(self.host_slots, record=True)
         self.below_host = _DiskOnly(self)  # what the host part's own tables fetch from
-        self.prefill_rate: float | None = None  # prefill tokens per second, as the core measures them
         self._disk_lock = threading.Lock()  # the store is used by the scheduler's thread and the writer
         self._writer: WriteThrough | None = None
         self._ahead: ReadAhead | None = None
@@ -136,30 +146,13 @@ class KVTiers:
 
     # ---- LowerTiers: what the device part's admissions ask ----------------------------------------------
 
-    def count(self, keys: Sequence[bytes]) -> int:
-        n, disk_pays = 0, self.disk_pays()
+    def count(self, keys: Sequence[bytes], disk: bool = True) -> int:
+        n = 0
         for key in keys:
-            if not self.host_pool.lookup([key]) and not (disk_pays and self._on_disk(key)):
+            if not self.host_pool.lookup([key]) and not (disk and self._on_disk(key)):
                 break
             n += 1
         return n
-
-    def swap_pays(self, blocks: int, tokens: int) -> bool:
-        """Whether moving a running sequence's `blocks` down to host RAM is predicted cheaper than computing its
-        `tokens` again after a preemption, at the copy and prefill rates measured so far (True until both are)."""
-        c = self.counters
-        if self.prefill_rate is None or not c.moved_blocks or c.move_seconds <= 0:
-            return True
-        return blocks * c.move_seconds / c.moved_blocks < tokens / self.prefill_rate
-
-    def disk_pays(self) -> bool:
-        """Whether reading a block from disk is predicted faster than prefilling its tokens (True until both rates
-        are measured)."""
-        c = self.counters
-        if self.prefill_rate is None or not c.promoted_disk or c.disk_seconds <= 0:
-            return True
-        read = c.disk_seconds / c.promoted_disk  # seconds per block
-        return read < self.kv.block_size / self.prefill_rate
 
     def fetch(self, keys: Sequence[bytes], disk_only: bool = False) -> list[torch.Tensor]:
         """Copies of the rows of the longest run of `keys` held below; a disk block that fails its check ends the
@@ -214,8 +207,9 @@ class KVTiers:
     def prefetch(self, keys: Sequence[bytes], pool: BlockPool) -> None:
         """Start reading, in the background, the blocks of `keys` (in the order an admission asks for them) that
         only the disk holds, up to the first it lacks and as many as their landing room allows: the blocks no
-        sequence holds in the host part, else in `pool` (the device part)."""
-        if self._ahead is None or not self.disk_pays():
+        sequence holds in the host part, else in `pool` (the device part). Whether reading them pays is the
+        caller's to say (it asks only where it does)."""
+        if self._ahead is None:
             return
         room = (self.host_pool if self.host_kv is not None else pool).num_free
         budget = int(room * PREFETCH_SHARE) - self._ahead.outstanding

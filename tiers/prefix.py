@@ -36,8 +36,9 @@ class LowerTiers(Protocol):
     """Where KV blocks go when they leave the device part of the pool (tiers/kv_tiers.py): the pool asks it for
     the blocks it lacks; what comes back is opaque to the pool and handed to the device copy before the step."""
 
-    def count(self, keys: Sequence[bytes]) -> int:
-        """Length of the longest run of `keys`, from the first, that a lower tier holds (nothing is read)."""
+    def count(self, keys: Sequence[bytes], disk: bool = True) -> int:
+        """Length of the longest run of `keys`, from the first, that a lower tier holds (nothing is read); with `disk`
+        False, that a tier above the disk holds."""
 
     def fetch(self, keys: Sequence[bytes]) -> list[object]:
         """Payloads of the longest run of `keys`, from the first, that a lower tier holds intact (possibly none)."""

@@ -83,10 +83,10 @@ def test_a_sequence_that_cannot_grow_moves_down_or_is_recomputed_by_price(
     tiny_llama, per_block, all_device, monkeypatch, copying_pays
 ) -> None:
     """A device sequence that cannot grow moves to host RAM while copying its blocks is priced below computing its
-    tokens again (KVTiers.swap_pays), and is preempted otherwise; the tokens are the all-device run's either way."""
-    from offload.tiers.kv_tiers import KVTiers
+    tokens again (KVPrices.swap_pays), and is preempted otherwise; the tokens are the all-device run's either way."""
+    from offload.scheduler.kv_prices import KVPrices
 
-    monkeypatch.setattr(KVTiers, "swap_pays", lambda self, blocks, tokens: copying_pays)
+    monkeypatch.setattr(KVPrices, "swap_pays", lambda self, blocks, tokens: copying_pays)
     config = EngineConfig(block_size=4, kv_cache_bytes=40 * per_block, kv_host_memory=200 * per_block)
     with LLM(tiny_llama, config) as llm:
         got = [c.token_ids for c in llm.generate_ids(PROMPTS, GREEDY)]

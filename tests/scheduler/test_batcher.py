@@ -4,6 +4,8 @@ preemption, micro-batches, random workloads; and the same greedy tokens through 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from offload.common.config import SamplingParams
@@ -12,6 +14,7 @@ from offload.scheduler.plan import MicroBatch, SeqChunk, StepPlan, split_micro_b
 from offload.scheduler.sequence import SeqState, Sequence
 from offload.tiers.blocks import BlockPool, BlockTables
 from offload.tiers.kv_events import MovedUp, Tier
+from offload.tiers.prefix import chain_root, extend_chain
 
 EOS = 2
 
@@ -877,16 +880,32 @@ def test_a_host_sequence_moves_up_only_when_every_device_sequence_can_grow_this_
     host.check_integrity()
 
 
+class FixedPrices:
+    """KVPrices with fixed answers, recording what `swap_pays` was asked."""
+
+    def __init__(self, swap: bool = True, disk: bool = True) -> None:
+        self.swap, self.disk = swap, disk
+        self.asked: list[tuple[int, int]] = []
+
+    def swap_pays(self, blocks: int, tokens: int) -> bool:
+        self.asked.append((blocks, tokens))
+        return self.swap
+
+    def disk_pays(self) -> bool:
+        return self.disk
+
+
 @pytest.mark.parametrize("pays", [True, False])
 def test_a_sequence_that_cannot_grow_moves_down_only_where_copying_pays(pays) -> None:
-    """With room in the host part, a device sequence that cannot grow moves there when `swap_pays` says copying its
+    """With room in the host part, a device sequence that cannot grow moves there when the prices say copying its
     blocks beats recomputing its tokens; otherwise it is preempted, and the refusal is counted."""
     block = 4
     tables = BlockTables(BlockPool(4, record=True), block)
     host = BlockTables(BlockPool(8, record=True), block)
     limits = BatchLimits(max_num_seqs=8, max_step_tokens=64, micro_batch_tokens=1000, max_model_len=24)
-    asked = []
-    b = Batcher(tables, limits, (EOS,), host_tables=host, swap_pays=lambda n, t: asked.append((n, t)) or pays)
+    prices = FixedPrices(swap=pays)
+    asked = prices.asked
+    b = Batcher(tables, limits, (EOS,), host_tables=host, prices=prices)
     old, new = make_seq(0, 9), make_seq(1, 9)
     for seq in (old, new):  # 8 tokens cached in 2 blocks each: the device part is full, and each needs a third
         seq.state, seq.num_cached = SeqState.DECODING, 8
@@ -903,3 +922,45 @@ def test_a_sequence_that_cannot_grow_moves_down_only_where_copying_pays(pays) ->
         assert b.num_moved_down == 0 and [c.seq_id for c in plan.chunks] == [0] and host.pool.num_free == 8
     tables.check_integrity()
     host.check_integrity()
+
+
+class DiskOnlyLower:
+    """Lower tiers holding every block of `held` on disk only, recording what they are asked to read ahead."""
+
+    reads_ahead = True
+
+    def __init__(self, held: dict[bytes, object]) -> None:
+        self.held = held
+        self.asked: list[list[bytes]] = []
+
+    def count(self, keys, disk: bool = True) -> int:
+        return sum(1 for _ in itertools.takewhile(self.held.__contains__, keys)) if disk else 0
+
+    def fetch(self, keys) -> list[object]:
+        return [self.held[k] for k in keys[: self.count(keys)]]
+
+    def prefetch(self, keys, pool) -> None:
+        self.asked.append(list(keys))
+
+    def land(self, pool) -> None:
+        pass
+
+
+@pytest.mark.parametrize("disk_pays", [True, False])
+def test_blocks_only_the_disk_holds_are_read_back_or_computed_as_the_prices_say(disk_pays) -> None:
+    """Where reading a block from disk is priced above prefilling its tokens, a waiting sequence's prefix held only
+    on disk counts as not cached (it is computed), and nothing is read ahead for those next in line."""
+    root = chain_root({"model": "test"})
+    first, second = list(range(10, 23)), list(range(30, 43))  # 13 tokens each: three full blocks, then one token
+    keys = {tuple(t): extend_chain([], root, t, 4) for t in (first, second)}
+    lower = DiskOnlyLower({k: "row" for ks in keys.values() for k in ks})
+    tables = BlockTables(BlockPool(32, record=True), 4, root, lower)
+    limits = BatchLimits(max_num_seqs=1, max_step_tokens=1000, micro_batch_tokens=1000, max_model_len=64)
+    b = Batcher(tables, limits, (EOS,), prices=FixedPrices(disk=disk_pays))
+    b.add(Sequence(0, first, SamplingParams()))
+    b.add(Sequence(1, second, SamplingParams()))
+    (chunk,) = b.schedule().chunks
+    assert (chunk.seq_id, chunk.start_pos) == (0, 12 if disk_pays else 0)
+    assert lower.asked == ([keys[tuple(second)]] if disk_pays else [])  # the one next in line
+    assert tables.counters.promoted_blocks == (3 if disk_pays else 0)
+    tables.check_integrity()

@@ -1,7 +1,8 @@
 """The KV pool below the device (tiers/kv_tiers.py, tiers/kv_disk_threads.py). Read-ahead: what is read lands
 byte-identical above the disk, within its room, stops at the first block the disk lacks, skips bad blocks, and never
 lets a pending write-through read a block the landing reused. Moves: a running sequence's blocks copied down or up
-land byte-identical, the copies down are timed, and moving is chosen while it beats recomputing."""
+land byte-identical, and the copies down are timed (the scheduler prices them, scheduler/kv_prices.py). Disk blocks
+count for an admission only where the caller lets them."""
 
 from __future__ import annotations
 
@@ -120,20 +121,10 @@ def test_landing_in_host_ram_carries_out_pending_write_throughs_before_reusing_t
     tiers.close()
 
 
-def test_a_sequence_moves_down_while_copying_its_blocks_beats_recomputing_its_tokens(tmp_path) -> None:
-    kv, tiers, pool = tiers_over(tmp_path, device_blocks=16, host_blocks=8, on_disk=range(0))
-    assert tiers.swap_pays(4, 16)  # nothing measured yet: move
-    c = tiers.counters
-    c.moved_blocks, c.move_seconds = 10, 0.010  # a block copied in a millisecond
-    tiers.prefill_rate = 1000.0  # tokens per second
-    assert tiers.swap_pays(4, 16)  # 4 ms of copies against 16 ms of prefill
-    assert not tiers.swap_pays(4, 3)  # against 3 ms: recomputing is cheaper
-    tiers.close()
-
-
 def test_moving_a_sequence_down_and_back_up_copies_its_blocks_and_times_the_copy_down(tmp_path) -> None:
     kv, tiers, pool = tiers_over(tmp_path, device_blocks=16, host_blocks=8, on_disk=range(0))
     device, host = BlockTables(pool, BLOCK), BlockTables(tiers.host_pool, BLOCK)
+    assert tiers.counters.seconds_per_block_moved is None  # nothing timed yet
     src = list(device.grow(0, 3 * BLOCK))
     kv.write_blocks(src, torch.stack([row(kv, i) for i in range(3)]))
     dst = list(device.move_down(0, host))
@@ -141,9 +132,28 @@ def test_moving_a_sequence_down_and_back_up_copies_its_blocks_and_times_the_copy
     assert [torch.equal(tiers.host_kv.read_blocks([d])[0], row(kv, i)) for i, d in enumerate(dst)] == [True] * 3
     c = tiers.counters
     assert c.moved_blocks == 3 and c.move_seconds > 0 and c.bytes_down == 3 * kv.bytes_per_block
+    assert c.seconds_per_block_moved == c.move_seconds / 3
     kv.write_blocks(src, torch.zeros(3, kv.bytes_per_block, dtype=torch.uint8))  # the device blocks are reused
     back = list(device.move_up(0, host))
     tiers.settle(pool)
     assert [torch.equal(kv.read_blocks([b])[0], row(kv, i)) for i, b in enumerate(back)] == [True] * 3
     assert c.moved_blocks == 3 and c.bytes_up == 3 * kv.bytes_per_block  # only copies down are timed
+    tiers.close()
+
+
+def test_blocks_only_the_disk_holds_count_only_where_the_caller_lets_them(tmp_path) -> None:
+    kv, tiers, pool = tiers_over(tmp_path, device_blocks=16, host_blocks=8, on_disk=range(1, 4))
+    host_pool = tiers.host_pool
+    block = host_pool.allocate(1)  # block 0 cached in host RAM
+    host_kv = tiers.host_kv
+    host_kv.write_blocks(block, row(host_kv, 0)[None])
+    host_pool.register(block[0], key(0))
+    host_pool.free(block)
+    keys = [key(i) for i in range(4)]
+    assert tiers.count(keys) == 4 and tiers.count(keys, disk=False) == 1
+    assert tiers.below_host.count(keys[1:]) == 3 and tiers.below_host.count(keys[1:], disk=False) == 0
+    assert tiers.counters.seconds_per_block_read is None
+    assert len(tiers.fetch(keys)) == 4
+    c = tiers.counters
+    assert c.promoted_host == 1 and c.promoted_disk == 3 and c.seconds_per_block_read == c.disk_seconds / 3
     tiers.close()

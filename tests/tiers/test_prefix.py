@@ -159,10 +159,11 @@ class FakeLower:
     def __init__(self) -> None:
         self.held: dict[bytes, object] = {}
         self.bad: set[bytes] = set()
+        self.on_disk: set[bytes] = set()  # of `held`, those only the disk holds
 
-    def count(self, keys) -> int:
+    def count(self, keys, disk: bool = True) -> int:
         n = 0
-        while n < len(keys) and keys[n] in self.held:
+        while n < len(keys) and keys[n] in self.held and (disk or keys[n] not in self.on_disk):
             n += 1
         return n
 
@@ -207,6 +208,21 @@ def test_a_bad_lower_block_ends_the_hit_there() -> None:
     lower.bad.add(keys[1])
     assert tables.cached_prefix(0, tokens) == 12
     table, hit, end = tables.admit(0, tokens, 1000)
+    assert (hit, end) == (4, 13) and len(table) == 4
+    assert [type(e) for e in tables.pool.events] == [Promoted]
+
+
+def test_blocks_only_the_disk_holds_count_only_where_reading_them_is_allowed() -> None:
+    lower = FakeLower()
+    tables = tables_with(8, lower=lower)
+    tokens = list(range(13))
+    keys = extend_chain([], ROOT, tokens, 4)
+    for k in keys:
+        lower.held[k] = "ok"
+    lower.on_disk.add(keys[1])  # the first block above the disk, the second only on it
+    assert tables.cached_prefix(0, tokens) == 12
+    assert tables.cached_prefix(0, tokens, read_disk=False) == 4
+    table, hit, end = tables.admit(0, tokens, 1000, read_disk=False)
     assert (hit, end) == (4, 13) and len(table) == 4
     assert [type(e) for e in tables.pool.events] == [Promoted]
 

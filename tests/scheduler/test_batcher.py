@@ -803,7 +803,7 @@ def unchunked(model_dir) -> list[tuple[int, ...]]:
 
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
     got = llm.generate_ids(prompt_ids(PROMPT_LENGTHS), GREEDY)
-    assert llm.stats.steps == 12 and llm.stats.preemptions == 0  # one prefill step, then 11 decode steps
+    assert llm.last_run.steps == 12 and llm.last_run.preemptions == 0  # one prefill step, then 11 decode steps
     return [c.token_ids for c in got]
 
 
@@ -818,10 +818,11 @@ def test_chunked_prefill_gives_the_same_greedy_tokens(model_dir, unchunked, max_
     llm = LLM(model_dir, config)
     got = llm.generate_ids(prompt_ids(PROMPT_LENGTHS), GREEDY)
     assert [c.token_ids for c in got] == unchunked
-    assert llm.stats.steps > 12 and llm.stats.preemptions == 0
-    assert llm.stats.prefill_seconds > 0 and llm.stats.decode_seconds > 0
-    llm.tables.check_integrity()
-    assert llm.tables.num_used == 0
+    run = llm.last_run
+    assert run.steps > 12 and run.preemptions == 0
+    assert run.prefill_seconds > 0 and run.decode_seconds > 0
+    llm.check_integrity()
+    assert llm.stats().kv_blocks_used == 0
 
 
 def test_preempting_partly_prefilled_sequences_in_a_tiny_cache_loses_nothing(model_dir, unchunked, monkeypatch):
@@ -839,14 +840,14 @@ def test_preempting_partly_prefilled_sequences_in_a_tiny_cache_loses_nothing(mod
     # 768 bytes per token (3 layers, K and V, 2 heads of 16 fp32): 13 blocks of 4 hold the longest request
     # (37 + 12 tokens) alone, a quarter of all five
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=768 * 52, block_size=4, max_step_tokens=6))
-    assert llm.kv.num_blocks == 13
+    assert llm.placement.kv_blocks == 13
     got = llm.generate_ids(prompt_ids(PROMPT_LENGTHS), GREEDY)
     assert [c.token_ids for c in got] == unchunked
-    assert llm.stats.preemptions == len(victims)
+    assert llm.last_run.preemptions == len(victims)
     assert any(state is SeqState.PREFILLING and cached > 0 for state, cached in victims), victims
-    assert llm.stats.peak_kv_blocks <= 13
-    llm.tables.check_integrity()
-    assert llm.tables.num_used == 0
+    assert llm.last_run.peak_kv_blocks <= 13
+    llm.check_integrity()
+    assert llm.stats().kv_blocks_used == 0
 
 
 def test_a_host_sequence_moves_up_only_when_every_device_sequence_can_grow_this_step_too() -> None:

@@ -141,7 +141,7 @@ def test_a_head_tied_to_the_table_keeps_it_resident(tmp_path):
 
 @pytest.mark.parametrize("path", ["direct", "staged"])
 def test_a_model_with_its_table_in_storage_generates_what_the_resident_model_does(wide_vocab, resident, path):
-    from offload import api
+    from offload import build
     from offload.tiers.weights import WeightStore
 
     c = costs(wide_vocab)
@@ -149,18 +149,21 @@ def test_a_model_with_its_table_in_storage_generates_what_the_resident_model_doe
     config = EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget + (2 << 20) + 8192)
     with pytest.MonkeyPatch.context() as mp:
         if path == "staged":  # the rows land in host RAM, then are copied
-            mp.setattr(api, "WeightStore", functools.partial(WeightStore, staged=True))
-            mp.setattr(api, "place_weights", functools.partial(place_weights, staged=True))
+            mp.setattr(build, "WeightStore", functools.partial(WeightStore, staged=True))
+            mp.setattr(build, "place_weights", functools.partial(place_weights, staged=True))
             config = dataclasses.replace(config, device_memory=budget)
         llm = LLM(wide_vocab, config)
         try:
-            assert llm.policy.embed_tier == "nvme" and llm.policy.counts[0] < LAYERS
+            assert llm.placement.embed_tier == "nvme" and llm.placement.counts[0] < LAYERS
             assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == resident
-            stats = llm.weights.stats
+            stats = llm.stats().weights
             # each step reads its tokens' distinct rows: the two prompts' (13) at once, then one or two per step
             steps = PARAMS.max_new_tokens - 1
             assert 13 + steps <= stats.embed_rows_read <= 13 + 2 * steps
-            assert not llm.weights.embed and stats.resident_bytes <= c["head"] + llm.policy.counts[0] * c["layer"]
+            assert (
+                not llm.parts.weights.store.embed
+                and stats.resident_bytes <= c["head"] + llm.placement.counts[0] * c["layer"]
+            )
         finally:
             llm.close()
 
@@ -176,9 +179,9 @@ def test_on_cuda_a_table_in_storage_generates_what_the_resident_model_does(wide_
     budget = KV + c["head"] + (RING + 2) * c["layer"]
     llm = LLM(wide_vocab, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device="cuda", device_memory=budget))
     try:
-        assert llm.weights.staged and llm.policy.embed_tier == "nvme"
+        assert llm.parts.weights.store.staged and llm.placement.embed_tier == "nvme"
         assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == want
-        assert llm.weights.stats.embed_rows_read >= 13  # the prompts' distinct tokens, then the new ones
-        assert llm.device_tier.peak <= llm.device_tier.capacity
+        assert llm.stats().weights.embed_rows_read >= 13  # the prompts' distinct tokens, then the new ones
+        assert llm.placement.device_peak <= llm.placement.device_budget
     finally:
         llm.close()

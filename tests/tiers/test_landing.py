@@ -15,6 +15,7 @@ from offload.api import LLM
 from offload.cli import _summary
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
+from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
 from offload.tiers.copy import make_copy_engine
 from offload.tiers.io import aio as aio_mod
@@ -208,13 +209,14 @@ def streaming(model_dir) -> tuple[int, int, list[list[int]]]:
     from offload.tiers.layout import model_layout
 
     base = LLM(model_dir, EngineConfig(kv_cache_bytes=KV))
+    spec, family = load_spec(model_dir)
     with BufferedReader() as reader:
-        layout = model_layout(Checkpoint(base.model_dir, reader), model_tensors(base.family, base.spec))
+        layout = model_layout(Checkpoint(model_dir, reader), model_tensors(family, spec))
     tokens = [c.token_ids for c in base.generate_ids(PROMPTS, PARAMS)]
     base.close()
 
     def cost(g):
-        return group_cost(g, dtype=base.dtype, tier=base.device_tier, staged=False)
+        return group_cost(g, dtype=base.parts.dtype, tier=base.parts.device_tier, staged=False)
 
     budget = KV + cost(layout.embed) + cost(layout.head) + 2 * cost(layout.layers[0])
     return budget, max(aligned_span(0, g.slot_bytes).length for g in layout.layers), tokens
@@ -225,14 +227,15 @@ def test_engine_streams_through_op_locked_slots_on_a_cpu_device(model_dir, strea
         pytest.skip(f"aio backend unavailable here: {reason}")
     budget, slot, expected = streaming
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget, ring_slots=2, io_backend="aio"))
-    assert set(llm.policy.layer_tiers) == {"nvme"}
-    assert llm.backend.locked_bytes == 2 * slot
-    loading = llm.backend.bounced_bytes  # resident weights load once, through the op's copy
+    assert set(llm.placement.layer_tiers) == {"nvme"}
+    assert llm.parts.weights.backend.locked_bytes == 2 * slot
+    loading = llm.parts.weights.backend.bounced_bytes  # resident weights load once, through the op's copy
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
-    assert llm.backend.bounced_bytes == loading  # streaming bounced nothing
+    assert llm.parts.weights.backend.bounced_bytes == loading  # streaming bounced nothing
     assert "not page-locked" not in _summary(llm, [])
     llm.close()
-    assert llm.backend.locked_bytes == 0 and llm.device_tier.check_integrity() is None
+    assert llm.parts.weights.backend.locked_bytes == 0
+    llm.check_integrity()
 
 
 def test_engine_says_once_in_its_summary_that_the_mlock_limit_left_its_ring_unlocked(model_dir, streaming, monkeypatch):
@@ -241,7 +244,7 @@ def test_engine_says_once_in_its_summary_that_the_mlock_limit_left_its_ring_unlo
     budget, slot, expected = streaming
     monkeypatch.setattr(aio_mod, "_memlock_limit", lambda: 3 * slot)  # locks one slot, not two; bounces fit
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device_memory=budget, ring_slots=2, io_backend="aio"))
-    assert llm.backend.locked_bytes == 0
+    assert llm.parts.weights.backend.locked_bytes == 0
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
     summary = _summary(llm, [])
     assert summary.count("aio read buffers not page-locked") == 1

@@ -16,11 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_checkpoint
-from offload import api
+from offload import build
 from offload.api import LLM
 from offload.cli import main
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
+from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
 from offload.tiers.checkpoint import Checkpoint
 from offload.tiers.io.base import ALIGN, aligned_buffer
@@ -144,9 +145,10 @@ def model_dir(tmp_path_factory):
 def budget(model_dir) -> int:
     """A device budget that streams every layer of the float32 checkpoint run in bfloat16 (the default ring)."""
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, dtype="bfloat16"))
+    spec, family = load_spec(model_dir)
     with BufferedReader() as reader:
-        layout = model_layout(Checkpoint(model_dir, reader), model_tensors(llm.family, llm.spec))
-    cost = [group_cost(g, torch.bfloat16, llm.device_tier) for g in (layout.embed, layout.head, layout.layers[0])]
+        layout = model_layout(Checkpoint(model_dir, reader), model_tensors(family, spec))
+    cost = [group_cost(g, torch.bfloat16, llm.parts.device_tier) for g in (layout.embed, layout.head, layout.layers[0])]
     return KV + cost[0] + cost[1] + EngineConfig().ring_slots * cost[2]
 
 
@@ -154,7 +156,7 @@ def budget(model_dir) -> int:
 def streamed(model_dir, budget):
     """(LLM streaming from the checkpoint, its tokens)."""
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, dtype="bfloat16", device_memory=budget))
-    assert llm.policy.layer_tiers == ("nvme",) * LAYERS
+    assert llm.placement.layer_tiers == ("nvme",) * LAYERS
     return llm, [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)]
 
 
@@ -170,7 +172,7 @@ def files_under(path) -> list[str]:
 def test_offload_dir_streams_converted_layers_with_the_same_tokens(model_dir, budget, streamed, tmp_path):
     base, expected = streamed
     llm = spilled_llm(model_dir, budget, tmp_path)
-    tiers = llm.policy.layer_tiers
+    tiers = llm.placement.layer_tiers
     # planned on the converted sizes: the smaller ring leaves room for resident layers
     assert "device" in tiers and "nvme" in tiers and tiers == tuple(sorted(tiers))
     nvme = [i for i, t in enumerate(tiers) if t == "nvme"]
@@ -181,19 +183,19 @@ def test_offload_dir_streams_converted_layers_with_the_same_tokens(model_dir, bu
     assert spill.bytes_written == spill.nbytes == sum(sizes)
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
     for i in nvme:  # views equal the tensors converted on the fly, bit for bit
-        a, b = llm.weights.acquire(i), base.weights.acquire(i)
+        a, b = llm.parts.weights.store.acquire(i), base.parts.weights.store.acquire(i)
         assert set(a) == set(b) and all(a[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in b)
-        llm.weights.release(i)
-        base.weights.release(i)
+        llm.parts.weights.store.release(i)
+        base.parts.weights.store.release(i)
     # bytes read per pass: the bfloat16 size of each streamed layer, about half of the float32 checkpoint's
-    per_layer = llm.weights.layouts[nvme[0]].read_bytes
-    assert llm.weights.layouts[nvme[0]].runs[0].path.parent.as_posix() == spill.directory
+    per_layer = llm.parts.weights.store.layouts[nvme[0]].read_bytes
+    assert llm.parts.weights.store.layouts[nvme[0]].runs[0].path.parent.as_posix() == spill.directory
     assert llm.placement.streamed_bytes_per_pass == len(nvme) * per_layer
-    checkpoint_layer = base.weights.layouts[nvme[0]].read_bytes
+    checkpoint_layer = base.parts.weights.store.layouts[nvme[0]].read_bytes
     assert 0.45 < per_layer / checkpoint_layer < 0.55
-    steps = llm.stats.steps
-    assert abs(llm.stats.bytes_read - steps * len(nvme) * per_layer) <= 3 * per_layer  # give or take the read-ahead
-    assert llm.device_tier.peak <= budget
+    steps = llm.last_run.steps
+    assert abs(llm.last_run.bytes_read - steps * len(nvme) * per_layer) <= 3 * per_layer  # give or take the read-ahead
+    assert llm.placement.device_peak <= budget
 
 
 def test_second_llm_reuses_the_files_and_a_corrupt_one_is_rewritten(model_dir, budget, streamed, tmp_path):
@@ -202,7 +204,7 @@ def test_second_llm_reuses_the_files_and_a_corrupt_one_is_rewritten(model_dir, b
     stamps = {f: os.stat(tmp_path / f).st_mtime_ns for f in files_under(tmp_path)}
 
     again = spilled_llm(model_dir, budget, tmp_path)
-    assert again.spill.bytes_written == 0 and again.spill.bytes_verified == first.nbytes
+    assert again.placement.spill.bytes_written == 0 and again.placement.spill.bytes_verified == first.nbytes
     assert {f: os.stat(tmp_path / f).st_mtime_ns for f in files_under(tmp_path)} == stamps
     assert [c.token_ids for c in again.generate_ids(PROMPTS, PARAMS)] == expected
     again.close()
@@ -212,21 +214,23 @@ def test_second_llm_reuses_the_files_and_a_corrupt_one_is_rewritten(model_dir, b
     raw[100] ^= 0x01  # inside the first tensor
     bad.write_bytes(raw)
     fixed = spilled_llm(model_dir, budget, tmp_path)
-    assert fixed.spill.bytes_written == len(raw)
-    assert fixed.spill.bytes_verified == first.nbytes - len(raw)
+    assert fixed.placement.spill.bytes_written == len(raw)
+    assert fixed.placement.spill.bytes_verified == first.nbytes - len(raw)
     assert bad.read_bytes()[100] == raw[100] ^ 0x01
     assert [c.token_ids for c in fixed.generate_ids(PROMPTS, PARAMS)] == expected
 
 
 def test_staged_path_streams_spill_files_without_conversion(model_dir, budget, streamed, tmp_path, monkeypatch):
-    monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, staged=True))
-    monkeypatch.setattr(api, "place_weights", functools.partial(place_weights, staged=True))
+    monkeypatch.setattr(build, "WeightStore", functools.partial(WeightStore, staged=True))
+    monkeypatch.setattr(build, "place_weights", functools.partial(place_weights, staged=True))
     _, expected = streamed
     llm = spilled_llm(model_dir, budget, tmp_path)
-    assert llm.weights.staged and llm.weights._ring._scratch is None  # nothing left to convert on the device
-    nvme = [i for i, t in enumerate(llm.policy.layer_tiers) if t == "nvme"]
-    assert nvme and set(nvme) <= set(llm.spill.layers)
-    assert llm.placement.streamed_bytes_per_pass == sum(llm.weights.layouts[i].slot_bytes for i in nvme)
+    assert (
+        llm.parts.weights.store.staged and llm.parts.weights.store._ring._scratch is None
+    )  # nothing left to convert on the device
+    nvme = [i for i, t in enumerate(llm.placement.layer_tiers) if t == "nvme"]
+    assert nvme and set(nvme) <= set(llm.placement.spill.layers)
+    assert llm.placement.streamed_bytes_per_pass == sum(llm.parts.weights.store.layouts[i].slot_bytes for i in nvme)
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
 
 
@@ -259,11 +263,13 @@ def test_layers_already_in_the_compute_dtype_stream_from_the_checkpoint(model_di
     save_file(half, mixed / "model.safetensors", metadata={"format": "pt"})
     llm = spilled_llm(mixed, budget, tmp_path / "off")
     odd = set(range(1, LAYERS, 2))
-    assert llm.spill.convertible == LAYERS // 2 and not odd & set(llm.spill.layers)
-    for i, layout in enumerate(llm.weights.layouts):
-        assert (layout.runs[0].path.name == "model.safetensors") == (i not in llm.spill.layers)
-    nvme = {i for i, t in enumerate(llm.policy.layer_tiers) if t == "nvme"}
-    assert nvme - odd <= set(llm.spill.layers) and nvme & odd  # some bfloat16 layers stream from the checkpoint
+    assert llm.placement.spill.convertible == LAYERS // 2 and not odd & set(llm.placement.spill.layers)
+    for i, layout in enumerate(llm.parts.weights.store.layouts):
+        assert (layout.runs[0].path.name == "model.safetensors") == (i not in llm.placement.spill.layers)
+    nvme = {i for i, t in enumerate(llm.placement.layer_tiers) if t == "nvme"}
+    assert (
+        nvme - odd <= set(llm.placement.spill.layers) and nvme & odd
+    )  # some bfloat16 layers stream from the checkpoint
 
 
 def assert_clean_failure(tmp_path, match: str, **kw) -> None:
@@ -333,24 +339,25 @@ def test_cli_generate_with_offload_dir(model_dir, budget, tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_streams_spill_files_bit_identical_to_resident(model_dir, tmp_path):
     base = LLM(model_dir, EngineConfig(kv_cache_bytes=KV, device="cuda", dtype="bfloat16"))
+    spec, family = load_spec(model_dir)
     with BufferedReader() as reader:
-        layout = model_layout(Checkpoint(model_dir, reader), model_tensors(base.family, base.spec))
-    fixed, layer = (group_cost(g, torch.bfloat16, base.device_tier) for g in (layout.embed, layout.layers[0]))
-    head = group_cost(layout.head, torch.bfloat16, base.device_tier)
+        layout = model_layout(Checkpoint(model_dir, reader), model_tensors(family, spec))
+    fixed, layer = (group_cost(g, torch.bfloat16, base.parts.device_tier) for g in (layout.embed, layout.layers[0]))
+    head = group_cost(layout.head, torch.bfloat16, base.parts.device_tier)
     config = EngineConfig(
         kv_cache_bytes=KV, device="cuda", dtype="bfloat16", device_memory=KV + fixed + head + 5 * layer,
         offload_dir=str(tmp_path),
     )  # fmt: skip
     llm = LLM(model_dir, config)
-    nvme = [i for i, t in enumerate(llm.policy.layer_tiers) if t == "nvme"]
-    assert nvme and set(nvme) <= set(llm.spill.layers) and llm.weights._ring._scratch is None
+    nvme = [i for i, t in enumerate(llm.placement.layer_tiers) if t == "nvme"]
+    assert nvme and set(nvme) <= set(llm.placement.spill.layers) and llm.parts.weights.store._ring._scratch is None
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == [
         c.token_ids for c in base.generate_ids(PROMPTS, PARAMS)
     ]
     for i in range(LAYERS):
-        a, b = llm.weights.acquire(i), base.weights.acquire(i)
+        a, b = llm.parts.weights.store.acquire(i), base.parts.weights.store.acquire(i)
         assert all(torch.equal(a[k], b[k]) for k in b), f"layer {i}"
-        llm.weights.release(i)
-        base.weights.release(i)
+        llm.parts.weights.store.release(i)
+        base.parts.weights.store.release(i)
     torch.cuda.synchronize()
-    assert llm.device_tier.peak <= config.device_memory
+    assert llm.placement.device_peak <= config.device_memory

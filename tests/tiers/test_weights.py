@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from conftest import make_checkpoint
-from offload import api
+from offload import build
 from offload.api import LLM
 from offload.common.config import EngineConfig, Policy, SamplingParams
 from offload.common.errors import OffloadError
+from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
 from offload.tiers import weights
 from offload.tiers.copy import DONE, CopyEngine, CudaCopyEngine, Event
@@ -47,8 +48,8 @@ def resident(model_dir):
 @pytest.fixture
 def staged(monkeypatch):
     """LLMs built in the test take the staged path on the CPU: pinned staging, the copy engine, packed slots."""
-    monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, staged=True))
-    monkeypatch.setattr(api, "place_weights", functools.partial(place_weights, staged=True))
+    monkeypatch.setattr(build, "WeightStore", functools.partial(WeightStore, staged=True))
+    monkeypatch.setattr(build, "place_weights", functools.partial(place_weights, staged=True))
     return True
 
 
@@ -62,15 +63,15 @@ def path(request, monkeypatch):
 
 def costs(llm: LLM, staged: bool = False) -> tuple[int, int]:
     """(embed + head, one layer) device bytes for this checkpoint."""
-    layout, tier = llm_layout(llm), llm.device_tier
-    cost = functools.partial(group_cost, dtype=llm.dtype, tier=tier, staged=staged)
+    layout, tier = llm_layout(llm), llm.parts.device_tier
+    cost = functools.partial(group_cost, dtype=llm.parts.dtype, tier=tier, staged=staged)
     return cost(layout.embed) + cost(layout.head), cost(layout.layers[0])
 
 
 def host_cost(llm: LLM, layer: int | None = None) -> int:
     """Host bytes of a layer as read (a host layer, or a staging slot); the largest when `layer` is None."""
     slots = [g.slot_bytes for g in llm_layout(llm).layers]
-    return llm.host_tier.footprint(max(slots) if layer is None else slots[layer])
+    return llm.parts.host_tier.footprint(max(slots) if layer is None else slots[layer])
 
 
 def landed(group) -> int:
@@ -84,8 +85,9 @@ def llm_layout(llm: LLM):
     from offload.tiers.io.buffered import BufferedReader
     from offload.tiers.layout import model_layout
 
+    _, family = load_spec(llm.model_dir)
     with BufferedReader() as reader:
-        return model_layout(Checkpoint(llm.model_dir, reader), model_tensors(llm.family, llm.spec))
+        return model_layout(Checkpoint(llm.model_dir, reader), model_tensors(family, llm.spec))
 
 
 def budget_for(resident_llm: LLM, resident_layers: int, ring: int = 3, staged: bool = False) -> int:
@@ -95,8 +97,8 @@ def budget_for(resident_llm: LLM, resident_layers: int, ring: int = 3, staged: b
 
 def test_no_budget_keeps_every_layer_resident(resident):
     llm, _ = resident
-    assert llm.policy.layer_tiers == ("device",) * LAYERS
-    assert llm.policy.ring_slots == 0
+    assert llm.placement.layer_tiers == ("device",) * LAYERS
+    assert llm.placement.ring_slots == 0
 
 
 @pytest.mark.parametrize("resident_layers", [0, 1])
@@ -105,22 +107,22 @@ def test_streamed_layers_give_the_same_tokens(model_dir, resident, resident_laye
     llm = LLM(
         model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, resident_layers))
     )
-    assert llm.policy.layer_tiers == ("device",) * resident_layers + ("nvme",) * (LAYERS - resident_layers)
+    assert llm.placement.layer_tiers == ("device",) * resident_layers + ("nvme",) * (LAYERS - resident_layers)
     got = [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)]
     assert got == expected
-    llm.weights.close()  # let the reads in flight land, so the byte count is final
+    llm.parts.weights.store.close()  # let the reads in flight land, so the byte count is final
     layout = llm_layout(llm)
     loaded = (
         layout.embed.read_bytes + layout.head.read_bytes + sum(g.read_bytes for g in layout.layers[:resident_layers])
     )
     streamed = [g.read_bytes for g in layout.layers[resident_layers:]]
-    assert llm.weights.stats.streamed_bytes_per_pass == sum(streamed)
+    assert llm.stats().weights.streamed_bytes_per_pass == sum(streamed)
     # every step streams each nvme layer once, and the ring has read its 3 slots ahead into the next step
-    expected_bytes = loaded + llm.stats.steps * sum(streamed) + sum(streamed[:3])
+    expected_bytes = loaded + llm.last_run.steps * sum(streamed) + sum(streamed[:3])
     # aligned spans count in full, except those that reach into the file's last, partial page
-    assert 0 <= expected_bytes - llm.weights.stats.bytes_read < 3 * 4096
-    assert llm.device_tier.peak <= llm.device_tier.capacity
-    llm.device_tier.check_integrity()
+    assert 0 <= expected_bytes - llm.stats().weights.bytes_read < 3 * 4096
+    assert llm.placement.device_peak <= llm.placement.device_budget
+    llm.check_integrity()
 
 
 def test_resident_layers_are_never_reread(model_dir, resident):
@@ -128,10 +130,10 @@ def test_resident_layers_are_never_reread(model_dir, resident):
     llm = LLM(
         model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, LAYERS) + 10**6)
     )
-    assert llm.policy.ring_slots == 0
-    loaded = llm.weights.stats.bytes_read
+    assert llm.placement.ring_slots == 0
+    loaded = llm.stats().weights.bytes_read
     llm.generate_ids(PROMPTS, PARAMS)
-    assert llm.weights.stats.bytes_read == loaded
+    assert llm.stats().weights.bytes_read == loaded
 
 
 def test_host_tier_holds_layers_read_once(model_dir, resident):
@@ -139,9 +141,9 @@ def test_host_tier_holds_layers_read_once(model_dir, resident):
     _, layer = costs(base)
     config = EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0), host_memory=2 * layer)
     llm = LLM(model_dir, config)
-    assert llm.policy.layer_tiers == ("host", "host") + ("nvme",) * (LAYERS - 2)
+    assert llm.placement.layer_tiers == ("host", "host") + ("nvme",) * (LAYERS - 2)
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
-    assert llm.host_tier.peak <= 2 * layer
+    assert llm.placement.host_peak <= 2 * layer
 
 
 def test_budget_smaller_than_the_ring_is_a_clear_error(model_dir, resident):
@@ -172,15 +174,15 @@ def test_out_of_order_access_restarts_the_ring(model_dir, resident, path):
     llm = LLM(
         model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=path))
     )
-    assert llm.weights.staged == path
-    first = {k: v.clone() for k, v in llm.weights.acquire(0).items()}
-    llm.weights.release(0)
-    again = llm.weights.acquire(2)  # skips layer 1: the ring drains and restarts at 2
-    llm.weights.release(2)
-    layer0 = llm.weights.acquire(0)
+    assert llm.parts.weights.store.staged == path
+    first = {k: v.clone() for k, v in llm.parts.weights.store.acquire(0).items()}
+    llm.parts.weights.store.release(0)
+    again = llm.parts.weights.store.acquire(2)  # skips layer 1: the ring drains and restarts at 2
+    llm.parts.weights.store.release(2)
+    layer0 = llm.parts.weights.store.acquire(0)
     assert all(torch.equal(first[k], layer0[k]) for k in first)
     assert set(again) == set(first)
-    llm.weights.release(0)
+    llm.parts.weights.store.release(0)
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="needs O_DIRECT")
@@ -188,7 +190,7 @@ def test_streaming_reads_bypass_the_page_cache(model_dir, resident):
     base, _ = resident
     llm = LLM(model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0)))
     path = model_dir / "model.safetensors"
-    assert llm.backend.is_direct(path)  # pytest's tmp_path is on the machine's disk (ext4 here)
+    assert llm.parts.weights.backend.is_direct(path)  # pytest's tmp_path is on the machine's disk (ext4 here)
 
 
 def test_close_waits_for_reads_in_flight_and_closes_files(model_dir, resident, path):
@@ -197,8 +199,8 @@ def test_close_waits_for_reads_in_flight_and_closes_files(model_dir, resident, p
         model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=path))
     ) as llm:
         llm.generate_ids(PROMPTS[:1], PARAMS)
-    assert not llm.weights._ring._reading
-    assert not llm.backend._files
+    assert not llm.parts.weights.store._ring._reading
+    assert not llm.parts.weights.backend._files
 
 
 # ---- the staged path on the CPU: the same code as on CUDA, with synchronous copies --------------------------
@@ -214,10 +216,10 @@ def staged_config(base: LLM, host_layers: int, staging: bool = True, **kw) -> En
 
 def assert_same_weights(got: LLM, want: LLM) -> None:
     for layer in range(LAYERS):
-        a, b = got.weights.acquire(layer), want.weights.acquire(layer)
+        a, b = got.parts.weights.store.acquire(layer), want.parts.weights.store.acquire(layer)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b), f"layer {layer}"
-        got.weights.release(layer)
-        want.weights.release(layer)
+        got.parts.weights.store.release(layer)
+        want.parts.weights.store.release(layer)
 
 
 @pytest.mark.parametrize("resident_layers", [0, 1])
@@ -227,8 +229,8 @@ def test_staged_streaming_is_bit_identical_to_the_direct_path(model_dir, residen
         ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, resident_layers, staged=True)
     )
     llm = LLM(model_dir, config)
-    assert llm.weights.staged and not base.weights.staged
-    assert llm.policy.layer_tiers == ("device",) * resident_layers + ("nvme",) * (LAYERS - resident_layers)
+    assert llm.parts.weights.store.staged and not base.parts.weights.store.staged
+    assert llm.placement.layer_tiers == ("device",) * resident_layers + ("nvme",) * (LAYERS - resident_layers)
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
     for got, want in zip(llm.score(PROMPTS), base.score(PROMPTS), strict=True):
         assert torch.equal(got, want)
@@ -238,54 +240,56 @@ def test_staged_streaming_is_bit_identical_to_the_direct_path(model_dir, residen
 def test_staged_counts_disk_reads_and_copies_per_pass(model_dir, resident, staged):
     base, expected = resident
     llm = LLM(model_dir, staged_config(base, host_layers=2))
-    assert llm.policy.layer_tiers == ("host", "host") + ("nvme",) * (LAYERS - 2)
+    assert llm.placement.layer_tiers == ("host", "host") + ("nvme",) * (LAYERS - 2)
     layout = llm_layout(llm)
     reads = sum(landed(g) for g in layout.layers[2:])  # streamed layers only: host ones were read once
     copies = sum(g.tensor_bytes for g in layout.layers)  # every layer off the device, each pass
     loaded = landed(layout.embed) + landed(layout.head) + sum(landed(g) for g in layout.layers[:2])
     read_ahead = sum(landed(g) for g in layout.layers[2:5])  # 3 staging slots
-    llm.weights.settle()  # reads count when they land
-    assert llm.weights.stats.bytes_read == loaded + read_ahead
+    llm.parts.weights.store.settle()  # reads count when they land
+    assert llm.stats().weights.bytes_read == loaded + read_ahead
     fixed = layout.embed.tensor_bytes + layout.head.tensor_bytes
-    assert llm.weights.stats.h2d_bytes == fixed + sum(g.tensor_bytes for g in layout.layers[:2])  # 2 copied ahead
-    assert llm.weights.stats.streamed_bytes_per_pass == sum(g.read_bytes for g in layout.layers[2:])
-    assert llm.weights.stats.h2d_bytes_per_pass == copies
-    before = llm.weights.stats
+    assert llm.stats().weights.h2d_bytes == fixed + sum(g.tensor_bytes for g in layout.layers[:2])  # 2 copied ahead
+    assert llm.stats().weights.streamed_bytes_per_pass == sum(g.read_bytes for g in layout.layers[2:])
+    assert llm.stats().weights.h2d_bytes_per_pass == copies
+    before = llm.stats().weights
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
-    llm.weights.settle()
-    after = llm.weights.stats
-    assert after.bytes_read - before.bytes_read == llm.stats.steps * reads
-    assert after.h2d_bytes - before.h2d_bytes == llm.stats.steps * copies
+    llm.parts.weights.store.settle()
+    after = llm.stats().weights
+    assert after.bytes_read - before.bytes_read == llm.last_run.steps * reads
+    assert after.h2d_bytes - before.h2d_bytes == llm.last_run.steps * copies
 
 
 def test_staged_memory_is_bounded_and_charged_as_planned(model_dir, resident, staged):
     base, _ = resident
     llm = LLM(model_dir, staged_config(base, host_layers=2))
     fixed, layer = costs(base, staged=True)
-    assert llm.device_tier.used == llm.kv.nbytes + fixed + RING * layer  # RING packed ring slots, no resident layer
+    s, p = llm.stats(), llm.placement
+    assert s.device_used == p.kv_bytes + fixed + RING * layer  # RING packed ring slots, no resident layer
     staging = max(host_cost(base, i) for i in range(2, LAYERS))
-    assert llm.host_tier.used == host_cost(base, 0) + host_cost(base, 1) + RING * staging
-    assert llm.host_tier.used <= llm.host_tier.capacity and llm.device_tier.used <= llm.device_tier.capacity
-    peaks, used = (llm.device_tier.peak, llm.host_tier.peak), (llm.device_tier.used, llm.host_tier.used)
+    assert s.host_used == host_cost(base, 0) + host_cost(base, 1) + RING * staging
+    assert s.host_used <= llm.parts.host_tier.capacity and s.device_used <= p.device_budget
+    peaks, used = (p.device_peak, p.host_peak), (s.device_used, s.host_used)
     for n in (2, 12):  # peaks do not grow with the number of steps
         llm.generate_ids(PROMPTS, SamplingParams(max_new_tokens=n, ignore_eos=True))
-        assert (llm.device_tier.peak, llm.host_tier.peak) == peaks
-        assert (llm.device_tier.used, llm.host_tier.used) == used
-    llm.device_tier.check_integrity()
-    llm.host_tier.check_integrity()
+        s, p = llm.stats(), llm.placement
+        assert (p.device_peak, p.host_peak) == peaks
+        assert (s.device_used, s.host_used) == used
+    llm.check_integrity()
 
 
 def test_staged_host_layers_are_read_once_and_copied_every_pass(model_dir, resident, staged):
     base, expected = resident
     llm = LLM(model_dir, staged_config(base, host_layers=LAYERS, staging=False))
-    assert llm.policy.layer_tiers == ("host",) * LAYERS and llm.policy.ring_slots == RING
-    assert llm.host_tier.used == sum(host_cost(base, i) for i in range(LAYERS))  # nothing streams: no staging
-    assert llm.weights.stats.streamed_bytes_per_pass == 0
-    read, copied = llm.weights.stats.bytes_read, llm.weights.stats.h2d_bytes
+    assert llm.placement.layer_tiers == ("host",) * LAYERS and llm.placement.ring_slots == RING
+    assert llm.stats().host_used == sum(host_cost(base, i) for i in range(LAYERS))  # nothing streams: no staging
+    before = llm.stats().weights
+    assert before.streamed_bytes_per_pass == 0
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
-    assert llm.weights.stats.bytes_read == read
+    after = llm.stats().weights
+    assert after.bytes_read == before.bytes_read
     per_pass = sum(g.tensor_bytes for g in llm_layout(llm).layers)
-    assert llm.weights.stats.h2d_bytes - copied == llm.stats.steps * per_pass
+    assert after.h2d_bytes - before.h2d_bytes == llm.last_run.steps * per_pass
 
 
 def test_staged_host_budget_too_small_for_staging_is_a_clear_error(model_dir, resident, staged):
@@ -300,8 +304,8 @@ def test_staged_without_host_budget_stages_and_keeps_no_layer(model_dir, residen
     llm = LLM(
         model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0, staged=True))
     )
-    assert llm.host_tier.capacity is None and llm.policy.layer_tiers == ("nvme",) * LAYERS
-    assert llm.host_tier.used == RING * host_cost(base)  # the staging slots and nothing else
+    assert llm.parts.host_tier.capacity is None and llm.placement.layer_tiers == ("nvme",) * LAYERS
+    assert llm.stats().host_used == RING * host_cost(base)  # the staging slots and nothing else
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
 
 
@@ -309,7 +313,15 @@ def test_staged_host_layers_need_a_ring(model_dir, resident):
     base, _ = resident
     policy = Policy(("device",) * (LAYERS - 1) + ("host",))
     with pytest.raises(OffloadError, match="pass through the device ring, which needs at least 2 slots, got 0"):
-        WeightStore(llm_layout(base), base.backend, policy, base.device_tier, base.host_tier, base.dtype, staged=True)
+        WeightStore(
+            llm_layout(base),
+            base.parts.weights.backend,
+            policy,
+            base.parts.device_tier,
+            base.parts.host_tier,
+            base.parts.dtype,
+            staged=True,
+        )
 
 
 class _Late:
@@ -362,9 +374,11 @@ def test_staged_orders_late_copies_by_events(model_dir, resident, staged, monkey
     base, expected = resident
     monkeypatch.setattr(weights, "make_copy_engine", LateCopyEngine)
     llm = LLM(model_dir, staged_config(base, host_layers=2))
-    assert isinstance(llm.weights.copier, LateCopyEngine) and llm.weights.copier.pending  # copies issued ahead
+    assert (
+        isinstance(llm.parts.weights.store.copier, LateCopyEngine) and llm.parts.weights.store.copier.pending
+    )  # copies issued ahead
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
-    assert llm.weights.copier.waited == llm.stats.steps * LAYERS  # acquire waits on every copy's event
+    assert llm.parts.weights.store.copier.waited == llm.last_run.steps * LAYERS  # acquire waits on every copy's event
     assert_same_weights(llm, base)
 
 
@@ -376,23 +390,23 @@ def bf16_dir(tmp_path_factory):
 
 
 def test_staged_converts_dtype_on_the_device_after_the_copy(bf16_dir, staged, monkeypatch):
-    monkeypatch.setattr(api, "WeightStore", WeightStore)  # the all-resident reference loads the direct way
+    monkeypatch.setattr(build, "WeightStore", WeightStore)  # the all-resident reference loads the direct way
     base = LLM(bf16_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, dtype="float32"))
-    monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, staged=True))
+    monkeypatch.setattr(build, "WeightStore", functools.partial(WeightStore, staged=True))
     layout = llm_layout(base)
-    scratch = base.device_tier.footprint(max(slot_layout(g, torch.float32).convert_bytes for g in layout.layers))
+    scratch = base.parts.device_tier.footprint(max(slot_layout(g, torch.float32).convert_bytes for g in layout.layers))
     config = EngineConfig(
         ring_slots=RING, kv_cache_bytes=KV, dtype="float32", device_memory=budget_for(base, 0, staged=True) + scratch
     )
     llm = LLM(bf16_dir, config)
-    assert llm.policy.layer_tiers == ("nvme",) * LAYERS
+    assert llm.placement.layer_tiers == ("nvme",) * LAYERS
     fixed, layer = costs(base, staged=True)
     # ring slots hold float32 tensors, and one scratch buffer the bf16 bytes they are converted from
-    assert llm.device_tier.used == llm.kv.nbytes + fixed + RING * layer + scratch
-    assert llm.weights.stats.h2d_bytes_per_pass == sum(g.tensor_bytes for g in layout.layers)  # bf16 bytes
+    assert llm.stats().device_used == llm.parts.kv.cache.nbytes + fixed + RING * layer + scratch
+    assert llm.stats().weights.h2d_bytes_per_pass == sum(g.tensor_bytes for g in layout.layers)  # bf16 bytes
     assert_same_weights(llm, base)
-    assert llm.weights.acquire(0)["q_proj"].dtype == torch.float32
-    llm.weights.release(0)
+    assert llm.parts.weights.store.acquire(0)["q_proj"].dtype == torch.float32
+    llm.parts.weights.store.release(0)
     for got, want in zip(llm.score(PROMPTS), base.score(PROMPTS), strict=True):
         assert torch.equal(got, want)
 
@@ -405,24 +419,26 @@ def test_staged_converts_dtype_on_the_device_after_the_copy(bf16_dir, staged, mo
 @pytest.mark.parametrize("host_layers", [0, 1])
 def test_cuda_streamed_logits_equal_all_resident(model_dir, host_layers):
     base = LLM(model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device="cuda"))
-    assert base.policy.layer_tiers == ("device",) * LAYERS
+    assert base.placement.layer_tiers == ("device",) * LAYERS
     host = (host_layers + RING) * host_cost(base) if host_layers else 0  # host layers and RING staging slots
     device = budget_for(base, 1, staged=True)
     llm = LLM(
         model_dir,
         EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device="cuda", device_memory=device, host_memory=host),
     )
-    assert llm.policy.layer_tiers == ("device",) + ("host",) * host_layers + ("nvme",) * (LAYERS - 1 - host_layers)
-    assert llm.weights.staged and isinstance(llm.weights.copier, CudaCopyEngine)
+    assert llm.placement.layer_tiers == ("device",) + ("host",) * host_layers + ("nvme",) * (LAYERS - 1 - host_layers)
+    assert llm.parts.weights.store.staged and isinstance(llm.parts.weights.store.copier, CudaCopyEngine)
     for _ in range(2):  # the second pass reuses every slot
         for got, want in zip(llm.score(PROMPTS), base.score(PROMPTS), strict=True):
             assert torch.equal(got, want)
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == [
         c.token_ids for c in base.generate_ids(PROMPTS, PARAMS)
     ]
-    assert llm.device_tier.peak <= llm.device_tier.capacity
-    assert host == 0 or llm.host_tier.peak <= host
-    ring = llm.weights._ring  # every staging slot, free or holding a read; copies from pageable memory would block
+    assert llm.placement.device_peak <= llm.placement.device_budget
+    assert host == 0 or llm.placement.host_peak <= host
+    ring = (
+        llm.parts.weights.store._ring
+    )  # every staging slot, free or holding a read; copies from pageable memory would block
     staging = [buf for buf, _ in ring._staging] + [r.buf for r in ring._reading if r.layer not in ring._host]
     assert staging and all(buf.is_pinned() for buf in staging)
     llm.close()
@@ -438,8 +454,8 @@ def test_cuda_copies_run_on_their_own_stream_without_host_syncs(model_dir, monke
         model_dir,
         EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device="cuda", device_memory=device, host_memory=host),
     )
-    assert llm.policy.layer_tiers == ("host",) * LAYERS
-    copier = llm.weights.copier
+    assert llm.placement.layer_tiers == ("host",) * LAYERS
+    copier = llm.parts.weights.store.copier
     assert copier.stream != torch.cuda.current_stream()
     waits: list[object] = []
     monkeypatch.setattr(copier, "wait", lambda event: (waits.append(event), CudaCopyEngine.wait(copier, event)))
@@ -450,11 +466,11 @@ def test_cuda_copies_run_on_their_own_stream_without_host_syncs(model_dir, monke
     for target in (torch.cuda, torch.cuda.Stream, torch.cuda.Event):
         monkeypatch.setattr(target, "synchronize", forbidden)
     for layer in range(LAYERS):
-        w = llm.weights.acquire(layer)
+        w = llm.parts.weights.store.acquire(layer)
         assert isinstance(waits[-1], torch.cuda.Event)  # the compute stream waits on the copy's event
-        assert llm.weights._ring._copied  # the next layers' copies are already issued
+        assert llm.parts.weights.store._ring._copied  # the next layers' copies are already issued
         assert w["q_proj"].device.type == "cuda"
-        llm.weights.release(layer)
+        llm.parts.weights.store.release(layer)
     monkeypatch.undo()
     assert len(waits) == LAYERS
     llm.close()
@@ -467,9 +483,9 @@ def test_resident_layers_converted_whole_release_their_read_buffers(tmp_path):
     make_checkpoint(path, "llama", dtype=torch.float32)
     llm = LLM(path, EngineConfig(dtype="bfloat16", kv_cache_bytes=1 << 20))
     llm.generate_ids([[5, 6, 7]], SamplingParams(max_new_tokens=2))
-    llm.device_tier.check_integrity()
+    llm.check_integrity()
     checkpoint = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    assert llm.device_tier.used - llm.kv.nbytes < 0.75 * checkpoint  # about half: the bf16 copies alone
+    assert llm.stats().device_used - llm.parts.kv.cache.nbytes < 0.75 * checkpoint  # about half: the bf16 copies alone
 
 
 def test_prepacked_resident_weights_give_identical_logits_in_the_same_bytes(bf16_dir, monkeypatch):
@@ -483,19 +499,21 @@ def test_prepacked_resident_weights_give_identical_logits_in_the_same_bytes(bf16
     except RuntimeError:
         pytest.skip("this CPU's oneDNN does not pack bfloat16")
     config = EngineConfig(ring_slots=RING, kv_cache_bytes=KV, dtype="bfloat16")
-    monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, prepack=False))
+    monkeypatch.setattr(build, "WeightStore", functools.partial(WeightStore, prepack=False))
     dense = LLM(bf16_dir, config)
-    monkeypatch.setattr(api, "WeightStore", functools.partial(WeightStore, prepack=True))
+    monkeypatch.setattr(build, "WeightStore", functools.partial(WeightStore, prepack=True))
     packed = LLM(bf16_dir, config)
-    layer = packed.weights.acquire(0)
+    layer = packed.parts.weights.store.acquire(0)
     assert layer["q_proj"].is_mkldnn and not layer["input_norm"].is_mkldnn
-    assert packed.weights.head["lm_head"].is_mkldnn and not packed.weights.embed["embed"].is_mkldnn
-    assert not dense.weights.acquire(0)["q_proj"].is_mkldnn
+    assert (
+        packed.parts.weights.store.head["lm_head"].is_mkldnn and not packed.parts.weights.store.embed["embed"].is_mkldnn
+    )
+    assert not dense.parts.weights.store.acquire(0)["q_proj"].is_mkldnn
     for got, want in zip(packed.score(PROMPTS), dense.score(PROMPTS), strict=True):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-    packed.device_tier.check_integrity()
-    layout, tier = llm_layout(packed), packed.device_tier
+    packed.check_integrity()
+    layout, tier = llm_layout(packed), packed.parts.device_tier
     # each packed group (the head and every layer) is charged its tensors' bytes instead of its read buffer's
     groups = [layout.head, *layout.layers]
     saved = sum(tier.footprint(g.slot_bytes) - g.tensor_bytes for g in groups)
-    assert packed.device_tier.used == dense.device_tier.used - saved
+    assert packed.stats().device_used == dense.stats().device_used - saved

@@ -65,8 +65,8 @@ def child(args: argparse.Namespace) -> None:
     params = SamplingParams(max_new_tokens=1 if seed else args.new_tokens, ignore_eos=True)
     with LLM(args.model, EngineConfig(**config)) as llm:
         llm.generate_ids([[args.vocab - 1 - i for i in range(24)]], SamplingParams(max_new_tokens=2, ignore_eos=True))
-        core, moved = llm.core, llm.kv_tiers.counters
-        before, read_before, seconds_before = core.counters(), moved.promoted_disk, moved.disk_seconds
+        core = llm.core
+        before, moved_before = core.counters(), llm.stats().kv_tiers
         start = time.perf_counter()
         rids = [core.add_request(p, params, stream_text=False) for p in prompts]
         tokens: dict[int, list[int]] = {r: [] for r in rids}
@@ -78,8 +78,10 @@ def child(args: argparse.Namespace) -> None:
                     ttft[d.request_id] = d.metrics.time_to_first_token
         wall = time.perf_counter() - start
         after = core.counters()
-        llm.kv_tiers.settle(llm.tables.pool)  # what the last step computed goes through to disk (not timed)
-        llm.kv_tiers.flush()
+        kv = llm.parts.kv
+        kv.tiers.settle(kv.tables.pool)  # what the last step computed goes through to disk (not timed)
+        kv.tiers.flush()
+        moved = llm.stats().kv_tiers
         ahead = after.kv_blocks_prefetched - before.kv_blocks_prefetched
         result = {
             "run": args.run,
@@ -88,9 +90,9 @@ def child(args: argparse.Namespace) -> None:
             "prefill_tokens": after.prefill_tokens - before.prefill_tokens,
             "hit_tokens": after.prefix_hit_tokens - before.prefix_hit_tokens,
             "blocks_read_ahead": ahead,
-            "blocks_read_at_admission": moved.promoted_disk - read_before - ahead,
-            "disk_read_s": moved.disk_seconds - seconds_before,
-            "disk_blocks": llm.kv_tiers.disk.blocks,
+            "blocks_read_at_admission": moved.promoted_disk - moved_before.promoted_disk - ahead,
+            "disk_read_s": moved.disk_seconds - moved_before.disk_seconds,
+            "disk_blocks": kv.tiers.disk.blocks,
             "tokens": [tokens[r] for r in rids],
         }
     print(json.dumps(result))

@@ -51,8 +51,9 @@ def run(model_dir: Path, requests, mode: str, kv_positions: int, block: int = 16
         start = time.perf_counter()
         out = llm.generate_ids([list(r.prompt_ids) for r in requests], params)
         wall = time.perf_counter() - start
-        s = llm.stats
-        host_peak = llm.kv_tiers.host.peak if llm.kv_tiers is not None else 0
+        s = llm.last_run
+        tiers = llm.parts.kv.tiers
+        host_peak = tiers.host.peak if tiers is not None else 0
     prompt_tokens = sum(len(r.prompt_ids) for r in requests)
     return {
         "mode": mode,

@@ -249,6 +249,7 @@ def run_ours(
     import torch
 
     from offload.api import LLM
+    from offload.build import eos_ids
     from offload.common.config import EngineConfig, SamplingParams
     from offload.model.loader import load_spec
     from offload.model.sampling import sample
@@ -272,8 +273,9 @@ def run_ours(
         Sequence(i, list(r.prompt_ids), SamplingParams(max_new_tokens=r.new_tokens, ignore_eos=True))
         for i, r in enumerate(requests)
     ]
-    limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, llm.max_model_len)
-    batcher = Batcher(llm.tables, limits, llm.eos_ids)
+    c = llm.config
+    limits = BatchLimits(c.max_num_seqs, c.max_step_tokens, c.micro_batch_tokens, llm.placement.max_model_len)
+    batcher = Batcher(llm.parts.kv.tables, limits, eos_ids(llm.model_dir, llm.spec))
     for s in seqs:
         batcher.add(s)
     mixed = 0  # steps computing prompt and decode tokens together
@@ -283,7 +285,7 @@ def run_ours(
         step_start = time.perf_counter()
         plan = batcher.schedule()
         running = max(running, len(batcher.running))
-        out = llm.engine.step(plan)
+        out = llm.parts.engine.step(plan)
         tokens = sample(out.logits, [seqs[i].params for i in out.seq_ids], [None] * len(out.seq_ids))
         batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)))
         seconds = time.perf_counter() - step_start
@@ -309,7 +311,7 @@ def run_ours(
         "block_size": block,
         "max_step_tokens": config.max_step_tokens,
     }
-    llm.tables.check_integrity()
+    llm.check_integrity()
     llm.close()
     return result
 

@@ -267,7 +267,7 @@ def generate_ours(model_dir: Path, config: EngineConfig, workload: Workload) -> 
     llm = LLM(model_dir, config)
     load_seconds = time.perf_counter() - start
     pass_seconds: list[float] = []
-    timed_calls(llm.engine, "step", pass_seconds)
+    timed_calls(llm.parts.engine, "step", pass_seconds)
     params = SamplingParams(max_new_tokens=workload.new_tokens, ignore_eos=True)
     prompts = workload.prompt_ids(llm.spec.vocab_size)
     loaded = storage_read_bytes()
@@ -275,7 +275,8 @@ def generate_ours(model_dir: Path, config: EngineConfig, workload: Workload) -> 
     out = llm.generate_ids(prompts, params)
     wall = time.perf_counter() - start
     read = storage_read_bytes() - loaded
-    stats, placement, tiers = llm.stats, llm.placement, llm.policy.layer_tiers
+    stats, placement = llm.last_run, llm.placement
+    tiers = placement.layer_tiers
     return EngineResult(
         engine="",
         wall_seconds=wall,
@@ -291,12 +292,12 @@ def generate_ours(model_dir: Path, config: EngineConfig, workload: Workload) -> 
         peak_rss_bytes=peak_rss_bytes(),
         token_ids=[list(c.token_ids) for c in out],
         extra={
-            "device_memory": config.device_memory,
-            "kv_cache_bytes": config.kv_cache_bytes,
+            "device_memory": llm.config.device_memory,
+            "kv_cache_bytes": llm.config.kv_cache_bytes,
             "kv_blocks": placement.kv_blocks,
             "device_peak_bytes": placement.device_peak,
             "resident_weight_bytes": placement.weight_bytes,
-            "ring_slots": llm.policy.ring_slots,
+            "ring_slots": placement.ring_slots,
             "engine_bytes_read": stats.bytes_read,
             "read_seconds": stats.read_seconds,
             "stall_seconds": stats.stall_seconds,
@@ -307,10 +308,10 @@ def generate_ours(model_dir: Path, config: EngineConfig, workload: Workload) -> 
             "read_gbps": stats.read_gbps,
             "overlap_efficiency": stats.overlap_efficiency,
             "preemptions": stats.preemptions,
-            "micro_batch_tokens": config.micro_batch_tokens,
+            "micro_batch_tokens": llm.config.micro_batch_tokens,
             "layer_tiers": list(tiers),
-            "embedding": llm.policy.embed_tier,  # "nvme": left on disk, its rows read as tokens need them
-            "embed_rows_read": llm.weights.stats.embed_rows_read,
+            "embedding": placement.embed_tier,  # "nvme": left on disk, its rows read as tokens need them
+            "embed_rows_read": llm.stats().weights.embed_rows_read,
             "experts": asdict(stats.experts) if stats.experts is not None else None,
         },
     )

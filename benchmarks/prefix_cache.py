@@ -95,7 +95,8 @@ def child(args: argparse.Namespace) -> None:
                     ttft[d.request_id] = d.metrics.time_to_first_token
         wall = time.perf_counter() - start
         after = core.counters()
-        disk = llm.kv_tiers.disk if llm.kv_tiers is not None else None
+        tiers = llm.parts.kv.tiers
+        disk = tiers.disk if tiers is not None else None
         result = {
             "run": args.run,
             "prefill_tokens": after.prefill_tokens - before.prefill_tokens,

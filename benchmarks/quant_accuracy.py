@@ -62,12 +62,12 @@ def make_random_checkpoints(root: Path, families: tuple[str, ...]) -> dict[str, 
 
 def demo_model() -> dict[str, tuple[Path, list[list[int]]]]:
     """{"demo": (its directory, DEMO_PROMPTS encoded by its tokenizer)}; built into the offload cache if missing."""
-    from offload.api import load_tokenizer
     from offload.demo import DEMO_PROMPTS, ensure_demo_model
+    from offload.prompts import Prompts
 
     model_dir = ensure_demo_model()
-    tokenizer = load_tokenizer(model_dir)
-    return {"demo": (model_dir, [tokenizer(text)["input_ids"] for text in DEMO_PROMPTS])}
+    encoder = Prompts.load(model_dir)
+    return {"demo": (model_dir, [encoder.encode(text) for text in DEMO_PROMPTS])}
 
 
 def random_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:

@@ -278,8 +278,8 @@ def ratio_phase(server: Server, llm: LLM, prompts: list[str], args: argparse.Nam
     bound = REQUEST_BOUND["demo"]
     for r in range(args.repeats):
         llm.generate(prompts, params)
-        local.append(llm.stats.generated_tokens / llm.stats.wall_seconds)
-        local_tokens.append(llm.stats.generated_tokens)
+        local.append(llm.last_run.generated_tokens / llm.last_run.wall_seconds)
+        local_tokens.append(llm.last_run.generated_tokens)
         tokens, wall = asyncio.run(lean_at_once(server, prompts, args.ratio_tokens, bound))
         answers, openai_wall = asyncio.run(at_once(server, prompts, jobs, args.ratio_tokens, bound))
         unanswered = sum(t is None for t in tokens) + sum(a.completion_tokens is None for a in answers)

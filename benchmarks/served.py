@@ -58,11 +58,12 @@ def free_port() -> int:
 def served_config(flags: list[str]) -> EngineConfig:
     """The EngineConfig `offload serve` builds from `flags` (the CLI's own mapping). The flags must fix the batch
     and KV cache where they give a budget: a config the cost model plans would not be the one compared against."""
-    from offload.cli import build_parser, engine_config, needs_plan
+    from offload.cli import build_parser, engine_config
+    from offload.planner.autoconfig import needs_plan
 
     args = build_parser().parse_args(["serve", *flags])
     config = engine_config(args)
-    if needs_plan(args, config):
+    if needs_plan(config):
         raise SystemExit(f"serve flags {flags}: give --max-num-seqs and --kv-cache-memory with a budget")
     return config
 
@@ -108,12 +109,19 @@ def stop(process: subprocess.Popen) -> int:
 @contextlib.contextmanager
 def serving(model_dir: Path, flags: list[str], log: Path, bound: float) -> Iterator[Server]:
     """`offload serve --model model_dir *flags` on a free loopback port, in its own process group, ready to answer;
-    stopped on leaving, its exit status then set on the Server."""
+    stopped on leaving, its exit status then set on the Server. It runs in the log's folder: `python -m` puts its
+    working directory first on sys.path, where the repository root's kernels/ folder would hide the `kernels`
+    distribution that transformers imports."""
     url = f"http://127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "offload", "serve", "--model", str(model_dir), "--port", url.rsplit(":", 1)[1]]
+    model = str(Path(model_dir).resolve())
+    command = [sys.executable, "-m", "offload", "serve", "--model", model, "--port", url.rsplit(":", 1)[1]]
     with log.open("w") as out:
         process = subprocess.Popen(
-            [*command, "--log-level", "warning", *flags], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            [*command, "--log-level", "warning", *flags],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=log.parent,
         )
     server = None
     try:

@@ -99,7 +99,7 @@ def profile(model_dir: Path, budget: int | None, workload: Workload, decode_step
         seconds, calls = clock.take()
         kind = "prefill" if not steps else "decode"
         steps.append({"kind": kind, "wall_seconds": wall, "seconds": seconds, "calls": calls})
-    placement = {"layers": list(llm.policy.counts), "embedding": llm.policy.embed_tier}
+    placement = {"layers": list(llm.placement.counts), "embedding": llm.placement.embed_tier}
     llm.close()
     return {"placement": placement, "steps": steps}
 

@@ -137,7 +137,7 @@ def run_ours(peers: ModuleType, model_dir: Path, args: argparse.Namespace) -> di
     start = time.perf_counter()
     out = llm.generate_ids(ids, SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True))
     wall = time.perf_counter() - start
-    stats, placement = llm.stats, llm.placement
+    stats, placement = llm.last_run, llm.placement
     result = {
         "status": "ok",
         "batch": config.max_num_seqs,

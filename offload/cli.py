@@ -61,6 +61,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _generate(args: argparse.Namespace) -> None:
     from offload.api import LLM
+    from offload.common.model_config import read_config
     from offload.demo import DEMO_PROMPTS
 
     config = engine_config(args)
@@ -69,6 +70,7 @@ def _generate(args: argparse.Namespace) -> None:
     if not prompts:
         raise OffloadError("--prompt is required with --model")
     model_dir = _model_dir(args)
+    read_config(model_dir)  # a missing folder or config.json is said as such, before the tokenizer is looked for
     encoder = Prompts.load(model_dir)
     if args.chat:
         ids = [encoder.encode_chat([{"role": "user", "content": p}], i) for i, p in enumerate(prompts)]
@@ -384,6 +386,7 @@ def _batch(args: argparse.Namespace) -> None:
     from offload.api import LLM
     from offload.batch import run_job
     from offload.batch_io import errors_path, read_input
+    from offload.common.model_config import read_config
     from offload.common.sizes import format_size
 
     config = engine_config(args)
@@ -396,6 +399,7 @@ def _batch(args: argparse.Namespace) -> None:
         requests, _ = read_input(input_path, model_dir.name)
         if not requests:
             raise OffloadError(f"{input_path}: no valid request to plan for")
+        read_config(model_dir)  # the folder's own error before the tokenizer's
         encoder = Prompts.load(model_dir)
         lengths = [len(encoder.encode_chat(r.messages) if r.chat else encoder.encode(r.prompt)) for r in requests]
         new_tokens = min(max(p.max_new_tokens for r in requests for p in r.params), 4096)

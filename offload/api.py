@@ -13,7 +13,7 @@ from offload.build import build
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.core import CoreCounters, Delta
-from offload.prompts import Prompts, has_tokenizer, load_tokenizer  # noqa: F401 (the server's, until it encodes here)
+from offload.prompts import Prompts
 from offload.run_stats import KV_COUNTERS, RunStats
 from offload.scheduler.cost import Workload
 from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
@@ -71,10 +71,6 @@ class EngineStats:
     host_used: int  # bytes charged to the host tier now
     kv_blocks_used: int  # device KV blocks held by sequences or cached prefixes now
     kv_tiers: KVTierCounters | None  # the KV tiers below the device (None: none configured)
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:  # the server's, until it encodes through LLM
-    return Prompts(Path("."), tokenizer).encode_chat(messages)
 
 
 def _completion(prompt: str | None, prompt_ids: list[int], deltas: list[Delta]) -> Completion:

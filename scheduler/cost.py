@@ -31,6 +31,7 @@ from offload.scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds,
 LAYER_OVERHEAD = 150e-6
 QUANT_GROUP = 64  # weights per scale and zero point when weights are quantized (FlexGen's group size)
 
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     prompt_len: int  # tokens per prompt

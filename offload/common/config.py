@@ -146,8 +146,8 @@ class EngineConfig:
         "auto",
         "kv",
         "KV cache format",
-        doc="auto: the compute dtype. int8 / int4 / fp8 are quantized on write per group along head_dim and dequantized on read; every tier "
-        "stores the quantized bytes.",
+        doc="auto: the compute dtype. int8 / int4 / fp8 are quantized on write per group along head_dim and "
+        "dequantized on read; every tier stores the quantized bytes.",
         choices=KV_DTYPES,
         metavar="FORMAT",
     )

@@ -127,9 +127,9 @@ def probe(
         f"{sizes.depth} in flight, the fastest's rate as read_gbps{f' ({disk.missing})' if disk.missing else ''}"
         + ("" if disk.direct else " (buffered: the filesystem refused O_DIRECT; pages evicted first)"),
         f"memory: a {format_size(sizes.copy_bytes)} tensor copy, bytes read + written per second",
-        f"matmul: offload.kernels.linear on [rows, {sizes.k}] x [{sizes.k}, {sizes.n}], median of >= {MIN_REPEATS} runs "
-        f"after a warm-up, weights cycled through {format_size(sizes.weight_pool_bytes)} of copies, matmul_tflops at "
-        f"{sizes.rows[-1]} rows, {torch.get_num_threads()} torch threads",
+        f"matmul: offload.kernels.linear on [rows, {sizes.k}] x [{sizes.k}, {sizes.n}], median of >= {MIN_REPEATS} "
+        f"runs after a warm-up, weights cycled through {format_size(sizes.weight_pool_bytes)} of copies, matmul_tflops "
+        f"at {sizes.rows[-1]} rows, {torch.get_num_threads()} torch threads",
         f"rest of a layer: hidden {sizes.k}, {layer.heads} heads of {sizes.head_dim} ({layer.kv_heads} K/V heads), "
         f"MLP {layer.intermediate}; prompts of {sizes.rows[-1]} tokens in all, {sizes.decode_seqs} decode sequences",
     ]

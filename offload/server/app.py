@@ -21,7 +21,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from offload import openai_protocol as protocol
-from offload.api import chat_ids, has_tokenizer, load_tokenizer
 from offload.common.errors import OffloadError
 from offload.core import Delta
 from offload.openai_protocol import ChatRequest, CompletionRequest, RequestError
@@ -51,7 +50,6 @@ class Server:
         self.on_ready, self.on_load_error = on_ready, on_load_error
         self.llm = None
         self.front: AsyncFront | None = None
-        self.tokenizer = None  # the event loop's own copy: the core thread decodes with the LLM's
         self.metrics = Metrics()
         self.load_error: BaseException | None = None
         self.batches: BatchRunner | None = None  # the Batch API's runner, once loaded (with a batch_dir)
@@ -70,16 +68,15 @@ class Server:
         def work() -> None:
             try:
                 llm = self.load()
-                tokenizer = load_tokenizer(llm.model_dir) if has_tokenizer(llm.model_dir) else None
             except BaseException as exc:  # reported on the loop; the server then exits with it
                 loop.call_soon_threadsafe(self._failed, exc)
                 return
-            loop.call_soon_threadsafe(self._loaded, llm, tokenizer)
+            loop.call_soon_threadsafe(self._loaded, llm)
 
         threading.Thread(target=work, name="offload-load", daemon=True).start()
 
-    def _loaded(self, llm, tokenizer) -> None:
-        self.llm, self.tokenizer = llm, tokenizer
+    def _loaded(self, llm) -> None:
+        self.llm = llm
         front = AsyncFront(llm.core, self.settings.max_waiting)
         front.observer = self.metrics.observe
         front.start()
@@ -107,7 +104,7 @@ class Server:
     # ---- request checks -----------------------------------------------------------------------------
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+        return self.llm.token_text(token_id)
 
     def ready(self) -> AsyncFront:
         if self.front is None:
@@ -141,23 +138,15 @@ class Server:
 
     def encode(self, prompt: str | list[int], index: int, field: str) -> list[int]:
         try:
-            if isinstance(prompt, str):
-                if not prompt:
-                    raise OffloadError(f"prompt {index} is empty")
-                if self.tokenizer is None:
-                    raise OffloadError("this model has no tokenizer: send token ids")
-                ids = self.tokenizer(prompt)["input_ids"]
-            else:
-                ids = list(prompt)
-            return self.llm.core.check_prompt(ids, index)
+            return self.llm.encode(prompt, index)  # the engine's one tokenizer, shared with its decoding
         except OffloadError as exc:
             raise RequestError(400, str(exc), field) from None
 
     def encode_chat(self, conversation: list[dict]) -> list[int]:
-        if self.tokenizer is None or self.tokenizer.chat_template is None:
+        if not self.llm.prompts.has_chat_template:
             raise RequestError(400, "this model has no chat template: use /v1/completions", "messages")
         try:
-            return self.llm.core.check_prompt(chat_ids(self.tokenizer, conversation), 0)
+            return self.llm.encode_chat(conversation, 0)
         except OffloadError as exc:
             raise RequestError(400, str(exc).replace("prompt 0", "the conversation"), "messages") from None
 

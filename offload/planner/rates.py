@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from offload.common.config import BLOCK_SIZE
 from offload.common.hardware import ComputeUnit
 
 MIN_REPEATS = 3  # timed runs per measurement, after one warm-up run
@@ -119,7 +120,7 @@ def measure_attention(
     prefill_tokens: int,
     decode_seqs: int,
     min_seconds: float = 0.2,
-    block_size: int = 16,
+    block_size: int = BLOCK_SIZE,
 ) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
     """Through kernels.paged_attention over a paged cache whose blocks are scattered: ((prompt tokens, FLOP/s), ...)
     of causal attention over whole prompts of each length (as many prompts as fill `prefill_tokens`), and
@@ -192,7 +193,7 @@ def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0
         name: (torch.randn(t.shape, generator=gen) * 0.05).to(device=device, dtype=dt)
         for name, t in FAMILY.layer_tensors(spec, 0).items()
     }
-    context, block = 16, 16
+    context, block = BLOCK_SIZE, BLOCK_SIZE  # one full block of context
     cache = torch.zeros(1, block, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)  # one block
     batch = PagedBatch(
         (0, 1),

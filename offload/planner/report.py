@@ -14,6 +14,7 @@ import sys
 from collections import defaultdict
 from dataclasses import asdict
 
+from offload.common.config import BLOCK_SIZE
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
@@ -211,7 +212,7 @@ def _experts_lines(
     from offload.scheduler.moe_cost import distinct_experts, expert_params, hit_rate, sparse_layers
 
     c = winner.candidate
-    ctx = make_context(shape, hw, dtype, 16)
+    ctx = make_context(shape, hw, dtype, BLOCK_SIZE)
     one = ctx.weight_bytes(expert_params(shape), c.weight_bits)
     touched = ", ".join(f"batch {b}: {distinct_experts(shape, b):.1f}" for b in (1, 8, 64) if b <= max(c.batch, 8))
     lines = [

@@ -20,6 +20,7 @@ from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 
 PROMPTS = [f"request {i}: " + "tokens " * (i % 5) for i in range(24)]
+BOUND = 600.0  # seconds a job gets to reach a state (end, or write its next lines): generous, for a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -154,32 +155,43 @@ def test_refused_before_any_work(llm, tiny_llama, tmp_path):
 
 
 def _batch(model: Path, src: Path, out: Path) -> subprocess.Popen:
+    """`offload batch` in a process of its own, run in the output's folder: `python -m` puts its working directory
+    first on sys.path, and the repository root's kernels/ folder would hide the `kernels` distribution that
+    transformers imports."""
     command = [sys.executable, "-m", "offload", "batch", "--model", str(model), "--input", str(src)]
     command += ["--output", str(out), "--no-progress", "--kv-cache-memory", "4MiB", "--block-size", "4"]
     command += ["--fsync-interval", "0"]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=out.parent)
 
 
 def _lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+def _wait_for_lines(job: subprocess.Popen, out: Path, count: int) -> None:
+    """Return once `out` holds `count` lines or the job has ended, whichever comes first."""
+    deadline = time.monotonic() + BOUND
+    while _lines(out) < count and job.poll() is None:
+        if time.monotonic() > deadline:
+            job.kill()
+            pytest.fail(f"the job wrote {_lines(out)} of {count} lines in {BOUND} s")
+        time.sleep(0.002)
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_kill_9_at_a_random_point_then_rerun_gives_every_result_once(tiny_llama, tmp_path, seed):
     src = write_input(tmp_path / "in.jsonl", tiny_llama.name)
     whole = tmp_path / "whole.jsonl"
-    assert _batch(tiny_llama, src, whole).wait(120) == 0
+    assert _batch(tiny_llama, src, whole).wait(BOUND) == 0
     out = tmp_path / "out.jsonl"
     target = random.Random(seed).randrange(1, 24)  # results written before the kill
     job = _batch(tiny_llama, src, out)
-    deadline = time.monotonic() + 120
-    while _lines(out) < target and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
+    _wait_for_lines(job, out, target)
     os.kill(job.pid, signal.SIGKILL)
     job.wait()
     assert _lines(out) < 26, "the job finished before the kill: nothing was tested"
     rerun = _batch(tiny_llama, src, out)
-    assert rerun.wait(120) == 0, rerun.stderr.read().decode()[-2000:]
+    assert rerun.wait(BOUND) == 0, rerun.stderr.read().decode()[-2000:]
     assert {k: comparable(v) for k, v in records(out).items()} == {k: comparable(v) for k, v in records(whole).items()}
 
 
@@ -187,15 +199,13 @@ def test_sigterm_stops_the_job_cleanly_and_it_resumes(tiny_llama, tmp_path):
     src = write_input(tmp_path / "in.jsonl", tiny_llama.name)
     out = tmp_path / "out.jsonl"
     job = _batch(tiny_llama, src, out)
-    deadline = time.monotonic() + 120
-    while _lines(out) < 3 and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
+    _wait_for_lines(job, out, 3)
     job.send_signal(signal.SIGTERM)
-    code = job.wait(60)
+    code = job.wait(BOUND)
     if code == 0:
         pytest.skip("the job finished before SIGTERM arrived")
     assert code == 130 and b"rerun the same command to resume" in job.stderr.read()
-    assert _batch(tiny_llama, src, out).wait(120) == 0
+    assert _batch(tiny_llama, src, out).wait(BOUND) == 0
     assert len(records(out)) == 26
 
 

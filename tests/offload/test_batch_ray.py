@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from test_batch import comparable, records, write_input
+from test_batch import BOUND, comparable, records, write_input
 
 from offload.batch_ray import shard_of
 
@@ -19,9 +19,11 @@ def test_shards_are_stable_and_cover_every_worker():
 
 
 def _batch(model, src, out, *extra: str) -> subprocess.CompletedProcess:
+    """The job in a process of its own, run in the output's folder (as test_batch's `_batch`, for the same reason);
+    the bound is generous: Ray starts its cluster and two engines, slowly on a loaded machine."""
     command = [sys.executable, "-m", "offload", "batch", "--model", str(model), "--input", str(src)]
     command += ["--output", str(out), "--no-progress", "--kv-cache-memory", "4MiB", "--block-size", "4", *extra]
-    return subprocess.run(command, capture_output=True, timeout=300)
+    return subprocess.run(command, capture_output=True, timeout=BOUND, cwd=out.parent)
 
 
 def test_two_ray_workers_give_what_one_engine_gives(tiny_llama, tmp_path):

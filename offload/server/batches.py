@@ -303,7 +303,7 @@ def add_batch_routes(app, server) -> None:
         batches = runner(request)
         try:
             body = json.loads(await request.body())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # bytes that are not UTF-8 are not JSON either
             raise RequestError(400, f"the request body is not valid JSON ({exc})") from None
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")

@@ -144,6 +144,8 @@ def test_malformed_json_and_bad_messages(server):
     auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     r = httpx.post(f"{server.url}/v1/completions", content=b'{"model": ', headers=auth, timeout=BOUND)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/batches", content=b"\xff\xfe{}", headers=auth, timeout=BOUND)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(
         f"{server.url}/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "x"}]},

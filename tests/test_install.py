@@ -9,14 +9,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from test_layers import PACKAGES  # each source folder and the package it installs as
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_FOLDERS = {
-    "offload": "offload",
-    "kernels": "offload/kernels",
-    "tiers": "offload/tiers",
-    "scheduler": "offload/scheduler",
-}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +45,9 @@ def test_the_wheel_holds_one_top_level_name_and_every_module(wheel):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"offload"}
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     assert wheel.read(top_level).decode().split() == ["offload"]
-    for folder, package in SOURCE_FOLDERS.items():
+    for folder, package in PACKAGES.items():
         for source in (ROOT / folder).rglob("*.py"):
-            assert f"{package}/{source.relative_to(ROOT / folder).as_posix()}" in names, source
+            assert f"{package.replace('.', '/')}/{source.relative_to(ROOT / folder).as_posix()}" in names, source
 
 
 def test_hugging_face_kernels_and_transformers_import_beside_the_engine(tmp_path):

@@ -198,13 +198,19 @@ def test_evictions_promotions_and_completions_are_logged_in_order() -> None:
     assert tables.counters.promoted_blocks == 2 and tables.counters.device_hit_tokens == 0
 
 
-def test_a_bad_lower_block_ends_the_hit_there() -> None:
+def lower_holding_every_block():
+    """Tables over 8 device blocks, and a lower tier holding every full block of a 13-token prompt (blocks of 4)."""
     lower = FakeLower()
     tables = tables_with(8, lower=lower)
     tokens = list(range(13))
     keys = extend_chain([], ROOT, tokens, 4)
     for k in keys:
         lower.held[k] = "ok"
+    return lower, tables, tokens, keys
+
+
+def test_a_bad_lower_block_ends_the_hit_there() -> None:
+    lower, tables, tokens, keys = lower_holding_every_block()
     lower.bad.add(keys[1])
     assert tables.cached_prefix(0, tokens) == 12
     table, hit, end = tables.admit(0, tokens, 1000)
@@ -213,12 +219,7 @@ def test_a_bad_lower_block_ends_the_hit_there() -> None:
 
 
 def test_blocks_only_the_disk_holds_count_only_where_reading_them_is_allowed() -> None:
-    lower = FakeLower()
-    tables = tables_with(8, lower=lower)
-    tokens = list(range(13))
-    keys = extend_chain([], ROOT, tokens, 4)
-    for k in keys:
-        lower.held[k] = "ok"
+    lower, tables, tokens, keys = lower_holding_every_block()
     lower.on_disk.add(keys[1])  # the first block above the disk, the second only on it
     assert tables.cached_prefix(0, tokens) == 12
     assert tables.cached_prefix(0, tokens, read_disk=False) == 4

@@ -209,9 +209,9 @@ def make_kv_cache(
     spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, device: torch.device, device_tier: DeviceTier
 ) -> KVCache:
     """The device part of the KV cache, charged to the device tier."""
-    geometry = (spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim)
+    layers, block, heads, head_dim = spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim
     try:  # a format this model's shape or this torch cannot hold
-        per_block = KVCache.block_bytes(*geometry, dtype, config.kv_dtype, config.kv_group_size)
+        per_block = KVCache.block_bytes(layers, block, heads, head_dim, dtype, config.kv_dtype, config.kv_group_size)
     except ValueError as exc:
         raise OffloadError(str(exc)) from None
     if config.kv_cache_bytes < per_block:
@@ -220,9 +220,11 @@ def make_kv_cache(
             f"(one block of {config.block_size} tokens needs {per_block} bytes)"
         )
     kv = KVCache(
-        *geometry[:1],
+        layers,
         config.kv_cache_bytes // per_block,
-        *geometry[1:],
+        block,
+        heads,
+        head_dim,
         dtype,
         device,
         config.kv_dtype,

@@ -15,8 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from offload.common.errors import OffloadError
-from offload.common.sizes import format_size, parse_size
+from offload.common.sizes import parse_size
 
 # the knob groups, in the order --help and the flag reference list them
 GROUPS = {
@@ -70,20 +69,14 @@ def flag_name(f: dataclasses.Field, k: Knob) -> str:
 
 
 def default_text(f: dataclasses.Field, k: Knob) -> str:
-    """The default as the reference states it."""
+    """The default as --help and the reference state it (a default-on switch's flag turns it off and states none)."""
     if k.default_text:
         return k.default_text
     if f.default is None:
         return "the planner decides"
-    if f.default is True:
-        return "on"
     if f.default is False:
         return "off"
-    if k.size:
-        return format_size(f.default).replace(".0 ", "").replace(" ", "") if f.default else "0"
-    if k.repeat:
-        return "none"
-    return str(f.default)
+    return "none" if k.repeat else str(f.default)
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -133,12 +126,9 @@ def given(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def from_args(cls: type, args: argparse.Namespace, **fields: Any) -> Any:
-    """An instance of `cls` from the flags add_flags declared (and `fields` on top)."""
-    try:
-        return cls(**(given(cls, args) | fields))
-    except TypeError as exc:  # a field the dataclass does not have: a programming error, said plainly
-        raise OffloadError(str(exc)) from None
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    """An instance of `cls` from the flags add_flags declared."""
+    return cls(**given(cls, args))
 
 
 def reference(parser: argparse.ArgumentParser) -> str:

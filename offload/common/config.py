@@ -114,7 +114,8 @@ class EngineConfig:
     host_memory: int | None = knob(
         None,
         "budgets",
-        "host RAM for layers read once instead of streamed",
+        "host RAM the engine keeps: layers read once instead of streamed, and the KV and expert host parts",
+        doc="--kv-host-memory and --expert-host-memory are taken out of it; layers get the rest.",
         size=True,
         default_text="none",
     )
@@ -128,7 +129,12 @@ class EngineConfig:
         default_text="none",
     )
     disk_memory: int | None = knob(
-        None, "budgets", "budget for the converted layers in --offload-dir", size=True, default_text="no budget"
+        None,
+        "budgets",
+        "disk the engine fills in --offload-dir: converted layers, and the KV disk part",
+        doc="--kv-disk-memory is taken out of it; converted layers get the rest.",
+        size=True,
+        default_text="no budget",
     )
     # ---- KV cache
     kv_cache_bytes: int | None = knob(
@@ -166,12 +172,17 @@ class EngineConfig:
         "--no-prefix-cache computes every prompt in full.",
     )
     kv_host_memory: int | None = knob(
-        None, "kv", "host RAM for KV blocks demoted from the device, kept for reuse", size=True, default_text="none"
+        None,
+        "kv",
+        "part of --host-memory for KV blocks demoted from the device, kept for reuse",
+        doc="Without --host-memory, the host RAM the KV cache alone keeps.",
+        size=True,
+        default_text="none",
     )
     kv_disk_memory: int | None = knob(
         None,
         "kv",
-        "disk in --offload-dir for KV blocks demoted from host RAM",
+        "part of --disk-memory for KV blocks demoted from host RAM, in --offload-dir",
         doc="They persist, so later runs start warm.",
         size=True,
         default_text="none",
@@ -205,7 +216,7 @@ class EngineConfig:
     expert_host_memory: int | None = knob(
         None,
         "experts",
-        "on CUDA, pinned host RAM keeping experts as read",
+        "on CUDA, part of --host-memory keeping experts as read, pinned",
         doc="The device's expert slots are filled from it. Default: as many experts as those slots hold. Ignored on "
         "a CPU device, where experts are read in place.",
         size=True,
@@ -315,6 +326,13 @@ class EngineConfig:
         ):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise OffloadError(f"{name} must be a non-negative number of bytes, got {value!r}")
+        for part, total, whole in (
+            ("kv_host_memory", "host_memory", self.host_memory),
+            ("kv_disk_memory", "disk_memory", self.disk_memory),
+        ):
+            value = getattr(self, part)
+            if whole and value and value > whole:  # a total of 0 or None: no budget, so the part stands alone
+                raise OffloadError(f"{part} ({value!r}) is part of {total} ({whole!r}): it cannot be larger")
         if self.memory is not None and self.device_memory is not None:
             raise OffloadError(
                 f"memory ({self.memory!r}, a cap on the whole process) and device_memory ({self.device_memory!r}) "
@@ -329,6 +347,22 @@ class EngineConfig:
                 "memory sizes the batch and the KV cache itself: leave max_num_seqs (--max-num-seqs) and "
                 "kv_cache_bytes (--kv-cache-memory) unset"
             )
+
+    @property
+    def host_layer_memory(self) -> int | None:
+        """What the host budget leaves for layers (and, on CUDA, the expert host cache): host_memory less the KV
+        host part; None as host_memory's."""
+        return None if self.host_memory is None else max(self.host_memory - (self.kv_host_memory or 0), 0)
+
+    @property
+    def host_total(self) -> int:
+        """Host RAM the engine keeps beside the device tier: host_memory, or without it the KV host part alone."""
+        return self.host_memory or self.kv_host_memory or 0
+
+    @property
+    def disk_layer_memory(self) -> int | None:
+        """What the disk budget leaves for converted layers: disk_memory less the KV disk part; None: no budget."""
+        return None if self.disk_memory is None else max(self.disk_memory - (self.kv_disk_memory or 0), 0)
 
     @classmethod
     def from_max_memory(cls, max_memory: dict, **fields) -> EngineConfig:

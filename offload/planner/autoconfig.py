@@ -114,7 +114,7 @@ def autoconfigure(
         hardware,
         workload,
         dtype=dtype,
-        budgets=Budgets(device=device_budget, host=config.host_memory),
+        budgets=Budgets(device=device_budget, host=config.host_layer_memory),
         batches=batches,
         kv_tiers=("device",),
         ring_slots=config.ring_slots,
@@ -127,7 +127,7 @@ def autoconfigure(
     chosen = best(predictions, runnable_only=True)
     if chosen is None and config.memory is not None:
         short = predictions[0].overflow.get("device", 0)
-        held = config.memory - MEMORY_RESERVE - config.host_memory - device_budget  # the RSS memory_budget read
+        held = config.memory - MEMORY_RESERVE - config.host_total - device_budget  # the RSS memory_budget read
         raise OffloadError(
             f"memory of {format_size(config.memory)} is {format_size(short)} short of one sequence of "
             f"{prompt + max_new_tokens} tokens (this process held {format_size(held)} when it planned, and "
@@ -171,15 +171,15 @@ def process_rss() -> int:
 
 def memory_budget(config: EngineConfig) -> int:
     """The device budget `config.memory` leaves: the cap minus this process's RSS now, MEMORY_RESERVE and the host RAM
-    budget, which the same RAM holds (bytes; below zero when the process already holds more, so that the search says
-    by how much one sequence is short)."""
+    the engine keeps (host_total), which the same RAM holds (bytes; below zero when the process already holds more,
+    so that the search says by how much one sequence is short)."""
     on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
     if not on_cpu:
         raise OffloadError(
             "memory caps the process's RAM, which holds the weights and KV cache only on a CPU device: "
             "on CUDA give device_memory (--device-memory) and host_memory (--host-memory)"
         )
-    return config.memory - process_rss() - MEMORY_RESERVE - config.host_memory
+    return config.memory - process_rss() - MEMORY_RESERVE - config.host_total
 
 
 def activation_bytes(

@@ -149,6 +149,17 @@ def test_what_the_process_holds_comes_out_of_the_cap(model_dir, monkeypatch):
     assert prediction == same
 
 
+def test_the_host_ram_the_engine_keeps_comes_out_of_the_cap(model_dir, held):
+    """The KV host part is host RAM like the layers': a cap leaves the device what both do not take."""
+    hw = slow_disk_cpu()
+    cap = HELD + autoconfig.MEMORY_RESERVE + 700_000
+    kv_host = EngineConfig(memory=cap + 200_000, kv_host_memory=200_000, dtype="float32")
+    host = EngineConfig(memory=cap + 200_000, host_memory=200_000, kv_host_memory=200_000, dtype="float32")
+    _, same = autoconfigure(model_dir, EngineConfig(device_memory=700_000, dtype="float32"), [10] * 12, 6, hw)
+    assert autoconfigure(model_dir, kv_host, [10] * 12, 6, hw)[1] == same
+    assert autoconfigure(model_dir, host, [10] * 12, 6, hw)[1] == same
+
+
 @pytest.mark.parametrize("room", [10_000, -(1 << 20)])  # device bytes the cap leaves: too few, or below nothing
 def test_a_cap_too_small_for_one_sequence_says_by_how_much(model_dir, held, room):
     cap = HELD + autoconfig.MEMORY_RESERVE + room

@@ -321,6 +321,17 @@ def test_disk_full_mid_file_removes_everything_written(model_dir, budget, tmp_pa
     assert len(calls) == 40
 
 
+def test_the_kv_disk_part_is_taken_out_of_the_disk_budget(model_dir, budget, tmp_path):
+    """--disk-memory is all the disk the engine fills in --offload-dir: the spill files and the KV disk part."""
+    needed = spilled_llm(model_dir, budget, tmp_path / "first").placement.spill.nbytes
+    part = 1 << 20
+    fields = dict(kv_cache_bytes=KV, dtype="bfloat16", device_memory=budget, kv_disk_memory=part)
+    llm = LLM(model_dir, EngineConfig(**fields, offload_dir=str(tmp_path / "fits"), disk_memory=needed + part))
+    assert llm.placement.spill.nbytes == needed
+    with pytest.raises(OffloadError, match="--disk-memory budget"):
+        LLM(model_dir, EngineConfig(**fields, offload_dir=str(tmp_path / "short"), disk_memory=needed + part - 1))
+
+
 def test_cli_generate_with_offload_dir(model_dir, budget, tmp_path, capsys):
     args = ["generate", "--model", str(model_dir), "--prompt", "hello", "--max-new-tokens", "3", "--dtype", "bfloat16"]
     args += ["--device-memory", str(budget), "--kv-cache-memory", str(KV), "--offload-dir", str(tmp_path)]

@@ -146,6 +146,27 @@ def test_host_tier_holds_layers_read_once(model_dir, resident):
     assert llm.placement.host_peak <= 2 * layer
 
 
+def test_the_kv_host_part_is_taken_out_of_the_host_budget(model_dir, resident):
+    """--host-memory is all the host RAM the engine keeps: with a KV host part of one layer's bytes, a budget of
+    three layers holds two."""
+    base, expected = resident
+    _, layer = costs(base)
+    budget = dict(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0))
+    llm = LLM(model_dir, EngineConfig(**budget, host_memory=3 * layer, kv_host_memory=layer))
+    assert llm.placement.layer_tiers == ("host", "host") + ("nvme",) * (LAYERS - 2)
+    assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
+    assert llm.placement.host_peak <= 2 * layer
+
+
+def test_a_part_larger_than_its_budget_is_refused():
+    with pytest.raises(OffloadError, match=r"kv_host_memory \(300\) is part of host_memory \(200\)"):
+        EngineConfig(host_memory=200, kv_host_memory=300)
+    with pytest.raises(OffloadError, match=r"kv_disk_memory \(300\) is part of disk_memory \(200\)"):
+        EngineConfig(offload_dir="/tmp/kv", disk_memory=200, kv_disk_memory=300)
+    parts = EngineConfig(offload_dir="/tmp/kv", kv_host_memory=300, kv_disk_memory=300)  # no totals: parts alone
+    assert (parts.host_total, parts.host_layer_memory, parts.disk_layer_memory) == (300, None, None)
+
+
 def test_budget_smaller_than_the_ring_is_a_clear_error(model_dir, resident):
     base, _ = resident
     fixed, layer = costs(base)

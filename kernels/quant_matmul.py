@@ -34,11 +34,19 @@ PROGRAMS_PER_SM = 2  # split-K aims at this many programs per multiprocessor
 INTERPRETER_PROGRAMS = 8  # ... and at this many in Triton's CPU interpreter, where there is no device to ask
 
 
+CLIP_GRID = tuple(1.0 - 0.025 * i for i in range(13))  # an int4 group's range shrunk by these factors (1.0 .. 0.7)
+QUANT_METHODS = ("rtn", "search")  # round to nearest over each group's range; or the range and fit of least error
+
+
 def quantize(
-    w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype | None = None
+    w: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype | None = None, method: str = "rtn"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] floating -> (qweight, scales) in the layout of the module docstring; parameters are computed in
-    float32 and stored in `dtype` (w's dtype by default). Codes are rounded half to even."""
+    float32 and stored in `dtype` (w's dtype by default). Codes are rounded half to even.
+
+    method "search" (int4): each group's codes come from the range of CLIP_GRID whose codes, with the scale and zero
+    fitted to them by least squares, leave the least squared error; the grid holds the full range, so no group's
+    error (before `dtype` rounds the parameters) exceeds round to nearest's."""
     _check_bits(bits)
     if not w.is_floating_point() or w.dim() != 2:
         raise ValueError(f"quantize takes a floating weight [N, K], got {tuple(w.shape)} {w.dtype}")
@@ -50,8 +58,14 @@ def quantize(
     dtype = dtype or w.dtype
     if not dtype.is_floating_point:
         raise ValueError(f"scales are stored in a floating dtype, got {dtype}")
+    if method not in QUANT_METHODS:
+        raise ValueError(f"method must be one of {', '.join(QUANT_METHODS)}, got {method!r}")
     g = w.float().view(n, k // group_size, group_size)  # [N, groups, group_size]
-    if bits == 4:
+    if bits == 4 and method == "search":
+        q, scale, zero = _int4_search(g)
+        qweight = q[:, 0::2] | (q[:, 1::2] << 4)
+        scales = torch.stack((scale, zero), -1).transpose(0, 1).to(dtype).contiguous()
+    elif bits == 4:
         mn, mx = g.amin(-1), g.amax(-1)  # [N, groups]
         scale = (mx - mn).clamp(min=INT4_MIN_SCALE) / 15
         zero = mn + INT4_MID * scale
@@ -63,6 +77,39 @@ def quantize(
         qweight = (g / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(n, k)
         scales = scale.t().to(dtype).contiguous()  # [groups, N]
     return qweight.contiguous(), scales
+
+
+def _int4_search(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """g [N, groups, S] float32 -> (codes uint8 [N, groups * S] in 0..15, scale [N, groups], zero [N, groups]) of the
+    least squared error over CLIP_GRID's ranges, each refitted: for fixed codes q, w ~ a * q + b by least squares,
+    stored as scale a and zero b + 8a."""
+    n, groups, size = g.shape
+    mn, mx = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)  # [N, groups, 1]
+    best_err = torch.full((n, groups), float("inf"))
+    best_q = torch.zeros_like(g, dtype=torch.uint8)
+    best_a, best_b = torch.zeros(n, groups), torch.zeros(n, groups)
+    for f in CLIP_GRID:
+        lo, hi = mn * f, mx * f
+        step = (hi - lo).clamp(min=INT4_MIN_SCALE) / 15
+        q = ((g - lo) / step).round_().clamp_(0, 15)  # [N, groups, S]
+        a, b = _fit(q, g)
+        a = torch.where(a > 0, a, step[..., 0])  # codes all equal: keep the grid's step, the offset fits the mean
+        b = torch.where(a == step[..., 0], (g - a[..., None] * q).mean(-1), b)
+        err = (a[..., None] * q + b[..., None] - g).square_().sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_q = torch.where(better[..., None], q.to(torch.uint8), best_q)
+        best_a, best_b = torch.where(better, a, best_a), torch.where(better, b, best_b)
+    return best_q.view(n, groups * size), best_a, best_b + INT4_MID * best_a
+
+
+def _fit(q: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least-squares a, b of g ~ a * q + b along the last axis (a = 0 where the codes do not vary)."""
+    qm, gm = q.mean(-1, keepdim=True), g.mean(-1, keepdim=True)
+    dq = q - qm
+    var = dq.square().sum(-1)
+    a = torch.where(var > 0, (dq * (g - gm)).sum(-1) / var.clamp(min=1e-30), torch.zeros_like(var))
+    return a, (gm - a[..., None] * qm)[..., 0]
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:

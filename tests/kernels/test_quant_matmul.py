@@ -212,3 +212,27 @@ def test_dequantize_refuses() -> None:
         dequantize(q8, torch.ones(3, 4), 8)
     with pytest.raises(ValueError, match="scales must be floating"):
         dequantize(q8, s8.to(torch.int32), 8)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_searched_int4_is_never_worse_than_round_to_nearest_in_any_group(group_size: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 256, generator=g) * 0.05
+    w[::5, ::17] *= 8  # outliers stretch their groups' ranges, where a shrunk range pays
+    errs = []
+    for method in ("rtn", "search"):
+        q, s = quantize(w, 4, group_size, dtype=torch.float32, method=method)
+        errs.append((dequantize(q, s, 4) - w).square().view(48, -1, group_size).sum(-1))  # [N, groups]
+    rtn, search = errs
+    assert (search <= rtn * (1 + 1e-5) + 1e-12).all()
+    assert search.sum() < 0.95 * rtn.sum()  # and clearly better overall on these weights
+
+
+def test_searched_int4_keeps_constant_groups_and_the_layout() -> None:
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+    w[:, :32] = 0.25  # one constant group per row
+    q, s = quantize(w, 4, 32, dtype=torch.float32, method="search")
+    assert q.shape == (8, 32) and q.dtype == torch.uint8 and s.shape == (2, 8, 2)
+    assert torch.equal(dequantize(q, s, 4)[:, :32], w[:, :32])
+    with pytest.raises(ValueError, match="method must be one of rtn, search, got 'awq'"):
+        quantize(w, 4, 32, method="awq")

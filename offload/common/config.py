@@ -1,6 +1,9 @@
 """Frozen configuration: where layers live (Policy), the engine's settings and a request's sampling parameters.
 
-The model's own shape is offload/common/model_config.py's ModelSpec."""
+The model's own shape is offload/common/model_config.py's ModelSpec.
+
+Over 400 lines: every knob of the engine and of sampling is declared here and nowhere else (its flag, help, default
+and checks), so that the CLI, the docs and the API cannot drift."""
 
 from __future__ import annotations
 

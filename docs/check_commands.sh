@@ -35,7 +35,7 @@ if [ "$demo" = 1 ]; then
 fi
 [ -x .venv/bin/offload ] || { echo ".venv/bin/offload is missing: run make demo (or bash $0 demo) first" >&2; exit 1; }
 
-for command in generate serve batch probe convert plan; do
+for command in generate serve batch eval probe convert plan; do
     run ".venv/bin/offload $command --help"
 done
 run ".venv/bin/offload plan --model opt-175b --hardware t4-16gb --prompt-len 512 --gen-len 32 --host-memory 208GB"
@@ -43,8 +43,11 @@ run ".venv/bin/offload --debug plan --model tinyllama-1.1b --hardware l4-24gb --
 
 if [ "$demo" = 1 ]; then
     # README.md
-    run '.venv/bin/offload generate --prompt "Paged memory" --prompt "The scheduler" --max-new-tokens 24'
-    run '.venv/bin/offload generate --prompt "Batching is" --device-memory 8MiB --kv-cache-memory 2MiB --show-placement'
+    run '.venv/bin/offload generate --chat --prompt "What is paged memory?" --max-new-tokens 48'
+    run '.venv/bin/offload generate --chat --prompt "What is a disk?" --device-memory 200MiB --kv-cache-memory 16MiB --show-placement'
+    # docs/eval.md
+    run '.venv/bin/offload eval --text tests/data/eval_text.txt --context 512'
+    run '.venv/bin/offload eval --text tests/data/eval_text.txt --json --device-memory 200MiB --kv-cache-memory 16MiB'
     # docs/usage.md
     run '.venv/bin/offload generate --model ~/.cache/offload/demo-llama-v1 --prompt "Paged memory" --prompt "The scheduler" --temperature 0.8 --top-p 0.95 --seed 1 --max-new-tokens 48 --stop "."'
     run '.venv/bin/offload generate --model ~/.cache/offload/demo-llama-v1 --prompt "What is a page?" --chat --json'
@@ -66,7 +69,7 @@ if [ "$demo" = 1 ]; then
         [ -e "$f" ] && { echo "$f exists in the repository root: move it away first" >&2; exit 1; }
     done
     trap 'rm -f "${job_files[@]}"' EXIT
-    run ".venv/bin/python -c \"import json; [print(json.dumps({'id': f'q{i}', 'prompt': f'Question {i}: what is a page?', 'max_tokens': 32})) for i in range(1000)]\" > requests.jsonl"
+    run ".venv/bin/python -c \"import json; [print(json.dumps({'id': f'q{i}', 'messages': [{'role': 'user', 'content': f'Question {i}: what is a page?'}], 'max_tokens': 32})) for i in range(1000)]\" > requests.jsonl"
     run ".venv/bin/offload batch --input requests.jsonl --output results.jsonl --json-summary summary.json"
     run "test \$(wc -l < results.jsonl) = 1000"
 fi

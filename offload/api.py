@@ -13,6 +13,7 @@ from offload.build import build
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.core import CoreCounters, Delta
+from offload.eval import Perplexity, Progress, check_context, evaluate
 from offload.prompts import Prompts
 from offload.run_stats import KV_COUNTERS, RunStats
 from offload.scheduler.cost import Workload
@@ -81,7 +82,7 @@ def _completion(prompt: str | None, prompt_ids: list[int], deltas: list[Delta]) 
 
 class LLM:
     """A model loaded for generation: `LLM(model_dir).generate(prompts, SamplingParams(...))`. `model=None` runs the
-    embedded demo model.
+    embedded demo model; a GGUF file runs its import (offload/gguf_import.py's resolve_model).
 
     `config` is resolved for `workload` as every face resolves it (offload/planner/autoconfig.py's resolve): with a
     budget and neither the batch nor the KV cache fixed, the cost model sizes both, so `LLM(model,
@@ -95,9 +96,10 @@ class LLM:
         workload: Workload | None = None,
         prompts: Prompts | None = None,
     ) -> None:
-        from offload.demo import ensure_demo_model
+        from offload.demo import default_model
+        from offload.gguf_import import resolve_model
 
-        model_dir = Path(model).expanduser() if model is not None else ensure_demo_model()
+        model_dir = resolve_model(model) if model is not None else default_model()  # a GGUF file: imported once
         self.parts = build(model_dir, config or EngineConfig(), workload, prompts)
         self.config, self.model_dir, self.spec = self.parts.config, model_dir, self.parts.spec
         self.prompts = self.parts.prompts
@@ -282,3 +284,21 @@ class LLM:
             for c in chunks:
                 kv.tables.free(c.seq_id)
         return result
+
+    def perplexity(self, text: str | list[int], context: int = 512, progress: Progress | None = None) -> Perplexity:
+        """Perplexity of the model on `text` (or its token ids) by the protocol of offload/eval.py: windows of
+        `context` tokens, each scored on its own, as many per step as the device KV cache and the step's token limit
+        (--max-step-tokens) hold. `progress(done, total)` is called after each step, in windows."""
+        if isinstance(text, str) and not text:
+            raise OffloadError("the text is empty")
+        tables = self.parts.kv.tables
+        check_context(context, min(self.max_model_len, tables.pool.num_blocks * tables.block_size))
+        ids = self.prompts.encode(text, "text")
+        return evaluate(self.score, ids, context, self._windows_per_step(context), progress)
+
+    def _windows_per_step(self, context: int) -> int:
+        """Windows of `context` tokens one step scores: as many as the device KV cache holds, within the step's
+        token limit and the batch's sequence limit."""
+        tables, limits = self.parts.kv.tables, self.core.limits
+        fit = tables.pool.num_blocks // tables.blocks_for(context)
+        return max(1, min(fit, limits.max_step_tokens // context, limits.max_num_seqs))

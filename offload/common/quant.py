@@ -3,7 +3,7 @@ it and the engine runs it (the math and the layouts are kernels/quant_matmul.py'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from offload.common.errors import OffloadError
 
@@ -21,6 +21,9 @@ class WeightQuant:
     bits: int  # 4 | 8
     group_size: int  # input features sharing a scale: 32 | 64 | 128, or 0 for one scale per output channel
     layout: str  # "cpu" | "triton"
+    # checkpoint names of projection weights ("model.layers.3.mlp.down_proj.weight") kept in a float dtype: a GGUF
+    # import keeps there the matrices this format cannot hold exactly (offload/gguf_import.py)
+    unquantized: frozenset[str] = field(default=frozenset())
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -81,8 +84,13 @@ def parse_quant(config: dict, source: str) -> WeightQuant | None:
             f"{QUANT_METHOD!r} checkpoints: `offload convert --model DIR --quant int4|int8 --out DIR` quantizes a "
             "float checkpoint; docs/quantization.md says why GPTQ and AWQ files are not read)"
         )
+    unquantized = q.get("unquantized", [])
+    if not isinstance(unquantized, list) or not all(isinstance(n, str) for n in unquantized):
+        raise OffloadError(
+            f"{source}: quantization_config.unquantized must be a list of tensor names, got {unquantized!r}"
+        )
     try:
-        return WeightQuant(bits=q["bits"], group_size=q["group_size"], layout=q["layout"])
+        return WeightQuant(q["bits"], q["group_size"], q["layout"], frozenset(unquantized))
     except KeyError as exc:
         raise OffloadError(f"{source}: quantization_config has no field {exc.args[0]!r}") from None
     except ValueError as exc:

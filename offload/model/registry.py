@@ -110,8 +110,9 @@ def model_tensors(family: Family, spec: ModelSpec) -> ModelTensors:
 
 def quantized_tensors(group: TensorGroup, quant: WeightQuant) -> TensorGroup:
     """A layer's tensors as `offload convert` stores them under `quant`: each projection matrix ("*_proj", named
-    "<prefix>.weight") whose input width a group size divides becomes its codes ("<prefix>.qweight") and scales
-    ("<prefix>.scales", short name "<short>.scales"); norms, biases and the rest stay as they are."""
+    "<prefix>.weight", not in quant.unquantized) whose input width a group size divides becomes its codes
+    ("<prefix>.qweight") and scales ("<prefix>.scales", short name "<short>.scales"); norms, biases and the rest stay
+    as they are."""
     out: TensorGroup = {}
     for short, t in group.items():
         if not _quantizable(short, t, quant):
@@ -125,9 +126,11 @@ def quantized_tensors(group: TensorGroup, quant: WeightQuant) -> TensorGroup:
 
 
 def _quantizable(short: str, t: TensorSpec, quant: WeightQuant) -> bool:
-    """Whether `offload convert` quantizes this layer tensor: a projection matrix with a usable group size."""
+    """Whether `offload convert` quantizes this layer tensor: a projection matrix with a usable group size, not one
+    the format keeps in float."""
     return (
         short.endswith("_proj")
+        and t.name not in quant.unquantized
         and len(t.shape) == 2
         and t.name.endswith(".weight")
         and quant.group(t.shape[1]) is not None

@@ -214,3 +214,24 @@ def test_losing_a_concurrent_build_keeps_the_winner(monkeypatch: pytest.MonkeyPa
     assert demo.ensure_demo_model(tmp_path) == target
     assert (target / "config.json").read_text() == '{"by": "winner"}'
     assert [p.name for p in tmp_path.iterdir()] == [demo.DEMO_MODEL_NAME]
+
+
+@pytest.mark.slow
+def test_generate_without_a_model_chats_with_the_real_model(smollm2_gguf: Path, capsys) -> None:
+    """The default model is the wheel's SmolLM2, imported once, asked DEMO_QUESTIONS as chat turns."""
+    from offload.cli import main
+
+    assert main(["generate", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "What is the capital of France?\nThe capital of France is Paris." in out
+    assert all(q in out for q in demo.DEMO_QUESTIONS)
+    model_dir = demo.default_model()
+    assert model_dir.parent.name == "gguf" and model_dir.name.startswith(smollm2_gguf.stem)
+
+
+def test_without_the_wheel_the_demo_model_stands_in(demo_model: Path, monkeypatch) -> None:
+    monkeypatch.setattr(demo, "real_model_file", lambda: None)
+    monkeypatch.setattr(demo, "ensure_demo_model", lambda: demo_model)
+    assert demo.default_model() == demo_model
+    assert demo.default_prompts(demo_model) == (list(demo.DEMO_PROMPTS), False)
+    assert demo.default_prompts(demo_model.parent / "smollm2") == (list(demo.DEMO_QUESTIONS), True)

@@ -22,7 +22,8 @@ from offload.cli import main
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.quant import WeightQuant
-from offload.convert import ALIGN, MANIFEST, convert, verify
+from offload.convert import ALIGN, MANIFEST, convert, read_manifest, verify
+from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.kernels.quant_matmul import dequantize
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
@@ -209,6 +210,26 @@ def test_convert_command_and_its_errors(source: Path, tmp_path: Path, capsys: py
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "one scale per output channel" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_searched_int4_codes_leave_less_error_than_rounded_ones(source: Path, tmp_path: Path, capsys):
+    """--method search: the same format, codes and scales chosen per group for the least squared error."""
+    errors = {}
+    for method in ("rtn", "search"):
+        out = tmp_path / method
+        args = ["convert", "--model", str(source), "--quant", "int4", "--group-size", "32", "--method", method]
+        assert main([*args, "--out", str(out)]) == 0
+        assert read_manifest(out)["quant"]["method"] == method
+        with safe_open(out / "model.safetensors", "pt") as f, safe_open(source / "model.safetensors", "pt") as g:
+            name = "model.layers.0.mlp.down_proj"
+            w = g.get_tensor(name + ".weight").float()
+            codes, scales = f.get_tensor(name + ".qweight"), f.get_tensor(name + SCALES_SUFFIX)
+            got = _dequantized(codes, scales, WeightQuant(4, 32, "cpu"))
+            errors[method] = (got.float() - w).square().sum().item()
+    assert errors["search"] < errors["rtn"]
+    bad = ["convert", "--model", str(source), "--quant", "int8", "--method", "search", "--out", str(tmp_path / "r")]
+    assert main(bad) == 2
+    assert "--method search chooses int4 codes" in capsys.readouterr().err and not (tmp_path / "r").exists()
 
 
 def test_a_checkpoint_of_another_quantization_method_is_refused(tmp_path: Path):

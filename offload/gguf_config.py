@@ -1,0 +1,187 @@
+"""A GGUF file's metadata and tensor names in Hugging Face terms: config.json's fields, each checkpoint tensor's GGUF
+name, and the row order llama.cpp's converter gave the Llama family's q and k projections.
+
+Only the dense decoder architectures the engine runs under llama.cpp's tensor names are read: llama (Llama, Mistral
+and the like), qwen2 and qwen3. llama.cpp permutes the rows of Llama's q and k projections for its interleaved
+rotary layout (each head's rows, Hugging Face's two halves [2, head_dim / 2], stored interleaved as
+[head_dim / 2, 2]); transformers' GGUF loader undoes it and so does `rotary_row_order`. Qwen2 and Qwen3 keep
+Hugging Face's order (llama.cpp's NEOX rotary). Rotary scaling: none, linear, or Llama 3's, which llama.cpp stores
+as per-frequency divisors (rope_freqs.weight), read back into rope_parameters where it matches Llama 3.1's band.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader
+
+from offload.common.errors import OffloadError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+PERMUTED = ("llama",)  # architectures whose q and k rows llama.cpp permutes
+GLOBAL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+ROPE_FACTORS = "rope_freqs.weight"  # Llama 3 rope scaling as per-frequency divisors: read into config.json
+# (low_freq_factor, high_freq_factor, original context) of Llama 3.1 to 3.3's rope scaling, whose factors
+# rope_freqs.weight holds without naming them
+LLAMA3_BAND = (1.0, 4.0, 8192)
+_REQUIRED = object()
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """The file's reader (memory-mapped); an OffloadError names a file that is not GGUF."""
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise OffloadError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, OSError) as exc:
+        raise OffloadError(f"{path}: corrupt GGUF file ({str(exc).splitlines()[0]})") from None
+
+
+def field(reader: GGUFReader, key: str, path: Path, default: object = _REQUIRED):
+    """The value of metadata `key`, or `default`; a missing required key is an OffloadError naming it."""
+    f = reader.fields.get(key)
+    if f is None:
+        if default is _REQUIRED:
+            raise OffloadError(f"{path}: GGUF metadata has no {key!r}")
+        return default
+    return f.contents()
+
+
+def architecture(reader: GGUFReader, path: Path) -> str:
+    arch = field(reader, "general.architecture", path)
+    if arch not in ARCHITECTURES:
+        raise OffloadError(
+            f"{path}: general.architecture {arch!r} is not imported (supported: {', '.join(ARCHITECTURES)}; "
+            "mixtures of experts are not)"
+        )
+    return arch
+
+
+def hf_config(reader: GGUFReader, path: Path, dtype: str) -> dict:
+    """config.json's fields for the model in `reader` (its weights stored as `dtype`, the compute dtype)."""
+    arch = architecture(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def meta(key: str, default: object = _REQUIRED):
+        return field(reader, f"{arch}.{key}", path, default)
+
+    if meta("expert_count", 0) or any("_exps." in name for name in tensors):
+        raise OffloadError(f"{path}: a mixture of experts ({arch}): its stacked experts are not imported")
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    head_dim = meta("attention.key_length", hidden // heads)
+    if meta("attention.value_length", head_dim) != head_dim or meta("rope.dimension_count", head_dim) != head_dim:
+        raise OffloadError(f"{path}: {arch}.rope.dimension_count or value_length differs from the head size {head_dim}")
+    if "token_embd.weight" not in tensors:
+        raise OffloadError(f"{path}: no tensor 'token_embd.weight'")
+    config = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": meta("context_length", 2048),
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_parameters": _rope(reader, arch, path, meta("rope.freq_base", 10000.0), head_dim),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensors,
+        "dtype": dtype,
+    }
+    return config | special_tokens(reader, path)
+
+
+def _rope(reader: GGUFReader, arch: str, path: Path, theta: float, head_dim: int) -> dict:
+    """rope_parameters: default, linear scaling, or Llama 3's from rope_freqs.weight; others are refused."""
+    factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
+    if factors is not None:
+        return _llama3_rope(np.asarray(factors.data, dtype=np.float32), theta, head_dim, path)
+    kind = field(reader, f"{arch}.rope.scaling.type", path, "none")
+    if kind == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if kind == "linear":
+        return {
+            "rope_type": "linear",
+            "rope_theta": theta,
+            "factor": field(reader, f"{arch}.rope.scaling.factor", path),
+        }
+    raise OffloadError(f"{path}: {arch}.rope.scaling.type {kind!r} is not imported (default and linear are)")
+
+
+def _llama3_rope(factors: np.ndarray, theta: float, head_dim: int, path: Path) -> dict:
+    """The Llama 3 rope_parameters whose scaling divides each frequency by `factors` (llama.cpp's rope_freqs.weight,
+    [head_dim / 2]), for the band Llama 3.1 to 3.3 use (LLAMA3_BAND); other factors are refused."""
+    from offload.common.model_config import RopeSpec
+    from offload.model.rope import inverse_frequencies
+
+    low, high, original = LLAMA3_BAND
+    spec = RopeSpec(theta, "llama3", float(factors.max()), low, high, original)
+    implied = inverse_frequencies(RopeSpec(theta), head_dim) / inverse_frequencies(spec, head_dim)
+    if factors.shape != implied.shape or not np.allclose(factors, implied.numpy(), rtol=1e-5):
+        raise OffloadError(f"{path}: {ROPE_FACTORS} holds rotary factors other than Llama 3.1's scaling: not imported")
+    return {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": spec.factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
+
+
+def special_tokens(reader: GGUFReader, path: Path) -> dict:
+    """bos_token_id and eos_token_id (the end-of-turn ids llama.cpp also stops at included) where the file says."""
+    bos = field(reader, "tokenizer.ggml.bos_token_id", path, None)
+    eos = [field(reader, f"tokenizer.ggml.{k}_token_id", path, None) for k in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
+    out = {} if bos is None else {"bos_token_id": int(bos)}
+    if eos:
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return out
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF name of a checkpoint tensor ("model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight")."""
+    if m := LAYER.match(hf_name):
+        layer, module, kind = m.groups()
+        if module in LAYER_NAMES:
+            return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+    else:
+        module, _, kind = hf_name.rpartition(".")
+        if module in GLOBAL_NAMES:
+            return f"{GLOBAL_NAMES[module]}.{kind}"
+    raise OffloadError(f"the engine reads {hf_name!r}, which has no GGUF name here")
+
+
+def rotary_row_order(arch: str, name: str, rows: int, config: dict) -> np.ndarray | None:
+    """Row indices that put GGUF tensor `name`'s rows back in Hugging Face's order (out[i] = gguf[order[i]]), or
+    None where they are in it already: transformers' reverse_permute_weights, applied to row numbers."""
+    if arch not in PERMUTED or not re.search(r"\.attn_[qk]\.", name):
+        return None
+    heads = config["num_attention_heads"] if ".attn_q." in name else config["num_key_value_heads"]
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)

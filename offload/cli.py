@@ -573,7 +573,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "--group-size",
         type=int,
         choices=[32, 64, 128],
-        help="input features sharing a scale (default: 128 for int4; int8 in the cpu layout has one scale per "
+        help="input features sharing a scale (default: 32 for int4; int8 in the cpu layout has one scale per "
         "output channel, which is what torch's int8 CPU matmul takes)",
     )
     p.add_argument(
@@ -606,7 +606,9 @@ def _convert(args: argparse.Namespace) -> None:
     if args.quant is None:
         raise OffloadError(f"--quant int4|int8 is required to convert the model directory {args.model}")
     bits = int(args.quant.removeprefix("int"))
-    group = args.group_size if args.group_size is not None else (128 if bits == 4 or layout == "triton" else 0)
+    # int4 in groups of 32: on a real model (benchmarks/real_accuracy.py) 64 and 128 cost 30-50% perplexity
+    default_group = 32 if bits == 4 else (128 if layout == "triton" else 0)
+    group = args.group_size if args.group_size is not None else default_group
     try:
         quant = WeightQuant(bits, group, layout)
     except ValueError as exc:

@@ -39,6 +39,16 @@ def _parser(sub: argparse._SubParsersAction, name: str, **kw) -> argparse.Argume
     return sub.add_parser(name, usage=f"offload {name} [options]", formatter_class=formatter, **kw)
 
 
+def _add_model(p: argparse.ArgumentParser) -> None:
+    """--model, as generate, serve, batch and eval take it (main() resolves a GGUF file to its import)."""
+    p.add_argument(
+        "--model",
+        metavar="DIR|FILE.gguf",
+        help="Hugging Face model directory (config.json, *.safetensors, tokenizer) or GGUF file, imported once "
+        f"(default: {DEFAULT_MODEL})",
+    )
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = _parser(
         sub,
@@ -47,11 +57,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         description=f"Complete prompts. Without --model, runs {DEFAULT_MODEL} (made once, locally, in your cache "
         "directory) on a few prompts: questions as chat turns to the real model, completions to the demo model.",
     )
-    p.add_argument(
-        "--model",
-        metavar="DIR",
-        help="Hugging Face model directory (config.json, *.safetensors, tokenizer), or a GGUF file (imported once)",
-    )
+    _add_model(p)
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for a batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion, then the stats")
@@ -289,9 +295,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "/health and /metrics (Prometheus). Requests join the batch that is already running. SIGTERM or Ctrl-C "
         "drains: running requests finish, new ones get 503.",
     )
-    p.add_argument(
-        "--model", metavar="DIR", help=f"Hugging Face model directory or GGUF file (default: {DEFAULT_MODEL})"
-    )
+    _add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", metavar="NAME", help="the `model` clients pass (default: the folder name)")
@@ -368,9 +372,7 @@ def _add_batch(sub: argparse._SubParsersAction) -> None:
         "finishes. Rerun the same command after an interruption (Ctrl-C, SIGTERM, a crash) and it resumes: "
         "every id ends up in the output exactly once. Bad input lines go to OUTPUT.errors.jsonl.",
     )
-    p.add_argument(
-        "--model", metavar="DIR", help=f"Hugging Face model directory or GGUF file (default: {DEFAULT_MODEL})"
-    )
+    _add_model(p)
     p.add_argument("--input", required=True, metavar="IN.jsonl", help="one request per line")
     p.add_argument("--output", required=True, metavar="OUT.jsonl", help="one result per request")
     p.add_argument("--ordered", action="store_true", help="rewrite the output in the input's order at the end")
@@ -462,9 +464,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         "--context tokens (the last one shorter), score each window on its own and print exp(mean negative "
         "log-likelihood of every token but each window's first). The protocol: docs/eval.md.",
     )
-    p.add_argument(
-        "--model", metavar="DIR", help=f"Hugging Face model directory or GGUF file (default: {DEFAULT_MODEL})"
-    )
+    _add_model(p)
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
     p.add_argument("--context", type=int, default=512, metavar="TOKENS", help="tokens per window (default 512)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")

@@ -92,9 +92,8 @@ def _int4_search(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         lo, hi = mn * f, mx * f
         step = (hi - lo).clamp(min=INT4_MIN_SCALE) / 15
         q = ((g - lo) / step).round_().clamp_(0, 15)  # [N, groups, S]
-        a, b = _fit(q, g)
-        a = torch.where(a > 0, a, step[..., 0])  # codes all equal: keep the grid's step, the offset fits the mean
-        b = torch.where(a == step[..., 0], (g - a[..., None] * q).mean(-1), b)
+        a = _slope(q, g, step[..., 0])
+        b = (g - a[..., None] * q).mean(-1)  # the least-squares offset for that slope
         err = (a[..., None] * q + b[..., None] - g).square_().sum(-1)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
@@ -103,13 +102,11 @@ def _int4_search(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return best_q.view(n, groups * size), best_a, best_b + INT4_MID * best_a
 
 
-def _fit(q: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least-squares a, b of g ~ a * q + b along the last axis (a = 0 where the codes do not vary)."""
-    qm, gm = q.mean(-1, keepdim=True), g.mean(-1, keepdim=True)
-    dq = q - qm
+def _slope(q: torch.Tensor, g: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Least-squares a of g ~ a * q + b along the last axis; `step` where the codes do not vary."""
+    dq = q - q.mean(-1, keepdim=True)
     var = dq.square().sum(-1)
-    a = torch.where(var > 0, (dq * (g - gm)).sum(-1) / var.clamp(min=1e-30), torch.zeros_like(var))
-    return a, (gm - a[..., None] * qm)[..., 0]
+    return torch.where(var > 0, (dq * g).sum(-1) / var.clamp(min=1e-30), step)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:

@@ -279,12 +279,17 @@ def verify(model_dir: Path) -> None:
         if not path.is_file() or path.stat().st_size != entry["size"]:
             size = path.stat().st_size if path.is_file() else "no"
             raise OffloadError(f"{path}: {size} bytes, {MANIFEST} says {entry['size']}: truncated or replaced")
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while chunk := f.read(16 << 20):
-                digest.update(chunk)
-        if digest.hexdigest() != entry["sha256"]:
+        if file_sha256(path) != entry["sha256"]:
             raise OffloadError(f"{path}: SHA-256 differs from {MANIFEST}: the file is corrupt")
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read 16 MiB at a time."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_manifest(model_dir: Path) -> dict:

@@ -47,12 +47,17 @@ LLAMA3_BAND = (1.0, 4.0, 8192)
 _REQUIRED = object()
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """The file's reader (memory-mapped); an OffloadError names a file that is not GGUF."""
+def check_magic(path: Path) -> None:
+    """An OffloadError naming `path` unless it starts as a GGUF file does."""
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise OffloadError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """The file's reader (memory-mapped); an OffloadError names a file that is not GGUF."""
+    check_magic(path)
     try:
         return GGUFReader(path)
     except (ValueError, IndexError, OSError) as exc:

@@ -35,11 +35,12 @@ from offload.common.errors import OffloadError
 from offload.common.model_config import parse_model_config
 from offload.common.paths import cache_dir
 from offload.common.quant import QUANT_METHOD, WeightQuant
-from offload.convert import FORMAT, MANIFEST, Planned, check_new, staged, write_weights
+from offload.convert import FORMAT, MANIFEST, Planned, check_new, file_sha256, staged, write_weights
 from offload.gguf_codes import GROUP, INT4_EXACT, INT8_EXACT, engine_int4, engine_int8, int4_groups, int8_groups
 from offload.gguf_config import (
     ROPE_FACTORS,
     architecture,
+    check_magic,
     gguf_name,
     hf_config,
     open_gguf,
@@ -131,7 +132,7 @@ def import_gguf(path: Path, out: Path, layout: str) -> ImportStats:
         manifest = {
             "format": FORMAT,
             "source": str(path.resolve()),
-            "source_sha256": _sha256(path),
+            "source_sha256": file_sha256(path),
             "gguf": {"architecture": model.arch, "tensors": {n: dataclasses.asdict(k) for n, k in source.kept.items()}},
             "quant": model.config.get("quantization_config"),
             "cpu_pack_probe": cpu_pack_probe() if model.quant is not None and layout == "cpu" else None,
@@ -299,7 +300,8 @@ def _quantized(
         codes, scales = engine_int4(groups)
         if not groups.inexact:
             return codes, scales, Kept("", qtype.name, name, True)
-        rel, worst = _error(raw, qtype, shape, codes, scales, 4)  # codes kept, some zero points rounded
+        w = torch.from_numpy(gguf_quants.dequantize(raw, qtype)).reshape(shape)
+        rel, worst = _error(w, codes, scales, 4)  # codes kept, some zero points rounded
         return codes, scales, Kept("", qtype.name, name, False, rel, worst, groups.inexact)
     if quant.bits == 8 and qtype in INT8_EXACT:
         return *engine_int8(*int8_groups(raw)), Kept("", qtype.name, name, True)
@@ -307,16 +309,13 @@ def _quantized(
 
     w = torch.from_numpy(gguf_quants.dequantize(raw, qtype)).reshape(shape)
     codes, scales = quantize(w, quant.bits, GROUP, dtype=torch.float32)
-    return codes, scales, Kept("", qtype.name, name, False, *_error(raw, qtype, shape, codes, scales, quant.bits))
+    return codes, scales, Kept("", qtype.name, name, False, *_error(w, codes, scales, quant.bits))
 
 
-def _error(
-    raw: np.ndarray, qtype: T, shape: tuple[int, ...], codes: torch.Tensor, scales: torch.Tensor, bits: int
-) -> tuple[float, float]:
+def _error(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[float, float]:
     """(||w' - w|| / ||w||, max |w' - w|) of the engine's values w' against gguf's dequantization w."""
     from offload.kernels.quant_matmul import dequantize
 
-    w = torch.from_numpy(gguf_quants.dequantize(raw, qtype)).reshape(shape)
     err = dequantize(codes, scales, bits) - w
     return float(err.norm() / w.norm().clamp(min=1e-30)), float(err.abs().max())
 
@@ -333,14 +332,6 @@ def _write_tokenizer(path: Path, work: Path, reader: GGUFReader) -> None:
         raise OffloadError(f"{path}: transformers cannot convert its tokenizer ({kind}): {exc}") from None
     tokenizer.save_pretrained(work)
     (work / "generation_config.json").write_text(json.dumps(special_tokens(reader, path), indent=2))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(16 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def source_key(path: Path, layout: str) -> str:
@@ -366,7 +357,7 @@ def resolve_model(model: str | Path) -> Path:
     if not path.is_file():
         return path
     layout = "triton" if torch.cuda.is_available() else "cpu"
-    open_gguf(path)  # a file that is not GGUF is said as such
+    check_magic(path)  # a file that is not GGUF is said as such; the import reads the rest
     out = cache_dir() / "gguf" / f"{path.stem}-{layout}-{source_key(path, layout)}"
     if (out / MANIFEST).is_file():
         return out

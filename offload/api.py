@@ -185,9 +185,10 @@ class LLM:
         """A prompt's token ids (text encoded, ids taken as they are), checked against the engine's limits."""
         return self._check_ids(self.prompts.encode(prompt, index), index)
 
-    def encode_chat(self, messages: list[dict], index: int | str = 0) -> list[int]:
-        """A conversation's token ids under the chat template, checked against the engine's limits."""
-        return self._check_ids(self.prompts.encode_chat(messages, index), index)
+    def encode_chat(self, messages: list[dict], index: int | str = 0, tools: list[dict] | None = None) -> list[int]:
+        """A conversation's token ids under the chat template, checked against the engine's limits; `tools`: the
+        functions the reply may call (OpenAI's function objects)."""
+        return self._check_ids(self.prompts.encode_chat(messages, index, tools), index)
 
     def _check_ids(self, ids: list[int], index: int | str) -> list[int]:
         return self.core.check_prompt(ids, index)

@@ -109,7 +109,7 @@ def _encode(llm: LLM, requests: list[JobRequest]) -> tuple[list[_Pending], list[
     pending, bad = [], []
     for r in requests:
         try:
-            ids = llm.encode_chat(r.messages, r.line) if r.chat else _encode_prompt(llm, r)
+            ids = llm.encode_chat(r.messages, r.line, r.functions) if r.chat else _encode_prompt(llm, r)
         except OffloadError as exc:
             bad.append(BadLine(r.line, r.id, str(exc)))
             continue

@@ -4,7 +4,8 @@ Input, one JSON object per line, in either form:
 - OpenAI's Batch format: {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
   "body": {...}}, answered with {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error"};
 - the plain form: {"id", "prompt" | "messages", and optionally "max_tokens", "temperature", "top_p", "top_k",
-  "seed", "stop", "ignore_eos"}, answered with {"id", "text", "finish_reason", "usage"}.
+  "seed", "stop", "ignore_eos", "response_format"}, answered with {"id", "text", "finish_reason", "usage"}.
+Chat lines of OpenAI's format may carry `response_format` and `tools` with `tool_choice`, as the endpoint takes them.
 A line that is not valid goes to OUT.errors.jsonl ({"line", "id", "error"}) and the job goes on; a duplicate id
 or an unreadable input stops the job before any work.
 
@@ -23,14 +24,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from offload import openai_protocol as protocol
 from offload.common.config import SamplingParams
 from offload.common.errors import OffloadError
 from offload.core import Delta
 from offload.openai_protocol import ChatRequest, CompletionRequest, RequestError
+from offload.tool_calls import ToolUse
 
 FORMAT = 1  # of OUT.meta.json
-PLAIN_FIELDS = {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
+PLAIN_FIELDS = {
+    *("id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"),
+    "response_format",  # as OpenAI's: {"type": "json_schema", "json_schema": {"schema": {...}}}, or json_object
+}
 PLAIN_DEFAULT_TOKENS = 256  # new tokens of a plain request without max_tokens
 UNBOUNDED = 1 << 30  # new tokens: the core stops a request at the context's end ("length")
 URLS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
@@ -49,6 +56,11 @@ class JobRequest:
     params: tuple[SamplingParams, ...]  # one per choice (n)
     model: str | None  # what an OpenAI line named
     logprobs: bool
+    tools: ToolUse | None = None  # what a chat line's reply may call
+
+    @property
+    def functions(self) -> list[dict] | None:
+        return list(self.tools.functions) if self.tools is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +134,11 @@ def _openai_line(obj: dict, number: int, model_name: str) -> JobRequest:
     if req.stream:
         raise _Bad("body.stream: a batch request is answered whole", rid)
     chat = kind is ChatRequest
+    tools = None
     if chat:
         messages, prompt = req.conversation(), None
         logprobs = req.logprobs
+        tools = req.tool_use()
     else:
         prompts = req.prompts()
         if len(prompts) != 1:
@@ -133,7 +147,7 @@ def _openai_line(obj: dict, number: int, model_name: str) -> JobRequest:
         logprobs = req.logprobs is not None
     budget = protocol.token_budget(req, UNBOUNDED)  # chat without a limit: until the context is full
     params = tuple(protocol.sampling_params(req, budget, k) for k in range(req.n))
-    return JobRequest(rid, number, True, chat, prompt, messages, params, req.model, logprobs)
+    return JobRequest(rid, number, True, chat, prompt, messages, params, req.model, logprobs, tools)
 
 
 def _plain_line(obj: dict, number: int) -> JobRequest:
@@ -151,6 +165,11 @@ def _plain_line(obj: dict, number: int) -> JobRequest:
         raise _Bad("prompt must be a non-empty string", rid)
     stop = obj.get("stop") or ()
     try:
+        constraint = {}
+        if obj.get("response_format") is not None:
+            holder = protocol.Sampling.model_validate({"model": "-", "response_format": obj["response_format"]})
+            holder.check_constraint()
+            constraint = holder.constraint()
         params = SamplingParams(
             max_new_tokens=obj.get("max_tokens", PLAIN_DEFAULT_TOKENS),
             temperature=float(obj.get("temperature", 0.0)),
@@ -159,7 +178,13 @@ def _plain_line(obj: dict, number: int) -> JobRequest:
             seed=obj.get("seed"),
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             ignore_eos=bool(obj.get("ignore_eos", False)),
+            **constraint,
         )
+    except RequestError as exc:
+        raise _Bad(exc.message, rid) from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise _Bad(f"{'.'.join(map(str, err['loc']))}: {err['msg']}", rid) from None
     except (OffloadError, TypeError, ValueError) as exc:
         raise _Bad(str(exc), rid) from None
     return JobRequest(rid, number, False, chat, prompt, messages, (params,), None, False)
@@ -177,8 +202,10 @@ def result_record(r: JobRequest, prompt_tokens: int, outputs: list[list[Delta]],
             "usage": protocol.usage(prompt_tokens, tokens),
         }
     head = {"id": protocol.new_id("chatcmpl" if r.chat else "cmpl"), "created": protocol.now(), "model": r.model}
-    build = protocol.chat_body if r.chat else protocol.completion_body
-    body = build(head, outputs, prompt_tokens, r.logprobs, token_text)
+    if r.chat:
+        body = protocol.chat_body(head, outputs, prompt_tokens, r.logprobs, token_text, r.tools)
+    else:
+        body = protocol.completion_body(head, outputs, prompt_tokens, r.logprobs, token_text)
     response = {"status_code": 200, "request_id": protocol.new_id("req"), "body": body}
     return {"id": protocol.new_id("batch_req"), "custom_id": r.id, "response": response, "error": None}
 

@@ -97,6 +97,7 @@ class EngineParts:
 
     def close(self) -> None:
         """Let reads in flight land, write the KV blocks queued for disk, close the files."""
+        self.core.grammars.close()
         self.weights.store.close()
         if self.experts is not None:
             if self.experts.slots is not None:

@@ -23,6 +23,7 @@ from offload.common.errors import OffloadError
 from offload.model.detokenize import TextStream
 from offload.model.engine import Engine
 from offload.model.sampling import sample
+from offload.model.structured import Grammars
 from offload.scheduler.batcher import Batcher, BatchLimits
 from offload.scheduler.kv_prices import KVPrices
 from offload.scheduler.sequence import Sequence
@@ -135,6 +136,7 @@ class _Request:
     text: TextStream | None
     arrival: float
     first_token: float | None = None
+    matcher: object | None = None  # llguidance.LLMatcher: a constrained request's grammar state
 
 
 class EngineCore:
@@ -158,6 +160,7 @@ class EngineCore:
         self.kv_prices = KVPrices(tables.block_size, kv_tiers.counters) if kv_tiers is not None else None
         self.batcher = Batcher(tables, limits, eos_ids, host_tables, self.kv_prices)
         self._tokenizer = tokenizer
+        self.grammars = Grammars(tokenizer, engine.spec.vocab_size, eos_ids)
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
         self._aborted: list[Delta] = []  # final deltas of aborted requests, handed out by the next step
@@ -204,13 +207,14 @@ class EngineCore:
         ids = self.check_prompt(list(prompt_ids), rid if index is None else index)
         if params.stop and self._tokenizer is None:
             raise OffloadError("stop strings need a tokenizer, and this model has none")
+        matcher = self.grammars.matcher(params)  # OffloadError naming the field if the constraint does not compile
         text = None if self._tokenizer is None else TextStream(self._tokenizer(), params.stop, stream_text)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.engine.device).manual_seed(params.seed)
         self._next_id += 1
         seq = Sequence(rid, ids, params, priority=priority)
-        self._requests[rid] = _Request(seq, generator, text, time.perf_counter())
+        self._requests[rid] = _Request(seq, generator, text, time.perf_counter(), matcher=matcher)
         self.batcher.add(self._requests[rid].seq)
         self._totals["requests_added"] += 1
         self._totals["prompt_tokens"] += len(ids)
@@ -273,9 +277,12 @@ class EngineCore:
         start = time.perf_counter()
         if self.kv_tiers is not None:
             self.kv_tiers.settle(self.tables.pool)
+        sampled = [self._requests[c.seq_id] for c in plan.chunks if c.wants_logits]
+        masks = self.grammars.start_masks([r.matcher for r in sampled])  # computed while the layers run
         out = self.engine.step(plan)
         reqs = [self._requests[i] for i in out.seq_ids]
-        tokens = sample(out.logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+        logits = out.logits if masks is None else masks.apply(out.logits)
+        tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
         logprobs = _logprobs(out.logits, tokens, [r.seq.params.logprobs for r in reqs])
         now = time.perf_counter()
         if self.kv_prices is not None and plan.num_prefill_tokens >= PREFILL_SAMPLE:  # the cost of recomputing KV
@@ -296,6 +303,8 @@ class EngineCore:
     def _advance(self, req: _Request, token: int, logprob: TokenLogprob | None, now: float) -> Delta:
         seq = req.seq
         req.first_token = req.first_token or now
+        if req.matcher is not None and not seq.is_finished and self.grammars.advance(req.matcher, token):
+            self.batcher.finish(seq, "stop")  # the grammar is complete: only the end of the sequence may follow
         text = ""
         if req.text is not None:
             req.text.push(token)

@@ -6,8 +6,11 @@ Both faces that speak it import it from here, below them: the HTTP server (offlo
 Requests are validated in strict mode (a string is not a number, a number is not a string) and every failure
 becomes a `RequestError` naming the field, which the server answers with OpenAI's error JSON and a batch job
 writes to its errors file. Fields that OpenAI clients send and this engine has no use for are ignored; fields
-that would change the answer and that the engine cannot honour (penalties, echo, best_of, tools) are refused
-rather than silently dropped.
+that would change the answer and that the engine cannot honour (penalties, echo, best_of) are refused rather than
+silently dropped.
+
+`response_format` (json_schema, json_object) and `tools` with `tool_choice` become a grammar the reply is held to
+(offload/model/structured.py, offload/tool_calls.py); a schema or grammar that does not compile is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from offload.common.config import MAX_LOGPROBS, SamplingParams
 from offload.core import Delta, TokenLogprob
+from offload.model.structured import JSON_STYLE, one_line
+from offload.tool_calls import ToolUse
 
 MAX_N = 8  # choices per request: each is a sequence of its own in the batch
 MAX_STOPS = 4  # as OpenAI
@@ -46,6 +51,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -63,6 +82,43 @@ class Sampling(BaseModel):
     user: str | None = None
     ignore_eos: bool = False  # an extension (as vLLM's): generate past end-of-sequence tokens
     top_k: int = Field(0, ge=0)  # an extension: 0 = no limit
+    response_format: ResponseFormat | None = None
+
+    def reply_schema(self) -> str | None:
+        """The JSON schema (as JSON text) the response_format holds the reply to; None for free text."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return '{"type":"object"}'
+        if fmt.json_schema is None:
+            raise RequestError(400, "response_format.json_schema is required with type json_schema", "response_format")
+        schema = fmt.json_schema.schema_
+        return json.dumps({"type": "object"} if schema is None else schema)
+
+    def constraint(self) -> dict:
+        """The SamplingParams fields that hold the reply to its format: json_schema, or a tool-call grammar."""
+        schema = self.reply_schema()
+        return {} if schema is None else {"json_schema": schema}
+
+    def check_constraint(self) -> None:
+        """RequestError(400) naming the field if the reply's schema or grammar does not compile."""
+        from llguidance import LLMatcher
+
+        fields = self.constraint()
+        if "json_schema" in fields:
+            field = "response_format.json_schema.schema"
+            try:
+                grammar = LLMatcher.grammar_from_json_schema(fields["json_schema"], defaults=JSON_STYLE)
+            except ValueError as exc:
+                raise RequestError(400, f"{field}: {exc}", field) from None
+        elif "grammar" in fields:
+            field, grammar = "tools", LLMatcher.grammar_from_lark(fields["grammar"])
+        else:
+            return
+        error = LLMatcher.validate_grammar(grammar)
+        if error:
+            raise RequestError(400, f"{field}: {one_line(error)}", field)
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -94,12 +150,56 @@ class CompletionRequest(Sampling):
         return list(p)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self, index: int) -> str:
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""
+            raise RequestError(400, "content is required", f"messages.{index}.content")
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -115,10 +215,46 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list | None = None
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        out = []
+        for i, m in enumerate(self.messages):
+            message = {"role": m.role, "content": m.text(i)}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.role == "tool":
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+    def tool_use(self) -> ToolUse | None:
+        """What the reply may call; None without tools or with tool_choice "none"."""
+        choice = self.tool_choice
+        if self.tools is None:
+            if choice not in (None, "none"):
+                raise RequestError(400, "tool_choice needs tools", "tool_choice")
+            return None
+        names = [t.function.name for t in self.tools]
+        for k, name in enumerate(names):
+            if name in names[:k]:
+                raise RequestError(400, f"two tools are named {name!r}", f"tools.{k}.function.name")
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise RequestError(400, f"tool_choice names {choice.function.name!r}, which no tool is", "tool_choice")
+            choice = choice.function.name
+        functions = tuple(t.function.model_dump(exclude_none=True) for t in self.tools)
+        return ToolUse(functions, choice or "auto", self.parallel_tool_calls)
+
+    def constraint(self) -> dict:
+        tools = self.tool_use()
+        if tools is None:
+            return super().constraint()
+        return {"grammar": tools.grammar(self.reply_schema())}
 
 
 def parse(raw: bytes, model: type[Sampling]) -> Sampling:
@@ -141,7 +277,8 @@ def validate(body: object, model: type[Sampling]) -> Sampling:
         field = ".".join(str(part) for part in err["loc"] if not _type_tag(part))
         raise RequestError(400, f"{field or 'body'}: {err['msg']}", field or None) from None
     request.refuse_unsupported()
-    for name in ("echo", "best_of", "tools"):
+    request.check_constraint()
+    for name in ("echo", "best_of"):
         value = getattr(request, name, None)
         if value not in (None, False) and not (name == "best_of" and value == request.n):
             raise RequestError(400, f"{name} is not supported by this engine", name)
@@ -176,6 +313,7 @@ def sampling_params(request: Sampling, max_new_tokens: int, seed_offset: int) ->
         ignore_eos=request.ignore_eos,
         top_k=request.top_k,
         logprobs=logprobs,
+        **request.constraint(),
     )
 
 
@@ -240,12 +378,23 @@ def completion_body(head: dict, outputs: list[list[Delta]], prompt_tokens: int, 
     return {**head, "object": "text_completion", "choices": choices, "usage": usage(prompt_tokens, used)}
 
 
-def chat_body(head: dict, outputs: list[list[Delta]], prompt_tokens: int, logprobs: bool, token_text) -> dict:
-    """A whole /v1/chat/completions response: one choice per output."""
+def chat_message(text: str, reason: str, tools: ToolUse | None) -> tuple[dict, str]:
+    """A chat reply as OpenAI's message and finish_reason: with tools, its calls as `tool_calls`."""
+    if tools is not None:
+        content, calls = tools.parse(text)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": text}, reason
+
+
+def chat_body(
+    head: dict, outputs: list[list[Delta]], prompt_tokens: int, logprobs: bool, token_text, tools: ToolUse | None = None
+) -> dict:
+    """A whole /v1/chat/completions response: one choice per output; `tools`: what the request let it call."""
     choices = []
     for index, deltas in enumerate(outputs):
-        message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
+        message, reason = chat_message("".join(d.text for d in deltas), _reason(deltas), tools)
         lp = chat_logprobs(deltas, token_text) if logprobs else None
-        choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": _reason(deltas)})
+        choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
     used = sum(len(d.token_ids) for deltas in outputs for d in deltas)
     return {**head, "object": "chat.completion", "choices": choices, "usage": usage(prompt_tokens, used)}

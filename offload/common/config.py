@@ -7,6 +7,7 @@ and checks), so that the CLI, the docs and the API cannot drift."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -394,8 +395,28 @@ class SamplingParams:
     ignore_eos: bool = knob(False, "sampling", "keep generating past end-of-sequence tokens")
     # report each sampled token's logprob and this many top alternatives (the API and endpoint ask; no flag)
     logprobs: int | None = None
+    # constrained decoding (offload/model/structured.py): at most one of a JSON schema (a dict or JSON text, kept as
+    # compact JSON text), a regular expression, or a Lark grammar in llguidance's dialect
+    json_schema: str | None = knob(
+        None, "sampling", "hold the reply to this JSON schema (JSON text)", metavar="SCHEMA", default_text="none"
+    )
+    regex: str | None = knob(
+        None, "sampling", "hold the reply to this regular expression", metavar="RE", default_text="none"
+    )
+    grammar: str | None = knob(
+        None,
+        "sampling",
+        "hold the reply to this Lark grammar (llguidance's dialect)",
+        metavar="LARK",
+        default_text="none",
+    )
 
     def __post_init__(self) -> None:
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
+        given = [f for f in ("json_schema", "regex", "grammar") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise OffloadError(f"give at most one of json_schema, regex and grammar, got {' and '.join(given)}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise OffloadError(f"max_new_tokens must be at least 1, got {self.max_new_tokens!r}")
         if not self.temperature >= 0:  # also rejects NaN
@@ -414,3 +435,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
+
+
+def _schema_text(schema: object) -> str:
+    """A JSON schema given as a dict or as JSON text, as compact JSON text (hashable, as a frozen field must be)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise OffloadError(f"json_schema is not valid JSON ({exc})") from None
+    if not isinstance(schema, dict | bool):
+        raise OffloadError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"))

@@ -142,11 +142,11 @@ class Server:
         except OffloadError as exc:
             raise RequestError(400, str(exc), field) from None
 
-    def encode_chat(self, conversation: list[dict]) -> list[int]:
+    def encode_chat(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.llm.prompts.has_chat_template:
             raise RequestError(400, "this model has no chat template: use /v1/completions", "messages")
         try:
-            return self.llm.encode_chat(conversation, 0)
+            return self.llm.encode_chat(conversation, 0, tools)
         except OffloadError as exc:
             raise RequestError(400, str(exc).replace("prompt 0", "the conversation"), "messages") from None
 
@@ -236,16 +236,17 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req, front = await server.accept(request, ChatRequest)
-        ids = server.encode_chat(req.conversation())
+        tools = req.tool_use()
+        ids = server.encode_chat(req.conversation(), list(tools.functions) if tools else None)
         budget = protocol.token_budget(req, server.llm.max_model_len - len(ids))
         streams = server.submit(front, [(ids, protocol.sampling_params(req, budget, k)) for k in range(req.n)])
         rid, created = protocol.new_id("chatcmpl"), protocol.now()
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
-            return sse(chat_chunks(server, req, head, streams, len(ids)))
+            return sse(chat_chunks(server, req, head, streams, len(ids), tools))
         outputs = await _unless_gone(request, _collect(streams))
         head = {"id": rid, "created": created, "model": req.model}
-        return protocol.chat_body(head, outputs, len(ids), req.logprobs, server.token_text)
+        return protocol.chat_body(head, outputs, len(ids), req.logprobs, server.token_text, tools)
 
     return app
 

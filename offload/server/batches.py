@@ -244,7 +244,10 @@ class BatchRunner:
         prompts, bad = [], []
         for r in requests:
             try:
-                ids = self.server.encode_chat(r.messages) if r.chat else self.server.encode(r.prompt, r.line, "prompt")
+                if r.chat:
+                    ids = self.server.encode_chat(r.messages, r.functions)
+                else:
+                    ids = self.server.encode(r.prompt, r.line, "prompt")
             except RequestError as exc:
                 bad.append(BadLine(r.line, r.id, exc.message))
                 continue

@@ -18,6 +18,7 @@ from offload.common.errors import OffloadError
 from offload.core import Delta
 from offload.openai_protocol import RequestError
 from offload.server.front import RequestStream
+from offload.tool_calls import CallStream, ToolUse
 
 
 def join_deltas(deltas: list[Delta]) -> Delta:
@@ -103,25 +104,45 @@ async def completion_chunks(server, req, head, streams, prompt_tokens: int) -> A
         yield {**head, "choices": [], "usage": protocol.usage(prompt_tokens, sum(generated))}
 
 
-async def chat_chunks(server, req, head, streams, prompt_len) -> AsyncIterator[dict]:
+async def chat_chunks(server, req, head, streams, prompt_len, tools: ToolUse | None = None) -> AsyncIterator[dict]:
+    """With `tools`, content that may open a call block is held back, and each call goes out once the reply has
+    ended: a delta with its id and name, then one with its arguments, as OpenAI's stream shapes them."""
     include_usage = req.include_usage()
     extra = {"usage": None} if include_usage else {}
-    for index in range(len(streams)):
-        choice = {
-            "index": index,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
+    calls = [CallStream(tools) for _ in streams] if tools is not None else None
+
+    def chunk(index: int, delta: dict, reason: str | None = None, logprobs=None) -> dict:
+        return {
+            **head,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
+            **extra,
         }
-        yield {**head, "choices": [choice], **extra}
+
+    for index in range(len(streams)):
+        yield chunk(index, {"role": "assistant", "content": ""})
     generated = 0
     async for index, delta in merged(streams):
         generated += len(delta.token_ids)
-        if not delta.text and delta.finish_reason is None and not req.logprobs:
+        text, reason = delta.text, delta.finish_reason
+        if calls is not None:
+            text = calls[index].push(text)
+            if reason is not None:
+                rest, made, reason = calls[index].finish(reason)
+                text += rest
+                for k, call in enumerate(made):
+                    fn = call["function"]
+                    named = {
+                        "index": k,
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": ""},
+                    }
+                    yield chunk(index, {"tool_calls": [named]})
+                    yield chunk(index, {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]})
+        if not text and reason is None and not req.logprobs:
             continue
-        content = {"content": delta.text} if delta.text else {}
+        content = {"content": text} if text else {}
         logprobs = protocol.chat_logprobs([delta], server.token_text) if req.logprobs else None
-        choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-        yield {**head, "choices": [choice], **extra}
+        yield chunk(index, content, reason, logprobs)
     if include_usage:
         yield {**head, "choices": [], "usage": protocol.usage(prompt_len, generated)}

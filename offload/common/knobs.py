@@ -166,3 +166,32 @@ def reference(parser: argparse.ArgumentParser) -> str:
         while lines[-1] == "":
             lines.pop()
     return "\n".join(lines) + "\n"
+
+
+def to_flags(cls: type, value: Any) -> list[str]:
+    """The flags that give `value` (an instance of dataclass `cls`) back through add_flags and from_args: one for
+    each knob whose value is not its default, sizes in bytes."""
+    flags: list[str] = []
+    for f, k in knobs(cls):
+        v = getattr(value, f.name)
+        if v == f.default:
+            continue
+        name = flag_name(f, k)
+        if isinstance(f.default, bool):
+            flags.append(name)
+        elif k.repeat:
+            for item in v:
+                flags += [name, str(item)]
+        elif k.size:
+            flags += [name, exact_size(v)]
+        else:
+            flags += [name, str(v)]
+    return flags
+
+
+def exact_size(nbytes: int) -> str:
+    """A size as parse_size reads it back exactly: GiB or MiB where whole, else bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if nbytes and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)

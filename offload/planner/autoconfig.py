@@ -139,27 +139,34 @@ def autoconfigure(
             f"no batch fits the budgets: even one sequence of {prompt + max_new_tokens} tokens is over {over} "
             "(raise --device-memory, or give --kv-cache-memory and --max-num-seqs yourself)"
         )
-    cand = chosen.candidate
-    blocks = -(-(prompt + max_new_tokens) // config.block_size)
+    device_memory = config.device_memory
+    if config.memory is not None:  # the engine's device tier: what the budget leaves beside the activations
+        device_memory = device_budget - activation_bytes(spec, hardware, dtype, config, chosen.candidate, workload)
+    budgeted = dataclasses.replace(config, memory=None, device_memory=device_memory)  # now the device budget
+    return sized(budgeted, spec, dtype, chosen, workload), chosen
+
+
+def sized(
+    config: EngineConfig, spec: ModelSpec, dtype: str, prediction: Prediction, workload: Workload
+) -> EngineConfig:
+    """`config` with the batch, KV cache, step and micro-batches of `prediction` for `workload`: the KV cache holds
+    the whole batch at its longest, every prompt of the batch is prefilled in one pass over the weights, and
+    micro-batches are the size the cost model assumed."""
+    cand = prediction.candidate
+    blocks = -(-(workload.prompt_len + workload.gen_len) // config.block_size)
     try:
         geometry = (spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype))
         per_block = KVCache.block_bytes(*geometry, config.kv_dtype, config.kv_group_size)
     except ValueError as exc:  # a KV format the model's head_dim does not take
         raise OffloadError(f"--kv-dtype {config.kv_dtype}: {exc}") from None
-    step_tokens = cand.batch * prompt  # every prompt of the batch in one pass over the weights
-    device_memory = config.device_memory
-    if config.memory is not None:  # the engine's device tier: what the budget leaves beside the activations
-        device_memory = device_budget - activation_bytes(spec, hardware, dtype, config, cand, workload)
-    planned = dataclasses.replace(
+    step_tokens = cand.batch * workload.prompt_len  # every prompt of the batch in one pass over the weights
+    return dataclasses.replace(
         config,
-        memory=None,  # now the device budget
-        device_memory=device_memory,
         max_num_seqs=cand.batch,
         kv_cache_bytes=cand.batch * blocks * per_block,
         max_step_tokens=max(step_tokens, cand.batch),
         micro_batch_tokens=max(math.ceil(step_tokens / cand.micro_batches), 1),
     )
-    return planned, chosen
 
 
 def process_rss() -> int:
@@ -190,6 +197,7 @@ def activation_bytes(
     ctx = make_context(shape, hardware, dtype, config.block_size, config.kv_group_size)
     bare = tier_memory(ctx, dataclasses.replace(cand, policy=Policy(())), workload)["device"]  # no layer placed
     kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
+    kv = kv if cand.kv_tier == "device" else 0  # host KV is counted in the host tier
     return int(bare - (shape.params.embed + shape.params.head) * ctx.dtype_bytes - kv - cand.expert_cache)
 
 

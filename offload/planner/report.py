@@ -78,9 +78,9 @@ def run_plan(args: argparse.Namespace) -> None:
     if args.plot:
         plot(predictions, args.plot, f"{shape.name} on {hw.name}")
     if args.json:
-        print(json.dumps(report_json(shape, hw, workload, dtype, predictions, args.top), indent=1))
+        print(json.dumps(report_json(shape, hw, workload, dtype, predictions, args.top, budgets, args.model), indent=1))
     else:
-        print(report(shape, hw, workload, dtype, budgets, predictions, args.top))
+        print(report(shape, hw, workload, dtype, budgets, predictions, args.top, args.model))
 
 
 def _hardware(name: str) -> HardwareProfile:
@@ -135,7 +135,9 @@ def report(
     budgets: Budgets,
     predictions: list[Prediction],
     top: int,
+    model: str | None = None,
 ) -> str:
+    """The plan as text; `model` (the --model given): each runnable policy's command is printed after the table."""
     from offload.planner.models import estimate_sizes
 
     cap = capacity(hw, budgets)
@@ -188,9 +190,25 @@ def report(
             f"   this engine today: batch {runnable.candidate.batch}, {runnable.tokens_per_second:.3g} tok/s "
             f"({runnable.tokens_per_second / winner.tokens_per_second:.2f}x the best)"
         )
+    if model is not None:
+        lines += ["", "commands that run them (the engine places and batches as planned)"]
+        for i, p in enumerate(fitting[:top], 1):
+            if not p.unsupported:
+                lines.append(f"{i:>2} {_command(shape, hw, workload, dtype, budgets, p, model)}")
+        if not os.path.isdir(model):
+            lines.append(f"   MODEL_DIR: a local copy of {model} in Hugging Face layout (config.json, *.safetensors)")
     lines += ["", "why the others lose"]
     lines += _explain(winner, predictions)
     return "\n".join(lines)
+
+
+def _command(
+    shape: ModelSpec, hw: HardwareProfile, workload: Workload, dtype: str, budgets: Budgets, p: Prediction, model: str
+) -> str:
+    from offload.planner.commands import command, planned_config
+
+    config = planned_config(shape, hw, dtype, p, workload, budgets)
+    return command(model, config, "batch", p.candidate.weight_bits)
 
 
 def _runs_here(p: Prediction) -> str:
@@ -271,12 +289,21 @@ def _explain(winner: Prediction, predictions: list[Prediction]) -> list[str]:
 
 
 def report_json(
-    shape: ModelSpec, hw: HardwareProfile, workload: Workload, dtype: str, predictions: list[Prediction], top: int
+    shape: ModelSpec,
+    hw: HardwareProfile,
+    workload: Workload,
+    dtype: str,
+    predictions: list[Prediction],
+    top: int,
+    budgets: Budgets | None = None,
+    model: str | None = None,
 ) -> dict:
     from offload.planner.models import estimate_sizes
 
     def row(p: Prediction) -> dict:
+        runs = model is not None and p.fits and not p.unsupported
         return {
+            "command": _command(shape, hw, workload, dtype, budgets or Budgets(), p, model) if runs else None,
             "policy": _candidate_json(p.candidate),
             "tokens_per_second": p.tokens_per_second,
             "ttft_seconds": p.ttft_seconds,

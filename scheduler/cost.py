@@ -379,3 +379,38 @@ def _unsupported(ctx: Context, cand: Candidate) -> tuple[str, ...]:
     if ctx.shape.architecture in PLANNING_ONLY:
         missing.append(f"an engine that runs {ctx.shape.architecture}")
     return tuple(missing)
+
+
+def mixed_step_seconds(
+    ctx: Context, cand: Candidate, decode_seqs: int, context: int, prefills: int, prompt_len: int
+) -> float:
+    """Wall seconds of one step of a continuous batch: `decode_seqs` sequences decoding one token each at a context
+    of `context` tokens, and `prefills` prompts of `prompt_len` tokens computed whole, in one pass over the weights
+    (what the engine's steps are once requests arrive one by one). Per layer, the weights are read once for both;
+    their compute adds up."""
+    s = ctx.shape
+    wall = 0.0
+    for tier, count in zip(TIERS, cand.policy.counts, strict=True):
+        if not count:
+            continue
+        parts = []
+        if decode_seqs:
+            mb = cand.decode_micro_batches(prompt_len)
+            parts.append(_layer_step(ctx, cand, tier, mb, -(-decode_seqs // mb), context, False))
+        if prefills:
+            mb = min(cand.micro_batches, prefills)
+            parts.append(_layer_step(ctx, cand, tier, mb, -(-prefills // mb), prompt_len, True))
+        if not parts:
+            continue
+        compute = sum(p["compute"] for p in parts)
+        host = sum(p["host"] for p in parts)
+        serial = sum(p.get("serial", 0.0) + p.get("serial_link", 0.0) for p in parts)
+        reads = max(max(p["disk"] for p in parts), max(p["link"] for p in parts))
+        wall += count * (max(compute, host, reads) + serial)
+    rows = decode_seqs + prefills
+    if cand.policy.embed_tier == "nvme":
+        tokens = decode_seqs + prefills * prompt_len
+        wall += min(tokens, s.vocab_size) * (-(-ctx.embed_row_bytes // 4096) * 4096) / ctx.hw.disk_read
+    head_params = s.vocab_size * s.hidden_size
+    wall += gemm_seconds(ctx.hw.device, ctx.dtype, head_params, head_params * ctx.dtype_bytes, rows, ctx.on_cpu)
+    return wall

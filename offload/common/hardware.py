@@ -59,6 +59,8 @@ class HardwareProfile:
     # read backend ("pread", "aio") -> bytes/s, cold reads of the same file through each, as `offload probe`
     # measured them; empty for published profiles and older probes (io_backend="auto" then uses its default rule)
     disk_read_by_backend: dict[str, float] = field(default_factory=dict)
+    price_per_hour: float | None = None  # USD an hour of this machine costs (rent, or a purchase spread), if stated
+    not_run: str | None = None  # why this engine has not run on such a machine (a profile for planning only)
 
 
 # the optional measured curves: JSON field -> (the x of a point, the unit of its rate, that unit in base units)

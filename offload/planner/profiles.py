@@ -67,7 +67,7 @@ def saved_read_rates() -> dict[str, float]:
 
 def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile:
     """A profile from its JSON object (human units); errors name `where` (the file) and the field."""
-    top = _fields(data, where, "", ("name", "source", "device", "host", "links", "disk"))
+    top = _fields(data, where, "", ("name", "source", "device", "host", "links", "disk"), ("price", "not_run"))
     for key in ("name", "source"):
         if not isinstance(top[key], str) or not top[key].strip():
             raise OffloadError(f"{where}: {key}: must be a non-empty string, got {top[key]!r}")
@@ -90,7 +90,25 @@ def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile
         disk_write=_number(disk, where, "disk", "write_gbps") * GB,
         source=top["source"],
         disk_read_by_backend=_by_backend(disk, where),
+        price_per_hour=_price(top.get("price"), where),
+        not_run=_text(top, where, "not_run"),
     )
+
+
+def _text(data: dict, where: str, key: str) -> str | None:
+    value = data.get(key)
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise OffloadError(f"{where}: {key}: must be a non-empty string, got {value!r}")
+    return value
+
+
+def _price(data: Any, where: str) -> float | None:
+    """The optional "price": {"usd_per_hour": X, "source": "..."} of a profile (a machine's rent, or its purchase
+    spread over the hours it serves), in USD per hour."""
+    if data is None:
+        return None
+    price = _fields(data, where, "price", ("usd_per_hour",), ("source",))
+    return _number(price, where, "price", "usd_per_hour", minimum=0.0)
 
 
 def profile_to_json(p: HardwareProfile) -> dict:
@@ -110,6 +128,8 @@ def profile_to_json(p: HardwareProfile) -> dict:
             "write_gbps": _human(p.disk_write / GB),
             **({"read_gbps_by_backend": {b: _human(r / GB) for b, r in by_backend.items()}} if by_backend else {}),
         },
+        **({"price": {"usd_per_hour": p.price_per_hour}} if p.price_per_hour is not None else {}),
+        **({"not_run": p.not_run} if p.not_run else {}),
     }
 
 

@@ -19,6 +19,7 @@ from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity
+from offload.scheduler.queueing import ARRIVALS
 from offload.scheduler.search import best, search
 
 GB = 1e9
@@ -35,10 +36,37 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--hardware",
         default="probe",
-        metavar="PROFILE|probe",
+        metavar="PROFILE[,PROFILE...]|DIR|probe",
         help="a name in configs/hardware, a profile JSON file, or 'probe': the profile `offload probe` saved for "
-        "this machine (measured now, quickly, when there is none)",
+        "this machine (measured now, quickly, when there is none); several, comma-separated, or a folder of profile "
+        "files: one row per option, with its best throughput and cost per million tokens",
     )
+    p.add_argument(
+        "--price",
+        action="append",
+        default=[],
+        metavar="PROFILE=USD",
+        help="an option's price per hour (cloud rent); repeatable. A profile file may state its own ('price')",
+    )
+    p.add_argument(
+        "--purchase",
+        action="append",
+        default=[],
+        metavar="PROFILE=USD",
+        help="an option's purchase price, spread over --amortize-hours; repeatable",
+    )
+    p.add_argument(
+        "--amortize-hours",
+        type=float,
+        default=AMORTIZE_HOURS,
+        metavar="H",
+        help=f"hours a purchase is spread over (default {AMORTIZE_HOURS:.0f}: three years, always on)",
+    )
+    p.add_argument("--qps", type=float, metavar="R", help="requests/s arriving: predict each policy's latency at it")
+    p.add_argument("--arrival", choices=ARRIVALS, default="poisson", help="how requests arrive (default poisson)")
+    p.add_argument("--max-ttft", type=float, metavar="S", help="target: p90 time to first token at most S seconds")
+    p.add_argument("--min-stream-tps", type=float, metavar="X", help="target: each stream at least X tokens/s")
+    p.add_argument("--disk", metavar="CLASS", help=f"the disk, one of the shipped classes ({', '.join(DISK_CLASSES)})")
     p.add_argument("--prompt-len", type=int, default=512, metavar="TOKENS")
     p.add_argument("--gen-len", type=int, default=32, metavar="TOKENS")
     p.add_argument("--requests", type=int, metavar="N", help="requests to serve (default: one batch, any size)")
@@ -61,11 +89,17 @@ def run_plan(args: argparse.Namespace) -> None:
     from offload.planner.profiles import with_overrides
 
     shape = load_model_spec(args.model)
-    hw = _hardware(args.hardware)
+    options = _hardware_options(args.hardware)
+    if args.disk is not None:
+        if args.disk not in DISK_CLASSES:
+            raise OffloadError(f"--disk {args.disk!r}: one of {', '.join(DISK_CLASSES)}")
+        read, write = DISK_CLASSES[args.disk][:2]
+        options = [with_overrides(hw, disk_read=read * GB, disk_write=write * GB) for hw in options]
     if args.disk_read is not None:
         if not args.disk_read > 0:
             raise OffloadError(f"--disk-read must be a positive number of GB/s, got {args.disk_read}")
-        hw = with_overrides(hw, disk_read=args.disk_read * GB)
+        options = [with_overrides(hw, disk_read=args.disk_read * GB) for hw in options]
+    prices = _prices(options, args.price, args.purchase, args.amortize_hours)
     budgets = Budgets(
         device=None if args.device_memory is None else parse_size(args.device_memory, "--device-memory"),
         host=None if args.host_memory is None else parse_size(args.host_memory, "--host-memory"),
@@ -73,7 +107,27 @@ def run_plan(args: argparse.Namespace) -> None:
     if args.top < 1:
         raise OffloadError(f"--top must be at least 1, got {args.top}")
     workload = Workload(args.prompt_len, args.gen_len, args.requests)
+    if len(options) > 1:
+        rows = [
+            _option_row(shape, hw, workload, args.dtype, budgets, args.quantize, prices.get(hw.name)) for hw in options
+        ]
+        if args.json:
+            print(json.dumps({"model": shape.name, "workload": asdict(workload), "options": rows}, indent=1))
+        else:
+            print(comparison(shape, workload, rows, args.amortize_hours))
+        return
+    (hw,) = options
     dtype = args.dtype or _default_dtype(shape, hw)
+    if args.qps is not None:
+        if not args.qps > 0:
+            raise OffloadError(f"--qps must be a positive number of requests/s, got {args.qps}")
+        predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, quantized=args.quantize)
+        rows = latency_rows(shape, hw, workload, dtype, budgets, predictions, args)
+        if args.json:
+            print(json.dumps({"model": shape.name, "hardware": hw.name, "qps": args.qps, "policies": rows}, indent=1))
+        else:
+            print(latency_report(shape, hw, workload, dtype, rows, args))
+        return
     predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, quantized=args.quantize)
     if args.plot:
         plot(predictions, args.plot, f"{shape.name} on {hw.name}")
@@ -81,6 +135,215 @@ def run_plan(args: argparse.Namespace) -> None:
         print(json.dumps(report_json(shape, hw, workload, dtype, predictions, args.top, budgets, args.model), indent=1))
     else:
         print(report(shape, hw, workload, dtype, budgets, predictions, args.top, args.model))
+
+
+AMORTIZE_HOURS = 3 * 365 * 24.0
+# NVMe and SATA classes to combine with a profile (--disk): read and write GB/s, 0.85 x a typical drive's sequential
+# spec, as the shipped profiles derate theirs, and the drive
+DISK_CLASSES = {
+    "sata": (0.47, 0.44, "a SATA SSD: 550 / 520 MB/s sequential (the interface's ceiling)"),
+    "pcie3": (2.98, 2.81, "a PCIe Gen3 x4 NVMe SSD: 3.5 / 3.3 GB/s sequential (Samsung 970 EVO Plus)"),
+    "pcie4": (6.33, 5.87, "a PCIe Gen4 x4 NVMe SSD: 7.45 / 6.9 GB/s sequential (Samsung 990 PRO)"),
+    "pcie5": (12.3, 10.8, "a PCIe Gen5 x4 NVMe SSD: 14.5 / 12.7 GB/s sequential (Crucial T705)"),
+}
+
+
+def _hardware_options(spec: str) -> list[HardwareProfile]:
+    """The profiles --hardware names: one, several comma-separated, or every .json file of a folder."""
+    from pathlib import Path
+
+    if os.path.isdir(spec):
+        files = sorted(Path(spec).glob("*.json"))
+        if not files:
+            raise OffloadError(f"--hardware {spec}: a folder with no .json profile in it")
+        return [_hardware(str(f)) for f in files]
+    names = [n.strip() for n in spec.split(",")]
+    if not all(names):
+        raise OffloadError(f"--hardware {spec!r}: an empty name in the list")
+    return [_hardware(n) for n in names]
+
+
+def _prices(options: list[HardwareProfile], rents: list[str], purchases: list[str], hours: float) -> dict[str, float]:
+    """Option name -> USD per hour: --price (per hour), --purchase (spread over `hours`), else the profile's own."""
+    if not hours > 0:
+        raise OffloadError(f"--amortize-hours must be positive, got {hours}")
+    by_key = {}
+    for hw in options:
+        by_key[hw.name.lower()] = hw.name
+    out = {hw.name: hw.price_per_hour for hw in options if hw.price_per_hour is not None}
+    for flag, given, scale in (("--price", rents, 1.0), ("--purchase", purchases, 1.0 / hours)):
+        for item in given:
+            key, sep, value = item.partition("=")
+            try:
+                usd = float(value)
+            except ValueError:
+                usd = -1.0
+            if not sep or usd < 0:
+                raise OffloadError(f"{flag} {item!r}: give PROFILE=USD, a number of dollars")
+            name = by_key.get(key.strip().lower()) or _stem_match(options, key.strip())
+            if name is None:
+                raise OffloadError(f"{flag} {item!r}: {key!r} is none of the --hardware options")
+            out[name] = usd * scale
+    return out
+
+
+def _stem_match(options: list[HardwareProfile], key: str) -> str | None:
+    """The option whose profile is the shipped file `key` (t4-16gb names the profile called T4-16GB)."""
+    from offload.planner.profiles import PROFILE_DIR, load_profile
+
+    path = PROFILE_DIR / f"{key.lower()}.json"
+    if not path.exists():
+        return None
+    name = load_profile(path).name
+    return name if any(hw.name == name for hw in options) else None
+
+
+def _option_row(
+    shape: ModelSpec,
+    hw: HardwareProfile,
+    workload: Workload,
+    dtype: str | None,
+    budgets: Budgets,
+    quantized: bool,
+    usd_per_hour: float | None,
+) -> dict:
+    """One hardware option: its best runnable policy and what a million tokens cost on it."""
+    try:
+        dtype = dtype or _default_dtype(shape, hw)
+        predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, quantized=quantized)
+        chosen = best(predictions, runnable_only=True)
+    except OffloadError as exc:
+        return {"hardware": hw.name, "fits": False, "why": str(exc), "usd_per_hour": usd_per_hour}
+    if chosen is None:
+        return {"hardware": hw.name, "fits": False, "why": "no policy fits", "usd_per_hour": usd_per_hour}
+    tps = chosen.tokens_per_second
+    per_million = None if usd_per_hour is None else usd_per_hour / (tps * 3600) * 1e6
+    return {
+        "hardware": hw.name,
+        "fits": True,
+        "dtype": dtype,
+        "policy": _candidate_json(chosen.candidate),
+        "tokens_per_second": tps,
+        "ttft_seconds": chosen.ttft_seconds,
+        "bound": chosen.bound,
+        "busy_seconds": chosen.resources,
+        "usd_per_hour": usd_per_hour,
+        "usd_per_million_tokens": per_million,
+        "not_run": hw.not_run,
+    }
+
+
+def comparison(shape: ModelSpec, workload: Workload, rows: list[dict], hours: float) -> str:
+    """The hardware options side by side, cheapest per token first (then fastest); what binds each."""
+    lines = [
+        f"model     {shape.name}: {shape.total_params / 1e9:.2f} B parameters",
+        f"workload  prompt {workload.prompt_len} tokens, {workload.gen_len} new tokens, "
+        + (f"{workload.requests} requests" if workload.requests else "one batch of any size"),
+        "",
+        f"{'hardware':<22} {'tok/s':>9} {'batch':>6} {'layers dev/host/disk':>21} {'bound':<8} {'$/h':>7} "
+        f"{'$ per M tokens':>14}",
+    ]
+
+    def order(r: dict) -> tuple:
+        cost = r.get("usd_per_million_tokens")
+        return (not r["fits"], cost is None, cost or 0.0, -r.get("tokens_per_second", 0.0))
+
+    for r in sorted(rows, key=order):
+        price = "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}"
+        if not r["fits"]:
+            lines.append(f"{r['hardware']:<22} {'-':>9} {'-':>6} {'-':>21} {'-':<8} {price:>7} {'-':>14}  {r['why']}")
+            continue
+        layers = "/".join(map(str, r["policy"]["layers"]))
+        cost = "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.3g}"
+        lines.append(
+            f"{r['hardware']:<22} {r['tokens_per_second']:>9.3g} {r['policy']['batch']:>6} {layers:>21} "
+            f"{r['bound']:<8} {price:>7} {cost:>14}" + ("  (planning only: not run)" if r["not_run"] else "")
+        )
+    if any(r["usd_per_hour"] is None for r in rows):
+        lines += ["", "$: give --price PROFILE=USD (per hour) or --purchase PROFILE=USD (spread over --amortize-hours)"]
+    lines += [
+        "",
+        f"bound: the busiest resource over a round (disk, link, compute, host); purchases spread over {hours:.0f} h",
+    ]
+    return "\n".join(lines)
+
+
+def latency_rows(
+    shape: ModelSpec,
+    hw: HardwareProfile,
+    workload: Workload,
+    dtype: str,
+    budgets: Budgets,
+    predictions: list[Prediction],
+    args: argparse.Namespace,
+) -> list[dict]:
+    """Each batch size's best runnable policy at the request rate: its latency, whether it meets the targets (and by
+    what it misses), and the `offload serve` command that runs it. Those that meet come first, the most headroom
+    (sustainable rate over the rate asked) first; then the rest, the nearest first."""
+    from offload.planner.commands import command, planned_config
+    from offload.scheduler.cost import make_context
+    from offload.scheduler.queueing import simulate
+
+    ctx = make_context(shape, hw, dtype, BLOCK_SIZE)
+    rows = []
+    for p in _per_batch(predictions).values():
+        if not p.fits or p.unsupported:
+            continue
+        lat = simulate(ctx, p, workload.prompt_len, workload.gen_len, args.qps, args.arrival)
+        misses = []
+        if lat.saturated:
+            misses.append(f"sustains {lat.max_rate:.3g} requests/s, under the {args.qps:g} asked")
+        if args.max_ttft is not None and lat.ttft_p90 > args.max_ttft:
+            misses.append(
+                f"p90 TTFT {lat.ttft_p90:.3g} s, over {args.max_ttft:g} s by {lat.ttft_p90 - args.max_ttft:.3g}"
+            )
+        if args.min_stream_tps is not None and lat.stream_tps_p50 < args.min_stream_tps:
+            gap = args.min_stream_tps - lat.stream_tps_p50
+            misses.append(f"streams {lat.stream_tps_p50:.3g} tokens/s, under {args.min_stream_tps:g} by {gap:.3g}")
+        config = planned_config(shape, hw, dtype, p, workload, budgets)
+        rows.append(
+            {
+                "policy": _candidate_json(p.candidate),
+                "ttft_p50_seconds": lat.ttft_p50,
+                "ttft_p90_seconds": lat.ttft_p90,
+                "stream_tokens_per_second": lat.stream_tps_p50,
+                "throughput_tokens_per_second": lat.throughput,
+                "max_rate": lat.max_rate,
+                "mean_batch": lat.mean_batch,
+                "meets": not misses,
+                "misses": misses,
+                "command": command(args.model, config, "serve", p.candidate.weight_bits),
+            }
+        )
+    rows.sort(key=lambda r: (not r["meets"], len(r["misses"]), -r["max_rate"], r["ttft_p90_seconds"]))
+    return rows
+
+
+def latency_report(
+    shape: ModelSpec, hw: HardwareProfile, workload: Workload, dtype: str, rows: list[dict], args: argparse.Namespace
+) -> str:
+    targets = [f"p90 TTFT <= {args.max_ttft:g} s" for _ in [0] if args.max_ttft is not None]
+    targets += [f"streams >= {args.min_stream_tps:g} tokens/s" for _ in [0] if args.min_stream_tps is not None]
+    lines = [
+        f"model     {shape.name}, computed in {dtype}, on {hw.name}",
+        f"requests  {args.qps:g}/s ({args.arrival}) of {workload.prompt_len}-token prompts, {workload.gen_len} new "
+        "tokens each; predicted by simulating the engine's continuous batching over the cost model",
+        f"targets   {', '.join(targets) or 'none (--max-ttft, --min-stream-tps)'}",
+        "",
+        f"{'#':>2} {'batch':>5} {'weights':>12} {'TTFT p50':>9} {'p90':>8} {'stream tok/s':>12} {'max req/s':>9} "
+        f"{'mean batch':>10}  meets",
+    ]
+    for i, r in enumerate(rows, 1):
+        c = r["policy"]
+        layers = "/".join(map(str, c["layers"]))
+        lines.append(
+            f"{i:>2} {c['batch']:>5} {layers:>12} {r['ttft_p50_seconds']:>8.3g}s {r['ttft_p90_seconds']:>7.3g}s "
+            f"{r['stream_tokens_per_second']:>12.3g} {r['max_rate']:>9.3g} {r['mean_batch']:>10.3g}  "
+            + ("yes" if r["meets"] else "no: " + "; ".join(r["misses"]))
+        )
+    if rows:
+        lines += ["", f"run the first: {rows[0]['command']}"]
+    return "\n".join(lines)
 
 
 def _hardware(name: str) -> HardwareProfile:
@@ -156,6 +419,8 @@ def report(
         + (f"{workload.requests} requests" if workload.requests else "one batch of any size"),
         "",
     ]
+    if hw.not_run:
+        lines.insert(3, f"          planning only: {hw.not_run}")
     winner = best(predictions)
     if winner is None:
         smallest = predictions[0]

@@ -68,3 +68,59 @@ def test_a_named_model_gets_a_placeholder_and_a_quantized_policy_converts_first(
             assert r["command"].startswith(
                 f"offload convert --model MODEL_DIR --out MODEL_DIR-int{bits} --quant int{bits} && "
             )
+
+
+# ---- hardware options side by side ------------------------------------------------------------------------------
+
+
+def test_hardware_options_side_by_side_with_their_cost_per_million_tokens(capsys) -> None:
+    argv = ["plan", "--model", "llama-3.1-70b", "--hardware", "t4-16gb,l4-24gb,rtx4090-24gb,a100-80gb"]
+    argv += [
+        "--price",
+        "t4-16gb=0.35",
+        "--price",
+        "L4-24GB=0.71",
+        "--purchase",
+        "rtx4090-24gb=2628",
+        "--price",
+        "a100-80gb=3.67",
+    ]
+    assert main([*argv, "--json"]) == 0
+    rows = {r["hardware"]: r for r in json.loads(capsys.readouterr().out)["options"]}
+    assert set(rows) == {"T4-16GB", "L4-24GB", "RTX4090-24GB", "A100-80GB-SXM"}
+    assert rows["RTX4090-24GB"]["usd_per_hour"] == pytest.approx(2628 / (3 * 365 * 24))  # spread over three years
+    for r in rows.values():
+        assert r["fits"] and r["bound"] in ("disk", "link", "compute", "host")
+        assert r["usd_per_million_tokens"] == pytest.approx(r["usd_per_hour"] / (r["tokens_per_second"] * 3600) * 1e6)
+    assert main(argv) == 0
+    table = capsys.readouterr().out.splitlines()
+    listed = [line.split()[0] for line in table if line.split() and line.split()[0] in rows]
+    cheapest_first = sorted(rows, key=lambda name: rows[name]["usd_per_million_tokens"])
+    assert listed == cheapest_first
+
+
+def test_a_folder_of_profiles_a_disk_class_and_a_planning_only_card(capsys, tmp_path) -> None:
+    from offload.planner.profiles import load_profile
+
+    for name in ("rtx4090-24gb", "mi300x-192gb"):
+        save_profile(load_profile(name), tmp_path / f"{name}.json")
+    argv = ["plan", "--model", "llama-3.1-8b", "--hardware", str(tmp_path), "--disk", "sata", "--json"]
+    assert main(argv) == 0
+    rows = {r["hardware"]: r for r in json.loads(capsys.readouterr().out)["options"]}
+    assert rows["MI300X-192GB"]["not_run"] and rows["RTX4090-24GB"]["not_run"] is None
+    assert main(argv[:-1]) == 0
+    assert "planning only" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--price", "t4-16gb"], "give PROFILE=USD"),
+        (["--price", "h100-80gb=2"], "none of the --hardware options"),
+        (["--purchase", "t4-16gb=1", "--amortize-hours", "0"], "--amortize-hours must be positive"),
+        (["--disk", "floppy"], "--disk 'floppy': one of sata"),
+    ],
+)
+def test_bad_prices_and_disks_are_one_line(capsys, extra, message) -> None:
+    assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "t4-16gb,l4-24gb", *extra]) != 0
+    assert message in capsys.readouterr().err

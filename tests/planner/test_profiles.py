@@ -22,7 +22,10 @@ from offload.planner.profiles import (
     with_overrides,
 )
 
-SHIPPED = ["a100-40gb", "a100-80gb", "a10g-24gb", "h100-80gb", "h200-141gb", "l4-24gb", "rtx4090-24gb", "t4-16gb"]
+SHIPPED = [
+    *("a100-40gb", "a100-80gb", "a10g-24gb", "h100-80gb", "h200-141gb", "l4-24gb", "l40s-48gb", "mi300x-192gb"),
+    *("rtx3090-24gb", "rtx4090-24gb", "rtx5090-32gb", "t4-16gb"),
+]
 
 
 def tiny_profile(**changes) -> HardwareProfile:

@@ -1,6 +1,6 @@
 """Constrained decoding: do constrained replies always parse, and what do the constraints cost?
 
-    python benchmarks/structured.py [--replies 208] [--requests 64] [--new-tokens 96] [--repeats 2]
+    python benchmarks/structured.py [--replies 208] [--requests 64] [--new-tokens 96] [--repeats 4]
                                     [--work-dir ~/.cache/offload/bench] [--skip-streamed] [--quick] [--out PATH]
 
 Validity. --replies chat requests, each with a `response_format` JSON schema of five kinds (nesting, enums, arrays
@@ -19,9 +19,10 @@ each way --repeats times in alternating order, one process:
              is SmolLM2's (49152 tokens, whose tokenizer it gets) since a constraint needs a tokenizer
 The constrained run goes first, untimed, to learn each reply's length; the free run then generates exactly that many
 tokens per request (eos ignored), so both runs keep the same batch through the same steps and differ only in the
-masks. The mask's cost is reported as the worker's time computing masks per step and the time a step waited for
-them after its forward pass (the part not hidden). Prints a table and writes benchmarks/results/structured.json with the
-machine it ran on.
+masks; the ratio is of the medians, and the free runs' own spread (fastest over slowest) says how much two runs of
+the same work differ on the machine. The mask's cost is reported as the worker's time computing masks per step and
+the time a step waited for them after its forward pass (the part not hidden). Prints a table and writes
+benchmarks/results/structured.json with the machine it ran on.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -291,9 +293,10 @@ def throughput(model: Path, config, conversations: list[list[dict]], new_tokens:
                         "valid_json": sum(_parses(c.text) for c in out) if name == "constrained" else None,
                     }
                 )
-    best = {k: max(v, key=lambda run: run["tokens_per_second"]) for k, v in runs.items()}
-    ratio = best["constrained"]["tokens_per_second"] / best["free"]["tokens_per_second"]
-    return {"runs": runs, "ratio": ratio}
+    median = {k: statistics.median(run["tokens_per_second"] for run in v) for k, v in runs.items()}
+    free = [run["tokens_per_second"] for run in runs["free"]]
+    # the free runs' own spread: how much two runs of the same work differ on this machine
+    return {"runs": runs, "ratio": median["constrained"] / median["free"], "free_spread": max(free) / min(free)}
 
 
 def _parses(text: str) -> bool:
@@ -313,7 +316,7 @@ def streamed_model(work_dir: Path) -> Path:
         work_dir / "llama-22L-bf16-smolvocab", SHAPE | {"num_hidden_layers": 22, "vocab_size": 49152}
     )
     source = resolve_model(real_model_file())
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (source / name).exists() and not (model / name).exists():
             shutil.copyfile(source / name, model / name)
     return model
@@ -324,7 +327,7 @@ def main() -> None:
     parser.add_argument("--replies", type=int, default=208)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "offload" / "bench")
     parser.add_argument("--skip-streamed", action="store_true")
     parser.add_argument("--quick", action="store_true", help="24 replies, 16 requests, one repeat, no streamed run")
@@ -346,7 +349,7 @@ def main() -> None:
     }
     validity = {}
     for name, model in (("real", real), ("demo", ensure_demo_model())):
-        bodies = requests(args.replies, "m", 512)
+        bodies = requests(args.replies, "m", 1024)
         validity[name] = {"server": via_server(model, bodies, work), "batch": via_batch(model, bodies, work)}
         counts = [f"{face} {s['valid']}/{s['replies']}" for face, s in validity[name].items()]
         print(f"{name} model, valid replies: {', '.join(counts)}")
@@ -355,7 +358,8 @@ def main() -> None:
     conversations = (prompts * (args.requests // len(prompts) + 1))[: args.requests]
     ram = EngineConfig(dtype="bfloat16", max_num_seqs=16, kv_cache_bytes=256 << 20)
     report["ram"] = throughput(real, ram, conversations, args.new_tokens, args.repeats)
-    print(f"ram, batch 16: constrained/free tokens/s {report['ram']['ratio']:.3f}")
+    ram = report["ram"]
+    print(f"ram, batch 16: constrained/free tokens/s {ram['ratio']:.3f} (free runs' spread {ram['free_spread']:.3f})")
     if not args.skip_streamed:
         model = streamed_model(args.work_dir)
         config = ours_config(model, STREAM_BUDGET, Workload(prompts=8, new_tokens=16))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from offload.model.structured import styled
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_PARALLEL_CALLS = 8  # calls one reply may make: a model that keeps adding calls to its list still ends
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
@@ -59,7 +60,8 @@ class ToolUse:
         named = self.choice not in ("auto", "required")
         call = self._call_schema([self.choice] if named else [f["name"] for f in self.functions])
         parallel = self.parallel and not named
-        body = {"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]} if parallel else call
+        calls = {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
+        body = {"anyOf": [call, calls]} if parallel else call
         lines = ["%llguidance {}", f"body: %json {json.dumps(styled(body))}"]
         blocks = 'body "</tool_call>"'  # one block: several calls are a list in it
         if self.choice == "auto" and reply_schema is None:  # text, up to a block's opening

@@ -11,6 +11,10 @@ code where the profile has them, else at the memory bandwidth and the GEMM rate.
 A micro-batch is a token budget, as in the engine: a prefill of `batch` prompts runs in `micro_batches` pieces,
 and a decode step's one token per sequence fills as few micro-batches of that budget as it needs (usually one).
 Plain numbers in, plain numbers out: no tensors, no files. The search over policies is `scheduler.search`.
+
+Over 400 lines: the model of a layer's step (`_layer_step`), of a whole step of one kind (`_step`) and of a step that
+mixes prefill and decode (`mixed_step_seconds`, for scheduler/queueing.py) share one set of prices, and the memory a
+policy holds (`tier_memory`) is counted beside them so that time and memory stay the same model.
 """
 
 from __future__ import annotations

@@ -7,10 +7,8 @@ Reads a model's shape (a public name or a local directory) and a hardware profil
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import sys
 from collections import defaultdict
 from dataclasses import asdict
 
@@ -18,7 +16,18 @@ from offload.common.config import BLOCK_SIZE
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
-from offload.scheduler.cost import Budgets, Candidate, Prediction, Workload, capacity
+from offload.planner.compare import (
+    AMORTIZE_HOURS,
+    DISK_CLASSES,
+    _default_dtype,
+    _hardware_options,
+    _option_row,
+    _prices,
+    comparison,
+)
+from offload.planner.latency import latency_report, latency_rows
+from offload.planner.rows import candidate_json, per_batch
+from offload.scheduler.cost import Budgets, Prediction, Workload, capacity
 from offload.scheduler.queueing import ARRIVALS
 from offload.scheduler.search import best, search
 
@@ -130,240 +139,13 @@ def run_plan(args: argparse.Namespace) -> None:
         return
     predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, quantized=args.quantize)
     if args.plot:
+        from offload.planner.plot import plot
+
         plot(predictions, args.plot, f"{shape.name} on {hw.name}")
     if args.json:
         print(json.dumps(report_json(shape, hw, workload, dtype, predictions, args.top, budgets, args.model), indent=1))
     else:
         print(report(shape, hw, workload, dtype, budgets, predictions, args.top, args.model))
-
-
-AMORTIZE_HOURS = 3 * 365 * 24.0
-# NVMe and SATA classes to combine with a profile (--disk): read and write GB/s, 0.85 x a typical drive's sequential
-# spec, as the shipped profiles derate theirs, and the drive
-DISK_CLASSES = {
-    "sata": (0.47, 0.44, "a SATA SSD: 550 / 520 MB/s sequential (the interface's ceiling)"),
-    "pcie3": (2.98, 2.81, "a PCIe Gen3 x4 NVMe SSD: 3.5 / 3.3 GB/s sequential (Samsung 970 EVO Plus)"),
-    "pcie4": (6.33, 5.87, "a PCIe Gen4 x4 NVMe SSD: 7.45 / 6.9 GB/s sequential (Samsung 990 PRO)"),
-    "pcie5": (12.3, 10.8, "a PCIe Gen5 x4 NVMe SSD: 14.5 / 12.7 GB/s sequential (Crucial T705)"),
-}
-
-
-def _hardware_options(spec: str) -> list[HardwareProfile]:
-    """The profiles --hardware names: one, several comma-separated, or every .json file of a folder."""
-    from pathlib import Path
-
-    if os.path.isdir(spec):
-        files = sorted(Path(spec).glob("*.json"))
-        if not files:
-            raise OffloadError(f"--hardware {spec}: a folder with no .json profile in it")
-        return [_hardware(str(f)) for f in files]
-    names = [n.strip() for n in spec.split(",")]
-    if not all(names):
-        raise OffloadError(f"--hardware {spec!r}: an empty name in the list")
-    return [_hardware(n) for n in names]
-
-
-def _prices(options: list[HardwareProfile], rents: list[str], purchases: list[str], hours: float) -> dict[str, float]:
-    """Option name -> USD per hour: --price (per hour), --purchase (spread over `hours`), else the profile's own."""
-    if not hours > 0:
-        raise OffloadError(f"--amortize-hours must be positive, got {hours}")
-    by_key = {}
-    for hw in options:
-        by_key[hw.name.lower()] = hw.name
-    out = {hw.name: hw.price_per_hour for hw in options if hw.price_per_hour is not None}
-    for flag, given, scale in (("--price", rents, 1.0), ("--purchase", purchases, 1.0 / hours)):
-        for item in given:
-            key, sep, value = item.partition("=")
-            try:
-                usd = float(value)
-            except ValueError:
-                usd = -1.0
-            if not sep or usd < 0:
-                raise OffloadError(f"{flag} {item!r}: give PROFILE=USD, a number of dollars")
-            name = by_key.get(key.strip().lower()) or _stem_match(options, key.strip())
-            if name is None:
-                raise OffloadError(f"{flag} {item!r}: {key!r} is none of the --hardware options")
-            out[name] = usd * scale
-    return out
-
-
-def _stem_match(options: list[HardwareProfile], key: str) -> str | None:
-    """The option whose profile is the shipped file `key` (t4-16gb names the profile called T4-16GB)."""
-    from offload.planner.profiles import PROFILE_DIR, load_profile
-
-    path = PROFILE_DIR / f"{key.lower()}.json"
-    if not path.exists():
-        return None
-    name = load_profile(path).name
-    return name if any(hw.name == name for hw in options) else None
-
-
-def _option_row(
-    shape: ModelSpec,
-    hw: HardwareProfile,
-    workload: Workload,
-    dtype: str | None,
-    budgets: Budgets,
-    quantized: bool,
-    usd_per_hour: float | None,
-) -> dict:
-    """One hardware option: its best runnable policy and what a million tokens cost on it."""
-    try:
-        dtype = dtype or _default_dtype(shape, hw)
-        predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, quantized=quantized)
-        chosen = best(predictions, runnable_only=True)
-    except OffloadError as exc:
-        return {"hardware": hw.name, "fits": False, "why": str(exc), "usd_per_hour": usd_per_hour}
-    if chosen is None:
-        return {"hardware": hw.name, "fits": False, "why": "no policy fits", "usd_per_hour": usd_per_hour}
-    tps = chosen.tokens_per_second
-    per_million = None if usd_per_hour is None else usd_per_hour / (tps * 3600) * 1e6
-    return {
-        "hardware": hw.name,
-        "fits": True,
-        "dtype": dtype,
-        "policy": _candidate_json(chosen.candidate),
-        "tokens_per_second": tps,
-        "ttft_seconds": chosen.ttft_seconds,
-        "bound": chosen.bound,
-        "busy_seconds": chosen.resources,
-        "usd_per_hour": usd_per_hour,
-        "usd_per_million_tokens": per_million,
-        "not_run": hw.not_run,
-    }
-
-
-def comparison(shape: ModelSpec, workload: Workload, rows: list[dict], hours: float) -> str:
-    """The hardware options side by side, cheapest per token first (then fastest); what binds each."""
-    lines = [
-        f"model     {shape.name}: {shape.total_params / 1e9:.2f} B parameters",
-        f"workload  prompt {workload.prompt_len} tokens, {workload.gen_len} new tokens, "
-        + (f"{workload.requests} requests" if workload.requests else "one batch of any size"),
-        "",
-        f"{'hardware':<22} {'tok/s':>9} {'batch':>6} {'layers dev/host/disk':>21} {'bound':<8} {'$/h':>7} "
-        f"{'$ per M tokens':>14}",
-    ]
-
-    def order(r: dict) -> tuple:
-        cost = r.get("usd_per_million_tokens")
-        return (not r["fits"], cost is None, cost or 0.0, -r.get("tokens_per_second", 0.0))
-
-    for r in sorted(rows, key=order):
-        price = "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}"
-        if not r["fits"]:
-            lines.append(f"{r['hardware']:<22} {'-':>9} {'-':>6} {'-':>21} {'-':<8} {price:>7} {'-':>14}  {r['why']}")
-            continue
-        layers = "/".join(map(str, r["policy"]["layers"]))
-        cost = "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.3g}"
-        lines.append(
-            f"{r['hardware']:<22} {r['tokens_per_second']:>9.3g} {r['policy']['batch']:>6} {layers:>21} "
-            f"{r['bound']:<8} {price:>7} {cost:>14}" + ("  (planning only: not run)" if r["not_run"] else "")
-        )
-    if any(r["usd_per_hour"] is None for r in rows):
-        lines += ["", "$: give --price PROFILE=USD (per hour) or --purchase PROFILE=USD (spread over --amortize-hours)"]
-    lines += [
-        "",
-        f"bound: the busiest resource over a round (disk, link, compute, host); purchases spread over {hours:.0f} h",
-    ]
-    return "\n".join(lines)
-
-
-def latency_rows(
-    shape: ModelSpec,
-    hw: HardwareProfile,
-    workload: Workload,
-    dtype: str,
-    budgets: Budgets,
-    predictions: list[Prediction],
-    args: argparse.Namespace,
-) -> list[dict]:
-    """Each batch size's best runnable policy at the request rate: its latency, whether it meets the targets (and by
-    what it misses), and the `offload serve` command that runs it. Those that meet come first, the most headroom
-    (sustainable rate over the rate asked) first; then the rest, the nearest first."""
-    from offload.planner.commands import command, planned_config
-    from offload.scheduler.cost import make_context
-    from offload.scheduler.queueing import simulate
-
-    ctx = make_context(shape, hw, dtype, BLOCK_SIZE)
-    rows = []
-    for p in _per_batch(predictions).values():
-        if not p.fits or p.unsupported:
-            continue
-        lat = simulate(ctx, p, workload.prompt_len, workload.gen_len, args.qps, args.arrival)
-        misses = []
-        if lat.saturated:
-            misses.append(f"sustains {lat.max_rate:.3g} requests/s, under the {args.qps:g} asked")
-        if args.max_ttft is not None and lat.ttft_p90 > args.max_ttft:
-            misses.append(
-                f"p90 TTFT {lat.ttft_p90:.3g} s, over {args.max_ttft:g} s by {lat.ttft_p90 - args.max_ttft:.3g}"
-            )
-        if args.min_stream_tps is not None and lat.stream_tps_p50 < args.min_stream_tps:
-            gap = args.min_stream_tps - lat.stream_tps_p50
-            misses.append(f"streams {lat.stream_tps_p50:.3g} tokens/s, under {args.min_stream_tps:g} by {gap:.3g}")
-        config = planned_config(shape, hw, dtype, p, workload, budgets)
-        rows.append(
-            {
-                "policy": _candidate_json(p.candidate),
-                "ttft_p50_seconds": lat.ttft_p50,
-                "ttft_p90_seconds": lat.ttft_p90,
-                "stream_tokens_per_second": lat.stream_tps_p50,
-                "throughput_tokens_per_second": lat.throughput,
-                "max_rate": lat.max_rate,
-                "mean_batch": lat.mean_batch,
-                "meets": not misses,
-                "misses": misses,
-                "command": command(args.model, config, "serve", p.candidate.weight_bits),
-            }
-        )
-    rows.sort(key=lambda r: (not r["meets"], len(r["misses"]), -r["max_rate"], r["ttft_p90_seconds"]))
-    return rows
-
-
-def latency_report(
-    shape: ModelSpec, hw: HardwareProfile, workload: Workload, dtype: str, rows: list[dict], args: argparse.Namespace
-) -> str:
-    targets = [f"p90 TTFT <= {args.max_ttft:g} s" for _ in [0] if args.max_ttft is not None]
-    targets += [f"streams >= {args.min_stream_tps:g} tokens/s" for _ in [0] if args.min_stream_tps is not None]
-    lines = [
-        f"model     {shape.name}, computed in {dtype}, on {hw.name}",
-        f"requests  {args.qps:g}/s ({args.arrival}) of {workload.prompt_len}-token prompts, {workload.gen_len} new "
-        "tokens each; predicted by simulating the engine's continuous batching over the cost model",
-        f"targets   {', '.join(targets) or 'none (--max-ttft, --min-stream-tps)'}",
-        "",
-        f"{'#':>2} {'batch':>5} {'weights':>12} {'TTFT p50':>9} {'p90':>8} {'stream tok/s':>12} {'max req/s':>9} "
-        f"{'mean batch':>10}  meets",
-    ]
-    for i, r in enumerate(rows, 1):
-        c = r["policy"]
-        layers = "/".join(map(str, c["layers"]))
-        lines.append(
-            f"{i:>2} {c['batch']:>5} {layers:>12} {r['ttft_p50_seconds']:>8.3g}s {r['ttft_p90_seconds']:>7.3g}s "
-            f"{r['stream_tokens_per_second']:>12.3g} {r['max_rate']:>9.3g} {r['mean_batch']:>10.3g}  "
-            + ("yes" if r["meets"] else "no: " + "; ".join(r["misses"]))
-        )
-    if rows:
-        lines += ["", f"run the first: {rows[0]['command']}"]
-    return "\n".join(lines)
-
-
-def _hardware(name: str) -> HardwareProfile:
-    from offload.planner.profiles import load_profile
-
-    if name != "probe":
-        return load_profile(name)
-    from offload.planner.probe import local_profile
-
-    return local_profile()
-
-
-def _default_dtype(shape: ModelSpec, hw: HardwareProfile) -> str:
-    """The model's dtype when the device multiplies it, else float16 (a T4 has no bfloat16 units)."""
-    if shape.dtype in hw.device.matmul_flops or shape.dtype in hw.device.matmul_curve:
-        return shape.dtype
-    return "float16"
-
-
-# ---- the report ----------------------------------------------------------------------------------------------
 
 
 def _gb(nbytes: float) -> str:
@@ -380,14 +162,6 @@ def _policy(p: Prediction) -> str:
     disk_part = f"{disk}{'+E' if c.expert_cache else ''}{'*' if c.policy.embed_tier == 'nvme' else ''}"
     weights = f"{dev:>4}/{host:>4}/{disk_part:<4}".ljust(14)
     return f"{c.batch:>5} {c.micro_batches:>3}  {weights} {c.kv_tier:<6}{bits}"
-
-
-def _per_batch(predictions: list[Prediction]) -> dict[int, Prediction]:
-    """The best prediction at each batch size: fitting ones first (they come first in `predictions`)."""
-    out: dict[int, Prediction] = {}
-    for p in predictions:
-        out.setdefault(p.candidate.batch, p)
-    return out
 
 
 def report(
@@ -429,7 +203,7 @@ def report(
             + ", ".join(f"{t} {_gb(b)}" for t, b in smallest.overflow.items())
         )
         return "\n".join(lines)
-    fitting = [p for p in _per_batch(predictions).values() if p.fits]
+    fitting = [p for p in per_batch(predictions).values() if p.fits]
     fitting.sort(key=lambda p: -p.tokens_per_second)
     if shape.num_experts:
         lines[-1:-1] = _experts_lines(shape, hw, workload, dtype, winner)
@@ -519,8 +293,8 @@ def _explain(winner: Prediction, predictions: list[Prediction]) -> list[str]:
         f"  the best is {winner.bound}-bound: per batch, disk {res['disk']:.3g} s, host->device {res['link']:.3g} s, "
         f"compute {res['compute']:.3g} s" + (f", CPU attention {res['host']:.3g} s" if res["host"] else "")
     )
-    per_batch = _per_batch(predictions)
-    for batch, p in sorted(per_batch.items()):
+    by_batch = per_batch(predictions)
+    for batch, p in sorted(by_batch.items()):
         if batch == w.batch:
             continue
         if not p.fits:
@@ -569,7 +343,7 @@ def report_json(
         runs = model is not None and p.fits and not p.unsupported
         return {
             "command": _command(shape, hw, workload, dtype, budgets or Budgets(), p, model) if runs else None,
-            "policy": _candidate_json(p.candidate),
+            "policy": candidate_json(p.candidate),
             "tokens_per_second": p.tokens_per_second,
             "ttft_seconds": p.ttft_seconds,
             "prefill_seconds": p.prefill_seconds,
@@ -583,7 +357,7 @@ def report_json(
             "unsupported": list(p.unsupported),
         }
 
-    per_batch = _per_batch(predictions)
+    by_batch = per_batch(predictions)
     return {
         "model": asdict(shape),
         "sizes": [asdict(e) for e in estimate_sizes(shape)],
@@ -591,62 +365,5 @@ def report_json(
         "dtype": dtype,
         "workload": asdict(workload),
         "best": [row(p) for p in predictions if p.fits][:top],
-        "per_batch": [row(p) for _, p in sorted(per_batch.items())],
+        "per_batch": [row(p) for _, p in sorted(by_batch.items())],
     }
-
-
-def _candidate_json(c: Candidate) -> dict:
-    """The candidate with its placement as layer counts on device / host / disk, as the report prints it."""
-    return {
-        "batch": c.batch,
-        "micro_batches": c.micro_batches,
-        "layers": list(c.policy.counts),
-        "embedding": c.policy.embed_tier,
-        "kv_tier": c.kv_tier,
-        "weight_bits": c.weight_bits,
-        "kv_bits": c.kv_bits,
-        "expert_cache_bytes": c.expert_cache,
-    }
-
-
-def plot(predictions: list[Prediction], path: str, title: str) -> None:
-    """Predicted tokens/s against batch size, one line per placement (KV tier and precision), fitting points."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise OffloadError("--plot needs matplotlib (pip install matplotlib)") from None
-    lines: dict[str, dict[int, float]] = defaultdict(dict)
-    for p in predictions:
-        if not p.fits:
-            continue
-        c = p.candidate
-        label = f"KV on {c.kv_tier}" + ("" if c.weight_bits == c.kv_bits >= 16 else f", w{c.weight_bits}/kv{c.kv_bits}")
-        lines[label][c.batch] = max(lines[label].get(c.batch, 0.0), p.tokens_per_second)
-    if not lines:
-        raise OffloadError("--plot: no policy fits, nothing to draw")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, points in sorted(lines.items()):
-        xs = sorted(points)
-        ax.plot(xs, [points[x] for x in xs], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch (sequences per step)")
-    ax.set_ylabel("predicted tokens/s")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = f"{path}.partial"
-    try:  # written whole or not at all
-        fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1].lstrip(".") or "png")
-        os.replace(tmp, path)
-    except (OSError, ValueError) as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise OffloadError(f"--plot {path}: cannot write it ({getattr(exc, 'strerror', None) or exc})") from None
-    finally:
-        plt.close(fig)
-    print(f"plot written to {path}", file=sys.stderr)

@@ -243,3 +243,27 @@ def test_a_streamed_reply_holds_back_what_may_open_a_call() -> None:
     assert text.push("a <") == "a "
     assert text.push("b> c") == "<b> c"  # not a block after all
     assert text.finish("length") == ("", [], "length")
+
+
+def test_tools_go_through_a_template_with_a_tools_section_else_the_default_prompt(demo_model: Path) -> None:
+    from offload.prompts import Prompts
+
+    prompts = Prompts.load(demo_model)  # its template has no tools section: the default tool prompt
+    turns = [{"role": "user", "content": "Weather in Oslo?"}]
+    plain = prompts.tokenizer.decode(prompts.encode_chat(turns, tools=[WEATHER]))
+    assert "<tools>" in plain and '"get_weather"' in plain and "<tool_call>" in plain
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    later = [*turns, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    later.append({"role": "tool", "tool_call_id": "c1", "content": "12 C"})
+    text = prompts.tokenizer.decode(prompts.encode_chat(later, tools=[WEATHER]))
+    assert '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>' in text
+    assert "<tool_response>12 C</tool_response>" in text
+    prompts.tokenizer.chat_template = (
+        "{% if tools %}TOOLS {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }} {{ c.function.arguments.city }}"
+        "{% endfor %}{% endif %}\n{% endfor %}assistant:"
+    )
+    own = prompts.tokenizer.decode(prompts.encode_chat(later, tools=[WEATHER]))
+    assert own.startswith("TOOLS get_weather") and "CALL get_weather Oslo" in own  # arguments as an object
+    assert "<tools>" not in own and "tool: 12 C" in own

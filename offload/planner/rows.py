@@ -1,0 +1,28 @@
+"""The rows `offload plan` prints and writes as JSON, shared by its reports (offload/planner/report.py, compare.py,
+latency.py)."""
+
+from __future__ import annotations
+
+from offload.scheduler.cost import Candidate, Prediction
+
+
+def per_batch(predictions: list[Prediction]) -> dict[int, Prediction]:
+    """The best prediction at each batch size: fitting ones first (they come first in `predictions`)."""
+    out: dict[int, Prediction] = {}
+    for p in predictions:
+        out.setdefault(p.candidate.batch, p)
+    return out
+
+
+def candidate_json(c: Candidate) -> dict:
+    """The candidate with its placement as layer counts on device / host / disk, as the report prints it."""
+    return {
+        "batch": c.batch,
+        "micro_batches": c.micro_batches,
+        "layers": list(c.policy.counts),
+        "embedding": c.policy.embed_tier,
+        "kv_tier": c.kv_tier,
+        "weight_bits": c.weight_bits,
+        "kv_bits": c.kv_bits,
+        "expert_cache_bytes": c.expert_cache,
+    }

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from offload.common.config import MAX_LOGPROBS, SamplingParams
 from offload.core import Delta, TokenLogprob
-from offload.model.structured import JSON_STYLE, one_line
+from offload.model.structured import one_line, schema_grammar
 from offload.tool_calls import ToolUse
 
 MAX_N = 8  # choices per request: each is a sequence of its own in the batch
@@ -109,7 +109,7 @@ class Sampling(BaseModel):
         if "json_schema" in fields:
             field = "response_format.json_schema.schema"
             try:
-                grammar = LLMatcher.grammar_from_json_schema(fields["json_schema"], defaults=JSON_STYLE)
+                grammar = schema_grammar(fields["json_schema"])
             except ValueError as exc:
                 raise RequestError(400, f"{field}: {exc}", field) from None
         elif "grammar" in fields:

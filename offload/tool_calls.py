@@ -23,7 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from offload.model.structured import styled
+from offload.model.structured import closed, styled
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8  # calls one reply may make: a model that keeps adding calls to its list still ends
@@ -62,12 +62,12 @@ class ToolUse:
         parallel = self.parallel and not named
         calls = {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
         body = {"anyOf": [call, calls]} if parallel else call
-        lines = ["%llguidance {}", f"body: %json {json.dumps(styled(body))}"]
+        lines = ["%llguidance {}", f"body: %json {json.dumps(styled(closed(body)))}"]
         blocks = 'body "</tool_call>"'  # one block: several calls are a list in it
         if self.choice == "auto" and reply_schema is None:  # text, up to a block's opening
             lines += [f"start: TEXT | trigger {blocks}", r"trigger[lazy]: /(.|\n)*<tool_call>/", r"TEXT: /(.|\n)*/"]
         elif self.choice == "auto":  # the reply's JSON, or blocks
-            reply = json.dumps(styled(json.loads(reply_schema)))
+            reply = json.dumps(styled(closed(json.loads(reply_schema))))
             lines += [f'start: reply | "<tool_call>" {blocks}', f"reply: %json {reply}"]
         else:
             lines.append(f'start: "<tool_call>" {blocks}')

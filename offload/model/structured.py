@@ -21,6 +21,7 @@ is stopped), the request ends with finish_reason "stop" without spending a step 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,37 @@ PROTOTYPES = 256  # compiled grammars kept (a matcher per request is a copy of i
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def closed(schema: object) -> object:
+    """`schema` with every object that lists its `properties` and says nothing of others closed to them
+    (`"additionalProperties": false`), as xgrammar does by default and OpenAI's strict mode requires: a reply still
+    validates against the schema as given, and a small model cannot go on inventing keys until its token budget ends.
+    A schema that states `additionalProperties` (or `patternProperties`) keeps what it states."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas
+            out[key] = {name: closed(sub) for name, sub in value.items()}
+        else:  # values, not schemas, are left as they are
+            out[key] = value if key in ("const", "enum", "default", "examples") else closed(value)
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def schema_grammar(schema_text: str) -> str:
+    """The llguidance grammar of a JSON schema (JSON text): closed, in JSON_STYLE. ValueError for a schema llguidance
+    cannot read."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(json.dumps(closed(json.loads(schema_text))), defaults=JSON_STYLE)
+
+
 def styled(schema: dict) -> dict:
     """`schema` with JSON_STYLE as its llguidance options, under any it states itself."""
     if not isinstance(schema, dict):
@@ -52,7 +84,7 @@ def grammar_of(params: SamplingParams) -> str | None:
 
     if params.json_schema is not None:
         try:
-            return LLMatcher.grammar_from_json_schema(params.json_schema, defaults=JSON_STYLE)
+            return schema_grammar(params.json_schema)
         except ValueError as exc:
             raise OffloadError(f"json_schema: {exc}") from None
     if params.regex is not None:

@@ -267,3 +267,22 @@ def test_tools_go_through_a_template_with_a_tools_section_else_the_default_promp
     own = prompts.tokenizer.decode(prompts.encode_chat(later, tools=[WEATHER]))
     assert own.startswith("TOOLS get_weather") and "CALL get_weather Oslo" in own  # arguments as an object
     assert "<tools>" not in own and "tool: 12 C" in own
+
+
+def test_objects_that_list_their_properties_are_closed_to_others() -> None:
+    from offload.model.structured import closed
+
+    schema = {
+        "type": "object",
+        "properties": {"properties": {"type": "object", "properties": {"a": {"type": "integer"}}}, "tags": {}},
+        "$defs": {"open": {"type": "object", "properties": {"b": {}}, "additionalProperties": True}},
+        "anyOf": [{"properties": {"c": {}}}, {"type": "object"}],
+        "enum": [{"properties": {}}],
+    }
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["properties"]["additionalProperties"] is False  # a property named "properties"
+    assert "additionalProperties" not in out["properties"]  # the name -> schema map itself is not a schema
+    assert out["$defs"]["open"]["additionalProperties"] is True  # what a schema states stays
+    assert out["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in out["anyOf"][1]
+    assert out["enum"] == schema["enum"]  # values, not schemas

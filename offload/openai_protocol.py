@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from offload.common.config import MAX_LOGPROBS, SamplingParams
 from offload.core import Delta, TokenLogprob
-from offload.model.structured import one_line, schema_grammar
+from offload.model.structured import grammar_error
 from offload.tool_calls import ToolUse
 
 MAX_N = 8  # choices per request: each is a sequence of its own in the batch
@@ -103,22 +103,11 @@ class Sampling(BaseModel):
 
     def check_constraint(self) -> None:
         """RequestError(400) naming the field if the reply's schema or grammar does not compile."""
-        from llguidance import LLMatcher
-
         fields = self.constraint()
-        if "json_schema" in fields:
-            field = "response_format.json_schema.schema"
-            try:
-                grammar = schema_grammar(fields["json_schema"])
-            except ValueError as exc:
-                raise RequestError(400, f"{field}: {exc}", field) from None
-        elif "grammar" in fields:
-            field, grammar = "tools", LLMatcher.grammar_from_lark(fields["grammar"])
-        else:
-            return
-        error = LLMatcher.validate_grammar(grammar)
+        error = grammar_error(SamplingParams(**fields)) if fields else None
         if error:
-            raise RequestError(400, f"{field}: {one_line(error)}", field)
+            field = "response_format.json_schema.schema" if "json_schema" in fields else "tools"
+            raise RequestError(400, f"{field}: {error}", field)
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

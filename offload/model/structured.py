@@ -78,24 +78,33 @@ def styled(schema: dict) -> dict:
     return {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}
 
 
-def grammar_of(params: SamplingParams) -> str | None:
-    """The llguidance grammar `params` ask for; None when the request is not constrained."""
+def _grammar(params: SamplingParams) -> str:
+    """The llguidance grammar of a constrained request; ValueError for a JSON schema llguidance cannot read."""
     from llguidance import LLMatcher
 
     if params.json_schema is not None:
-        try:
-            return schema_grammar(params.json_schema)
-        except ValueError as exc:
-            raise OffloadError(f"json_schema: {exc}") from None
+        return schema_grammar(params.json_schema)
     if params.regex is not None:
         return LLMatcher.grammar_from_regex(params.regex)
-    if params.grammar is not None:
-        return LLMatcher.grammar_from_lark(params.grammar)
-    return None
+    return LLMatcher.grammar_from_lark(params.grammar)
 
 
 def constraint_field(params: SamplingParams) -> str:
     return next(f for f in ("json_schema", "regex", "grammar") if getattr(params, f) is not None)
+
+
+def grammar_error(params: SamplingParams) -> str | None:
+    """Why the constraint of `params` does not compile, on one line (checked without a tokenizer); None when it does,
+    or when there is none."""
+    from llguidance import LLMatcher
+
+    if not params.constrained:
+        return None
+    try:
+        error = LLMatcher.validate_grammar(_grammar(params))
+    except ValueError as exc:
+        return str(exc)
+    return one_line(error) if error else None
 
 
 class Grammars:
@@ -106,7 +115,7 @@ class Grammars:
         llguidance's view of the tokenizer); None: the model has no tokenizer."""
         self._prompts, self.vocab_size, self.eos_ids = prompts, vocab_size, eos_ids
         self._llt = None  # llguidance.LLTokenizer, built on the first constrained request (about 0.3 s)
-        self._prototypes: dict[str, object] = {}  # grammar -> a fresh LLMatcher, copied per request
+        self._prototypes: dict[tuple[str, str], object] = {}  # (field, constraint) -> a fresh LLMatcher to copy
         self._lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
         self._executor = None  # llguidance.LLExecutor: fills a batch's masks on its own threads
@@ -125,28 +134,28 @@ class Grammars:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="offload-masks")
         return self._llt
 
-    def check(self, params: SamplingParams) -> None:
-        """OffloadError naming the field if the constraint of `params` does not compile; nothing if unconstrained."""
-        self.matcher(params)
-
     def matcher(self, params: SamplingParams):
-        """A new matcher for a request (llguidance.LLMatcher), or None when it is not constrained."""
-        grammar = grammar_of(params)
-        if grammar is None:
+        """A new matcher for a request (llguidance.LLMatcher), or None when it is not constrained. OffloadError
+        naming the field if the constraint does not compile."""
+        if not params.constrained:
             return None
         from llguidance import LLMatcher
 
+        field = constraint_field(params)
+        key = (field, getattr(params, field))  # a constraint's grammar is built and compiled once
         with self._lock:
-            proto = self._prototypes.get(grammar)
+            proto = self._prototypes.get(key)
             if proto is None:
-                llt = self._tokenizer_for_grammars()
-                proto = LLMatcher(llt, grammar, log_level=0)
+                try:
+                    grammar = _grammar(params)
+                except ValueError as exc:
+                    raise OffloadError(f"{field}: {exc}") from None
+                proto = LLMatcher(self._tokenizer_for_grammars(), grammar, log_level=0)
                 if proto.is_error():
-                    field = constraint_field(params)
                     raise OffloadError(f"{field}: {one_line(proto.get_error())}")
                 if len(self._prototypes) >= PROTOTYPES:
                     self._prototypes.pop(next(iter(self._prototypes)))
-                self._prototypes[grammar] = proto
+                self._prototypes[key] = proto
             return proto.deep_copy()
 
     def start_masks(self, matchers: list) -> Masks | None:
@@ -161,9 +170,9 @@ class Grammars:
         packed = [(m, k) for k, (m, _) in enumerate(rows)]
 
         def fill() -> float:
-            start = _clock()
+            start = time.perf_counter()
             fill_next_token_bitmask_par(self._executor, packed, bitmask)
-            return _clock() - start
+            return time.perf_counter() - start
 
         self.masks += len(rows)
         return Masks(self, [i for _, i in rows], bitmask, self._worker.submit(fill))
@@ -192,9 +201,9 @@ class Masks:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of `logits` [rows, vocab] with every token a constrained row's grammar refuses at -inf (the
         caller's logits stay the model's, for logprobs)."""
-        start = _clock()
+        start = time.perf_counter()
         self.grammars.mask_seconds += self.future.result()
-        self.grammars.wait_seconds += _clock() - start
+        self.grammars.wait_seconds += time.perf_counter() - start
         vocab = logits.shape[-1]
         words = self.bitmask.to(logits.device, non_blocking=True)
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
@@ -209,7 +218,3 @@ def one_line(message: str) -> str:
     """A grammar compiler's message on one line: its lines that say something, joined."""
     lines = [ln.strip() for ln in message.strip().splitlines()]
     return " ".join(ln for ln in lines if ln and not set(ln) <= set("^ |0123456789")) or "invalid"
-
-
-def _clock() -> float:
-    return time.perf_counter()

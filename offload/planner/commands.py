@@ -18,14 +18,12 @@ import dataclasses
 import shlex
 from pathlib import Path
 
-from offload.common.config import EngineConfig
+from offload.common.config import RING_SLOTS, EngineConfig
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.hardware import HardwareProfile
 from offload.common.knobs import to_flags
 from offload.common.model_config import ModelSpec
 from offload.scheduler.cost import Budgets, Prediction, Workload, capacity
-
-KV_DTYPES = {8: "int8", 4: "int4"}  # the cost model's kv_bits below the compute width -> --kv-dtype
 
 
 def planned_config(
@@ -43,8 +41,9 @@ def planned_config(
         device_memory=cap["device"] - activations,
         host_memory=cap["host"] if host_layers else None,
         dtype=dtype,
-        kv_dtype=KV_DTYPES[cand.kv_bits] if cand.kv_bits < 8 * DTYPE_BYTES[dtype] else "auto",
-        ring_slots=cand.policy.ring_slots or EngineConfig().ring_slots,
+        # the integer KV format of that width (the cost model prices fp8 as int8's 8 bits)
+        kv_dtype=f"int{cand.kv_bits}" if cand.kv_bits < 8 * DTYPE_BYTES[dtype] else "auto",
+        ring_slots=cand.policy.ring_slots or RING_SLOTS,
         expert_cache_memory=cand.expert_cache or None,
     )
     config = sized(config, spec, dtype, prediction, workload)

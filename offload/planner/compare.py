@@ -4,10 +4,12 @@ with what binds it and, given prices, what a million tokens cost; and the disk c
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
+from offload.planner.rows import candidate_json
 from offload.scheduler.cost import Budgets, Workload
 from offload.scheduler.search import best, search
 
@@ -22,29 +24,29 @@ DISK_CLASSES = {
 }
 
 
-def _hardware_options(spec: str) -> list[HardwareProfile]:
-    """The profiles --hardware names: one, several comma-separated, or every .json file of a folder."""
-    from pathlib import Path
-
+def _hardware_options(spec: str) -> dict[str, HardwareProfile]:
+    """The profiles --hardware names, by the name given (a folder's files by their stems): one, several
+    comma-separated, or every .json file of a folder."""
     if os.path.isdir(spec):
         files = sorted(Path(spec).glob("*.json"))
         if not files:
             raise OffloadError(f"--hardware {spec}: a folder with no .json profile in it")
-        return [_hardware(str(f)) for f in files]
+        return {f.stem: _hardware(str(f)) for f in files}
     names = [n.strip() for n in spec.split(",")]
     if not all(names):
         raise OffloadError(f"--hardware {spec!r}: an empty name in the list")
-    return [_hardware(n) for n in names]
+    return {n: _hardware(n) for n in names}
 
 
-def _prices(options: list[HardwareProfile], rents: list[str], purchases: list[str], hours: float) -> dict[str, float]:
-    """Option name -> USD per hour: --price (per hour), --purchase (spread over `hours`), else the profile's own."""
+def _prices(
+    options: dict[str, HardwareProfile], rents: list[str], purchases: list[str], hours: float
+) -> dict[str, float]:
+    """Option name -> USD per hour: --price (per hour), --purchase (spread over `hours`), else the profile's own. A
+    price names its option as --hardware did, or by the profile's name."""
     if not hours > 0:
         raise OffloadError(f"--amortize-hours must be positive, got {hours}")
-    by_key = {}
-    for hw in options:
-        by_key[hw.name.lower()] = hw.name
-    out = {hw.name: hw.price_per_hour for hw in options if hw.price_per_hour is not None}
+    by_key = {key.lower(): hw.name for given, hw in options.items() for key in (given, hw.name)}
+    out = {hw.name: hw.price_per_hour for hw in options.values() if hw.price_per_hour is not None}
     for flag, given, scale in (("--price", rents, 1.0), ("--purchase", purchases, 1.0 / hours)):
         for item in given:
             key, sep, value = item.partition("=")
@@ -54,22 +56,11 @@ def _prices(options: list[HardwareProfile], rents: list[str], purchases: list[st
                 usd = -1.0
             if not sep or usd < 0:
                 raise OffloadError(f"{flag} {item!r}: give PROFILE=USD, a number of dollars")
-            name = by_key.get(key.strip().lower()) or _stem_match(options, key.strip())
+            name = by_key.get(key.strip().lower())
             if name is None:
                 raise OffloadError(f"{flag} {item!r}: {key!r} is none of the --hardware options")
             out[name] = usd * scale
     return out
-
-
-def _stem_match(options: list[HardwareProfile], key: str) -> str | None:
-    """The option whose profile is the shipped file `key` (t4-16gb names the profile called T4-16GB)."""
-    from offload.planner.profiles import PROFILE_DIR, load_profile
-
-    path = PROFILE_DIR / f"{key.lower()}.json"
-    if not path.exists():
-        return None
-    name = load_profile(path).name
-    return name if any(hw.name == name for hw in options) else None
 
 
 def _option_row(
@@ -82,8 +73,6 @@ def _option_row(
     usd_per_hour: float | None,
 ) -> dict:
     """One hardware option: its best runnable policy and what a million tokens cost on it."""
-    from offload.planner.rows import candidate_json
-
     try:
         dtype = dtype or _default_dtype(shape, hw)
         predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, quantized=quantized)
@@ -159,6 +148,3 @@ def _default_dtype(shape: ModelSpec, hw: HardwareProfile) -> str:
     if shape.dtype in hw.device.matmul_flops or shape.dtype in hw.device.matmul_curve:
         return shape.dtype
     return "float16"
-
-
-# ---- the report ----------------------------------------------------------------------------------------------

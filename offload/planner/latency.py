@@ -9,7 +9,10 @@ import argparse
 from offload.common.config import BLOCK_SIZE
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
-from offload.scheduler.cost import Budgets, Prediction, Workload
+from offload.planner.commands import command, planned_config
+from offload.planner.rows import candidate_json, per_batch
+from offload.scheduler.cost import Budgets, Prediction, Workload, make_context
+from offload.scheduler.queueing import simulate
 
 
 def latency_rows(
@@ -24,11 +27,6 @@ def latency_rows(
     """Each batch size's best runnable policy at the request rate: its latency, whether it meets the targets (and by
     what it misses), and the `offload serve` command that runs it. Those that meet come first, the most headroom
     (sustainable rate over the rate asked) first; then the rest, the nearest first."""
-    from offload.planner.commands import command, planned_config
-    from offload.planner.rows import candidate_json, per_batch
-    from offload.scheduler.cost import make_context
-    from offload.scheduler.queueing import simulate
-
     ctx = make_context(shape, hw, dtype, BLOCK_SIZE)
     rows = []
     for p in per_batch(predictions).values():

@@ -98,17 +98,17 @@ def run_plan(args: argparse.Namespace) -> None:
     from offload.planner.profiles import with_overrides
 
     shape = load_model_spec(args.model)
-    options = _hardware_options(args.hardware)
+    options = list(_hardware_options(args.hardware).items())
     if args.disk is not None:
         if args.disk not in DISK_CLASSES:
             raise OffloadError(f"--disk {args.disk!r}: one of {', '.join(DISK_CLASSES)}")
         read, write = DISK_CLASSES[args.disk][:2]
-        options = [with_overrides(hw, disk_read=read * GB, disk_write=write * GB) for hw in options]
+        options = [(n, with_overrides(hw, disk_read=read * GB, disk_write=write * GB)) for n, hw in options]
     if args.disk_read is not None:
         if not args.disk_read > 0:
             raise OffloadError(f"--disk-read must be a positive number of GB/s, got {args.disk_read}")
-        options = [with_overrides(hw, disk_read=args.disk_read * GB) for hw in options]
-    prices = _prices(options, args.price, args.purchase, args.amortize_hours)
+        options = [(n, with_overrides(hw, disk_read=args.disk_read * GB)) for n, hw in options]
+    prices = _prices(dict(options), args.price, args.purchase, args.amortize_hours)
     budgets = Budgets(
         device=None if args.device_memory is None else parse_size(args.device_memory, "--device-memory"),
         host=None if args.host_memory is None else parse_size(args.host_memory, "--host-memory"),
@@ -118,14 +118,15 @@ def run_plan(args: argparse.Namespace) -> None:
     workload = Workload(args.prompt_len, args.gen_len, args.requests)
     if len(options) > 1:
         rows = [
-            _option_row(shape, hw, workload, args.dtype, budgets, args.quantize, prices.get(hw.name)) for hw in options
+            _option_row(shape, hw, workload, args.dtype, budgets, args.quantize, prices.get(hw.name))
+            for _, hw in options
         ]
         if args.json:
             print(json.dumps({"model": shape.name, "workload": asdict(workload), "options": rows}, indent=1))
         else:
             print(comparison(shape, workload, rows, args.amortize_hours))
         return
-    (hw,) = options
+    ((_, hw),) = options
     dtype = args.dtype or _default_dtype(shape, hw)
     if args.qps is not None:
         if not args.qps > 0:

@@ -532,15 +532,16 @@ def _add_probe(sub: argparse._SubParsersAction) -> None:
     p = _parser(
         sub,
         "probe",
-        help="measure this machine (disk, memory, matmul, links) into a hardware profile",
+        help="measure this machine (disk, memory, matmul, links, the served engine) into a hardware profile",
         description="Measure this machine's disk read/write, memory bandwidth, matmul speed per dtype and, on CUDA, "
-        "the GPU and its link, through the engine's own I/O and GEMM paths; save the result as a hardware profile "
-        "for `offload plan` and print it. Takes under a minute (--quick: about 15 s).",
+        "the GPU and its link, through the engine's own I/O and GEMM paths, and what a step of `offload serve` "
+        "costs beyond its layers; save the result as a hardware profile for `offload plan` and print it. Takes "
+        "under a minute (--quick: about 20 s).",
     )
     p.add_argument("--out", metavar="FILE", help="profile to write (default ~/.cache/offload/hardware/local.json)")
     p.add_argument("--dir", metavar="DIR", help="a directory on the drive to measure (default ~/.cache/offload)")
     p.add_argument("--disk-bytes", metavar="SIZE", help="disk test file size (default 1GiB; --quick: 256MiB)")
-    p.add_argument("--quick", action="store_true", help="smaller tests: about 15 seconds")
+    p.add_argument("--quick", action="store_true", help="smaller tests: about 20 seconds")
     p.set_defaults(run=_probe)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from offload.common.config import BLOCK_SIZE, KV_GROUP_SIZE, TIERS, Policy, embed_read_buffer
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
-from offload.common.hardware import HardwareProfile
+from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.common.model_config import PLANNING_ONLY, ModelSpec
 from offload.scheduler.attention_cost import attention_seconds, host_kv_attention
 from offload.scheduler.moe_cost import expert_params, expert_step, routed_params
@@ -179,11 +179,20 @@ class Context:
 
 
 def _layer_step(
-    ctx: Context, cand: Candidate, tier: str, micro_batches: int, seqs_per_mb: int, context: int, prefill: bool
+    ctx: Context,
+    cand: Candidate,
+    tier: str,
+    micro_batches: int,
+    seqs_per_mb: int,
+    context: int,
+    prefill: bool,
+    floor_rows: int | None = None,
 ) -> dict[str, float]:
     """Seconds one decoder layer keeps each resource busy in one step (they overlap: the layer costs the max).
     Every micro-batch of the step costs the same (the last may be smaller: ignored); a prefill micro-batch holds
-    `seqs_per_mb` whole prompts of `context` tokens, a decode one `seqs_per_mb` tokens."""
+    `seqs_per_mb` whole prompts of `context` tokens, a decode one `seqs_per_mb` tokens. The layer costs at least
+    its floor at `floor_rows` rows a micro-batch (its own rows by default; 0: no floor, where a step's other part
+    counts the floor for both)."""
     s, hw = ctx.shape, ctx.hw
     rows_per_mb = seqs_per_mb * (context if prefill else 1)
     w_bytes = ctx.weight_bytes(ctx.placed_params(cand), cand.weight_bits)
@@ -201,7 +210,8 @@ def _layer_step(
     if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
         compute += s.params.active_layer * ctx.dtype_bytes / hw.device.memory_bandwidth
     attention = seqs_per_mb * attention_seconds(ctx, attn_unit, cand.kv_bits, context, prefill)
-    if floor := hw.device.layer_floor.get(ctx.dtype):  # a small layer costs its calls, not its bytes
+    floor = layer_floor_seconds(hw.device, ctx.dtype, rows_per_mb if floor_rows is None else floor_rows)
+    if floor:  # a small layer costs its calls, not its bytes
         on_device = compute + (attention if attn_unit is hw.device else 0.0)
         compute += max(floor - on_device, 0.0)
     compute += LAYER_OVERHEAD
@@ -226,6 +236,16 @@ def _layer_step(
         compute += attention
     busy["compute"] = compute
     return busy
+
+
+def layer_floor_seconds(unit: ComputeUnit, dtype: str, rows: int) -> float:
+    """The least a decoder layer costs on `unit` for `rows` rows, however small: the probe's tiny layer at that
+    many rows (layer_floor_curve), else at one row (layer_floor); 0 without either."""
+    if rows < 1:
+        return 0.0
+    if curve := unit.layer_floor_curve.get(dtype):
+        return rows / curve_rate(curve, rows)
+    return unit.layer_floor.get(dtype, 0.0)
 
 
 def _elementwise_seconds(ctx: Context, rows: int) -> float:
@@ -398,12 +418,15 @@ def mixed_step_seconds(
         if not count:
             continue
         parts = []
-        if decode_seqs:
-            mb = cand.decode_micro_batches(prompt_len)
-            parts.append(_layer_step(ctx, cand, tier, mb, -(-decode_seqs // mb), context, False))
+        decode_mb = cand.decode_micro_batches(prompt_len)
+        decode_rows = -(-decode_seqs // decode_mb) if decode_seqs else 0
+        if decode_seqs:  # the floor is the whole layer's: counted once, by the prefill part where there is one
+            floor_rows = 0 if prefills else None
+            parts.append(_layer_step(ctx, cand, tier, decode_mb, decode_rows, context, False, floor_rows))
         if prefills:
             mb = min(cand.micro_batches, prefills)
-            parts.append(_layer_step(ctx, cand, tier, mb, -(-prefills // mb), prompt_len, True))
+            rows = -(-prefills // mb)
+            parts.append(_layer_step(ctx, cand, tier, mb, rows, prompt_len, True, rows * prompt_len + decode_rows))
         if not parts:
             continue
         compute = sum(p["compute"] for p in parts)

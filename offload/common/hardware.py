@@ -41,6 +41,20 @@ class ComputeUnit:
     decode_attention_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # dtype -> seconds one decoder layer of a tiny model takes for one token: the least any layer costs (dispatch)
     layer_floor: dict[str, float] = field(default_factory=dict)
+    # rows -> rows/s: the same tiny layer on that many rows (prompts of up to 128 tokens): the least a layer costs
+    # at that many rows, however small its matrices; where a profile has it, it is used instead of layer_floor
+    layer_floor_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedStep:
+    """What a step of the served engine costs beyond its layers, as `offload probe` measured it: the engine's own
+    `offload serve` running a one-layer model, streamed to clients on the same machine. Seconds."""
+
+    step: float  # each step: scheduling, batch preparation, the head, handing deltas to the event loop
+    per_stream: float  # each sequence in the step: its sampling, its delta, its SSE chunk and the client reading it
+    per_prompt_token: float  # each prompt token prefilled in the step, beyond the layers (embedding, batch, blocks)
+    request: float  # each request once, before its first token: the HTTP request, its checks, joining the batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +75,9 @@ class HardwareProfile:
     disk_read_by_backend: dict[str, float] = field(default_factory=dict)
     price_per_hour: float | None = None  # USD an hour of this machine costs (rent, or a purchase spread), if stated
     not_run: str | None = None  # why this engine has not run on such a machine (a profile for planning only)
+    # the served engine's own cost per step, stream and request on this machine; None for published profiles (a
+    # latency prediction then prices the layers and head alone)
+    served_step: ServedStep | None = None
 
 
 # the optional measured curves: JSON field -> (the x of a point, the unit of its rate, that unit in base units)
@@ -70,4 +87,5 @@ CURVES = {
     "elementwise_curve": ("rows", "GB/s", GB),
     "prefill_attention_curve": ("tokens", "TFLOP/s", TFLOP),
     "decode_attention_curve": ("tokens", "GB/s", GB),
+    "layer_floor_curve": ("rows", "thousand rows/s", 1e3),
 }

@@ -62,6 +62,15 @@ def latency_rows(
     return rows
 
 
+def _served_line(hw: HardwareProfile) -> str:
+    if s := hw.served_step:
+        return (
+            f"serving   the engine's own cost from the profile: {s.step * 1e3:.3g} ms a step, {s.per_stream * 1e3:.3g} "
+            f"ms a stream in it, {s.per_prompt_token * 1e6:.3g} us a prompt token, {s.request * 1e3:.3g} ms a request"
+        )
+    return "serving   not in this profile (`offload probe` measures it): steps priced by their layers and head alone"
+
+
 def latency_report(
     shape: ModelSpec, hw: HardwareProfile, workload: Workload, dtype: str, rows: list[dict], args: argparse.Namespace
 ) -> str:
@@ -72,6 +81,7 @@ def latency_report(
         f"requests  {args.qps:g}/s ({args.arrival}) of {workload.prompt_len}-token prompts, {workload.gen_len} new "
         "tokens each; predicted by simulating the engine's continuous batching over the cost model",
         f"targets   {', '.join(targets) or 'none (--max-ttft, --min-stream-tps)'}",
+        _served_line(hw),
         "",
         f"{'#':>2} {'batch':>5} {'weights':>12} {'TTFT p50':>9} {'p90':>8} {'stream tok/s':>12} {'max req/s':>9} "
         f"{'mean batch':>10}  meets",

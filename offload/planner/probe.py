@@ -13,9 +13,12 @@
   a few lengths (prefill_attention_curve) and one decode query per sequence over paged caches of a few lengths
   (decode_attention_curve). On a CPU these run far below the memory roofline, and a cost model that priced them
   there predicted long prefills too fast. And the engine's Llama layer for one token of a tiny model
-  (layer_floor): what a layer costs however small, where dispatch, not bytes, sets the time.
+  (layer_floor), and on each row count as prompts of up to 128 tokens (layer_floor_curve): what a layer costs
+  however small, where dispatch, not bytes, sets the time.
 - on CUDA the same on the GPU, plus pinned host-to-device and device-to-host copies; on a CPU-only machine the
   device is the host's RAM (device_kind "cpu", links 0).
+- serving: what a step of `offload serve` costs beyond its layers, per step, per stream and per request, measured
+  on the engine's own server (offload/planner/served_step.py), for latency predictions at a request rate.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from offload.common.hardware import CURVES, ComputeUnit, HardwareProfile
 from offload.common.paths import cache_dir
 from offload.common.sizes import format_size, parse_size
 from offload.planner.disk import measure_disk
-from offload.planner.profiles import format_profile, load_profile, local_profile_path, save_profile
+from offload.planner.profile_text import format_profile
+from offload.planner.profiles import load_profile, local_profile_path, save_profile
 from offload.planner.rates import (
     MIN_REPEATS,
     layer_shape,
@@ -44,9 +48,11 @@ from offload.planner.rates import (
     measure_copy,
     measure_elementwise,
     measure_layer_floor,
+    measure_layer_floor_curve,
     measure_links,
     measure_matmul,
 )
+from offload.planner.served_step import STREAMS, measure_served_step
 from offload.tiers.io.base import ALIGN
 
 MiB = 1 << 20
@@ -72,6 +78,8 @@ class ProbeSizes:
     # streaming the weight from memory, as in the engine, instead of a cache-resident repeat
     weight_pool_bytes: int = 1 << 30
     min_seconds: float = 0.2  # each rate is timed over at least this long (and at least MIN_REPEATS runs)
+    # tokens each stream of the served-engine measurement runs (offload/planner/served_step.py); 0: not measured
+    served_tokens: int = 64
 
     def __post_init__(self) -> None:
         for name in ("disk_bytes", "extent_bytes", "depth", "copy_bytes", "link_bytes", "k", "n"):
@@ -90,10 +98,12 @@ class ProbeSizes:
             raise OffloadError(f"k: must be a multiple of 4 x head-dim ({4 * self.head_dim}), got {self.k}")
         if self.decode_seqs < 1:
             raise OffloadError(f"decode-seqs: must be positive, got {self.decode_seqs}")
+        if self.served_tokens and self.served_tokens < 4:
+            raise OffloadError(f"served-tokens: must be 0 (not measured) or at least 4, got {self.served_tokens}")
 
     @classmethod
     def quick(cls) -> ProbeSizes:
-        """Sizes for `--quick`: about 15 s on two cores."""
+        """Sizes for `--quick`: about 20 s on two cores (about 10 of them serving the one-layer model)."""
         return cls(
             256 * MiB,
             copy_bytes=256 * MiB,
@@ -148,6 +158,18 @@ def probe(
         what.append(f"links: pinned copies of {format_size(sizes.link_bytes)} each way")
     else:
         device, kind, host_to_device, device_to_host = host, "cpu", 0.0, 0.0
+    served = None
+    if sizes.served_tokens:
+        dtype = "bfloat16" if "bfloat16" in device.matmul_flops else "float32"
+        say(f"serving: `offload serve` of a one-layer model, {dtype}, streamed to 1 and {STREAMS} clients at once")
+        try:
+            served = measure_served_step(dtype, sizes.served_tokens, sizes.min_seconds)
+            what.append(
+                f"serving: offload serve of a one-layer model in {dtype} streaming {sizes.served_tokens} tokens to 1 "
+                f"and {STREAMS} clients on this machine, less the layer"
+            )
+        except OffloadError as exc:  # the rest of the profile stands; latency predictions then leave this out
+            say(f"serving: not measured ({exc})")
     return HardwareProfile(
         name=f"local ({', '.join(names)})",
         device_kind=kind,
@@ -159,6 +181,7 @@ def probe(
         disk_write=disk.write,
         source=f"offload probe {time.strftime('%Y-%m-%d %H:%M %Z')}; " + "; ".join(what),
         disk_read_by_backend=disk.by_backend,
+        served_step=served,
     )
 
 
@@ -192,9 +215,11 @@ def remeasure(
     dtypes: tuple[str, ...] = ("bfloat16",),
     sizes: ProbeSizes | None = None,
     disk_dir: str | Path | None = None,
+    served: bool = False,
 ) -> HardwareProfile:
     """`profile` with this machine's memory bandwidth and `dtypes` GEMM rates measured again now (quick sizes,
-    a few seconds), and its disk too when `disk_dir` is given; the rest kept. For a benchmark that predicts each
+    a few seconds), its disk too when `disk_dir` is given, and the served engine's step costs when `served` (in the
+    first of `dtypes`, about 15 s); the rest kept. For a benchmark that predicts each
     of its points: a shared VM's compute speed drifts by up to 2x within an hour (its virtual disk's by a third),
     and a profile measured at the start then judges the cost model by the drift. CPU-only profiles: on CUDA the
     device, not the host, would need measuring."""
@@ -216,6 +241,9 @@ def remeasure(
         profile = dataclasses.replace(
             profile, disk_read=disk.read, disk_write=disk.write, disk_read_by_backend=disk.by_backend
         )
+    if served:
+        step = measure_served_step(dtypes[0], sizes.served_tokens or ProbeSizes.served_tokens, sizes.min_seconds)
+        profile = dataclasses.replace(profile, served_step=step)
     return profile
 
 
@@ -229,6 +257,12 @@ def local_profile() -> HardwareProfile:
                 f"note: {path} comes from an older `offload probe` without the rest-of-layer rates (attention, "
                 "elementwise work, the layer floor): predictions price that work at memory speed and the GEMM rate; "
                 "run `offload probe` again to measure them",
+                file=sys.stderr,
+            )
+        elif not profile.device.layer_floor_curve or profile.served_step is None:
+            print(
+                f"note: {path} comes from an older `offload probe` without the layer floor by rows or the served "
+                "engine's own step costs: predictions leave them out; run `offload probe` again to measure them",
                 file=sys.stderr,
             )
         return profile
@@ -249,7 +283,7 @@ def _compute_unit(
 ) -> ComputeUnit:
     from offload.kernels.linear import packing_pays
 
-    curves, packed, elementwise, prefill, decode, floor = {}, {}, {}, {}, {}, {}
+    curves, packed, elementwise, prefill, decode, floor, floor_curve = {}, {}, {}, {}, {}, {}, {}
     for dtype in dtypes:
         say(f"{'host' if device.type == 'cpu' else 'device'}: {dtype} matmul, elementwise work and attention")
         curves[dtype] = measure_matmul(
@@ -271,6 +305,7 @@ def _compute_unit(
             sizes.min_seconds,
         )
         floor[dtype] = measure_layer_floor(device, dtype, sizes.min_seconds)
+        floor_curve[dtype] = measure_layer_floor_curve(device, dtype, sizes.rows, sizes.min_seconds)
     return ComputeUnit(
         memory=memory,
         memory_bandwidth=bandwidth,
@@ -281,6 +316,7 @@ def _compute_unit(
         prefill_attention_curve=prefill,
         decode_attention_curve=decode,
         layer_floor=floor,
+        layer_floor_curve=floor_curve,
     )
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from offload.common.config import READ_BACKENDS
 from offload.common.errors import OffloadError
-from offload.common.hardware import CURVES, DEVICE_KINDS, DTYPES, GB, TFLOP, ComputeUnit, HardwareProfile
+from offload.common.hardware import CURVES, DEVICE_KINDS, DTYPES, GB, TFLOP, ComputeUnit, HardwareProfile, ServedStep
 from offload.common.paths import cache_dir
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
@@ -67,7 +67,9 @@ def saved_read_rates() -> dict[str, float]:
 
 def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile:
     """A profile from its JSON object (human units); errors name `where` (the file) and the field."""
-    top = _fields(data, where, "", ("name", "source", "device", "host", "links", "disk"), ("price", "not_run"))
+    top = _fields(
+        data, where, "", ("name", "source", "device", "host", "links", "disk"), ("price", "not_run", "serving")
+    )
     for key in ("name", "source"):
         if not isinstance(top[key], str) or not top[key].strip():
             raise OffloadError(f"{where}: {key}: must be a non-empty string, got {top[key]!r}")
@@ -92,7 +94,18 @@ def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile
         disk_read_by_backend=_by_backend(disk, where),
         price_per_hour=_price(top.get("price"), where),
         not_run=_text(top, where, "not_run"),
+        served_step=_served_step(top.get("serving"), where),
     )
+
+
+def _served_step(data: Any, where: str) -> ServedStep | None:
+    """The optional "serving": {"step_us": .., "per_stream_us": .., "per_prompt_token_us": .., "request_us": ..}
+    `offload probe` measures."""
+    if data is None:
+        return None
+    fields = ("step_us", "per_stream_us", "per_prompt_token_us", "request_us")
+    served = _fields(data, where, "serving", fields)
+    return ServedStep(*(_number(served, where, "serving", f, minimum=0.0) / 1e6 for f in fields))
 
 
 def _text(data: dict, where: str, key: str) -> str | None:
@@ -130,6 +143,16 @@ def profile_to_json(p: HardwareProfile) -> dict:
         },
         **({"price": {"usd_per_hour": p.price_per_hour}} if p.price_per_hour is not None else {}),
         **({"not_run": p.not_run} if p.not_run else {}),
+        **({"serving": _served_step_json(p.served_step)} if p.served_step else {}),
+    }
+
+
+def _served_step_json(s: ServedStep) -> dict:
+    return {
+        "step_us": _human(s.step * 1e6),
+        "per_stream_us": _human(s.per_stream * 1e6),
+        "per_prompt_token_us": _human(s.per_prompt_token * 1e6),
+        "request_us": _human(s.request * 1e6),
     }
 
 
@@ -191,65 +214,7 @@ def with_overrides(
     return dataclasses.replace(p, **changes, source=f"{p.source}; overridden: {said}")
 
 
-def format_profile(p: HardwareProfile) -> str:
-    """A readable table of `p`: memories, bandwidths and GEMM rates per unit, links, disk, measured curves."""
-    dtypes = [d for d in DTYPES if d in p.device.matmul_flops or d in p.host.matmul_flops]
-    rows = [["", "memory", "bandwidth", *(f"{d} matmul" for d in dtypes)]]
-    for label, unit in ((f"device ({p.device_kind})", p.device), ("host", p.host)):
-        rates = [f"{_short(unit.matmul_flops[d] / TFLOP)} TFLOP/s" if d in unit.matmul_flops else "-" for d in dtypes]
-        rows.append([label, f"{_short(unit.memory / GB)} GB", f"{_short(unit.memory_bandwidth / GB)} GB/s", *rates])
-    if p.host_to_device or p.device_to_host:
-        links = f"host->device {_short(p.host_to_device / GB)} GB/s, device->host {_short(p.device_to_host / GB)} GB/s"
-    else:
-        links = "none (the device is the host)"
-    lines = [
-        f"hardware  {p.name}",
-        f"source    {p.source}",
-        "",
-        *_columns(rows),
-        "",
-        f"links     {links}",
-        f"disk      read {_short(p.disk_read / GB)} GB/s, write {_short(p.disk_write / GB)} GB/s",
-    ]
-    if by_backend := p.disk_read_by_backend:
-        rates = ", ".join(f"{b} {_short(r / GB)} GB/s" for b, r in by_backend.items())
-        fastest = f" ({max(by_backend, key=by_backend.__getitem__)} fastest)" if len(by_backend) > 1 else ""
-        lines.append(f"          read by backend: {rates}{fastest}")
-    units = (("device", p.device),) if p.device == p.host else (("device", p.device), ("host", p.host))
-    floors = [(label, d, seconds) for label, u in units for d, seconds in u.layer_floor.items()]
-    if floors:
-        lines += ["", "least a decoder layer costs (a tiny model, one token):"]
-        lines += [f"  {label:<6} {dtype:<8}  {_short(seconds * 1e6)} us" for label, dtype, seconds in floors]
-    for key, (x, unit_name, scale) in CURVES.items():
-        curves = [(label, d, c) for label, u in units for d, c in getattr(u, key).items()]
-        if curves:
-            lines += ["", f"{_CURVE_TITLES[key]}, {unit_name} by {x}:"]
-            for label, dtype, curve in curves:
-                points = "  ".join(f"{size}: {_short(rate / scale)}" for size, rate in curve)
-                lines.append(f"  {label:<6} {dtype:<8}  {points}")
-    return "\n".join(lines)
-
-
-_CURVE_TITLES = {
-    "matmul_curve": "matmul [rows, k] x [k, n]",
-    "packed_matmul_curve": "the same with the weight packed for the CPU's GEMM (resident layers)",
-    "elementwise_curve": "a layer's non-GEMM work (bytes as the cost model counts them)",
-    "prefill_attention_curve": "causal attention of whole prompts",
-    "decode_attention_curve": "one query per sequence over a paged K/V cache (K and V bytes)",
-}
-
-
 _UNIT_FIELDS = ("memory_gb", "memory_bandwidth_gbps", "matmul_tflops")
-
-
-def _columns(rows: list[list[str]]) -> list[str]:
-    """Rows of cells as aligned lines: the first column left-aligned, the others right-aligned."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for row in rows:
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells))
-    return lines
 
 
 def _read(path: Path) -> HardwareProfile:
@@ -359,7 +324,7 @@ def _curve(points: Any, where: str, name: str, x: str, unit: str, scale: float) 
             raise OffloadError(f"{where}: {name}[{i}]: {x} must be a positive integer, got {size!r}")
         if curve and size <= curve[-1][0]:
             raise OffloadError(f"{where}: {name}[{i}]: {x} must ascend, got {size} after {curve[-1][0]}")
-        label = {"TFLOP/s": "tflops", "GB/s": "gbps"}[unit]  # the number's name in errors
+        label = {"TFLOP/s": "tflops", "GB/s": "gbps", "thousand rows/s": "krows"}[unit]  # the number's name in errors
         curve.append((size, _number({label: point[1]}, where, f"{name}[{i}]", label) * scale))
     return tuple(curve)
 
@@ -382,11 +347,6 @@ def _human(x: float, digits: int = 6) -> int | float:
     """`x` to `digits` significant digits, as an int when it is whole (16, not 16.0)."""
     rounded = float(f"{x:.{digits}g}")
     return int(rounded) if rounded.is_integer() else rounded
-
-
-def _short(x: float) -> str:
-    """Three significant digits for tables, without exponent notation for ordinary sizes."""
-    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
 
 
 def _dumps(data: dict) -> str:

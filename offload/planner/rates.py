@@ -163,10 +163,13 @@ def measure_attention(
     return tuple(prefill), tuple(decode)
 
 
-def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0.2) -> float:
-    """Seconds the engine's Llama layer takes for one decode token of a tiny model (hidden 256, 4 heads of 64, one
-    K/V head, MLP 704) over 16 cached tokens: about what any layer costs however small, its calls' dispatch rather
-    than bytes or FLOPs (on this project's 2-core VMs a [1, 64] x [64, 64] product took 7 us, [1, 256] x [256, 256]
+def measure_layer_floor(
+    device: torch.device, dtype: str, min_seconds: float = 0.2, seqs: int = 1, tokens: int = 1
+) -> float:
+    """Seconds the engine's Llama layer takes for `tokens` new tokens of each of `seqs` sequences of a tiny model
+    (tiny_model_config: hidden 256, 4 heads of 64, one K/V head, MLP 704), each sequence's cache holding 16 tokens
+    or its new ones if more: at one token about what any layer costs however small, its calls' dispatch rather than
+    bytes or FLOPs (on this project's 2-core VMs a [1, 64] x [64, 64] product took 7 us, [1, 256] x [256, 256]
     28 us, and such a layer 0.6 ms)."""
     from offload.common.model_config import parse_model_config
     from offload.kernels.paged_batch import PagedBatch
@@ -175,36 +178,62 @@ def measure_layer_floor(device: torch.device, dtype: str, min_seconds: float = 0
     from offload.model.rope import cos_sin, inverse_frequencies
     from offload.tiers.kv import KVLayer
 
-    shape = layer_shape(256, 64)  # 4 heads, one K/V head, MLP 704
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 256,
-        "hidden_size": 256,
-        "intermediate_size": shape.intermediate,
-        "num_hidden_layers": 1,
-        "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.kv_heads,
-        "torch_dtype": dtype,
-    }
-    spec = parse_model_config(config, "the probe's tiny layer")
+    spec = parse_model_config(tiny_model_config(dtype, layers=1), "the probe's tiny layer")
     gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, dtype)
     weights = {
         name: (torch.randn(t.shape, generator=gen) * 0.05).to(device=device, dtype=dt)
         for name, t in FAMILY.layer_tensors(spec, 0).items()
     }
-    context, block = BLOCK_SIZE, BLOCK_SIZE  # one full block of context
-    cache = torch.zeros(1, block, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)  # one block
+    context = max(tokens, BLOCK_SIZE)
+    blocks = -(-context // BLOCK_SIZE)  # per sequence
+    cache = torch.zeros(seqs * blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, device=device, dtype=dt)
+    tables = torch.arange(seqs * blocks, device=device).reshape(seqs, blocks)
+    positions = torch.arange(context - tokens, context, device=device).repeat(seqs)  # each sequence's new tokens
+    slots = tables.gather(1, (positions // BLOCK_SIZE).reshape(seqs, tokens)).flatten() * BLOCK_SIZE
     batch = PagedBatch(
-        (0, 1),
-        (context,),
-        torch.zeros(1, 1, dtype=torch.int64, device=device),
-        torch.tensor([context - 1], device=device),
+        tuple(range(0, seqs * tokens + 1, tokens)), (context,) * seqs, tables, slots + positions % BLOCK_SIZE
     )
-    cos, sin = cos_sin(inverse_frequencies(spec.rope, spec.head_dim), torch.tensor([context - 1], device=device), dt)
+    cos, sin = cos_sin(inverse_frequencies(spec.rope, spec.head_dim), positions, dt)
     inp = LayerInput(cos, sin, batch, KVLayer(cache, cache.clone()))
-    hidden = torch.randn(1, spec.hidden_size, generator=gen).to(device=device, dtype=dt)  # [1 token, hidden]
+    hidden = torch.randn(seqs * tokens, spec.hidden_size, generator=gen).to(device=device, dtype=dt)
     return typical_seconds(lambda: FAMILY.layer(spec, 0, weights, hidden, inp), device, min_seconds)
+
+
+FLOOR_PROMPT = 128  # the floor curve's rows are prompts of up to this many tokens
+
+
+def measure_layer_floor_curve(
+    device: torch.device, dtype: str, rows: tuple[int, ...], min_seconds: float = 0.2
+) -> tuple[tuple[int, float], ...]:
+    """((rows, rows/s), ...): the tiny layer of measure_layer_floor run on each number of rows, as prompts of up to
+    FLOOR_PROMPT tokens (one prompt of `rows` tokens up to that, then `rows` / FLOOR_PROMPT of them): what a layer
+    costs at the least for that many rows, however small its matrices. At 128 rows the tiny layer took 1.7 ms on
+    this project's 2-core VMs, where the rates measured on 2048-wide matrices priced a 256-wide layer at 0.8."""
+    curve = []
+    for r in rows:
+        seqs = -(-r // FLOOR_PROMPT)
+        tokens = r // seqs
+        curve.append((seqs * tokens, seqs * tokens / measure_layer_floor(device, dtype, min_seconds, seqs, tokens)))
+    merged: dict[int, float] = dict(curve)  # rows that round to the same count are measured once each; last kept
+    return tuple(sorted(merged.items()))
+
+
+def tiny_model_config(dtype: str, layers: int) -> dict:
+    """config.json of the probe's tiny Llama (TINY_LAYER's shape, a 256-token vocabulary)."""
+    shape = layer_shape(256, 64)  # 4 heads, one K/V head, MLP 704
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 256,
+        "hidden_size": 256,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "max_position_embeddings": 512,
+        "torch_dtype": dtype,
+    }
 
 
 def measure_links(device: torch.device, nbytes: int, min_seconds: float = 0.2) -> tuple[float, float]:

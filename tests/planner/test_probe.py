@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
@@ -16,6 +17,7 @@ import offload.planner.probe as probe_mod
 import offload.planner.rates as rates
 from offload.cli import main
 from offload.common.errors import OffloadError
+from offload.common.hardware import ServedStep
 from offload.planner.probe import ProbeSizes, measure_disk, probe
 from offload.planner.profiles import load_profile
 from offload.tiers.io.backends import make_backend
@@ -36,6 +38,7 @@ TINY = ProbeSizes(
     head_dim=16,  # 16 query heads, 4 K/V heads
     attention_tokens=(4, 32),
     decode_seqs=3,
+    served_tokens=0,  # the served engine: measured by a test of its own
 )
 
 
@@ -76,6 +79,8 @@ def test_probe_measures_every_unit(tiny_profile):
             for curve in (unit.elementwise_curve, unit.prefill_attention_curve, unit.decode_attention_curve):
                 assert all(rate > 0 for _, rate in curve[dtype])
             assert 0 < unit.layer_floor[dtype] < 1  # seconds: one tiny layer, one token
+            assert [rows for rows, _ in unit.layer_floor_curve[dtype]] == [1, 8, 64]
+            assert all(rate > 0 for _, rate in unit.layer_floor_curve[dtype])
     assert p.disk_read > 0 and p.disk_write > 0
     assert "pread" in p.disk_read_by_backend and set(p.disk_read_by_backend) <= {"pread", "aio"}
     assert p.disk_read == max(p.disk_read_by_backend.values())  # the rate of the backend "auto" then takes
@@ -120,7 +125,8 @@ def test_probed_profile_saves_and_loads(tiny_profile, tmp_path):
     assert q.disk_read_by_backend.keys() == p.disk_read_by_backend.keys()
     assert list(q.disk_read_by_backend.values()) == pytest.approx(list(p.disk_read_by_backend.values()), rel=1e-5)
     assert q.host.layer_floor == pytest.approx(p.host.layer_floor, rel=1e-5)
-    for key in ("matmul_curve", "elementwise_curve", "prefill_attention_curve", "decode_attention_curve"):
+    keys = ("matmul_curve", "elementwise_curve", "prefill_attention_curve", "decode_attention_curve")
+    for key in (*keys, "layer_floor_curve"):
         loaded, measured = getattr(q.host, key), getattr(p.host, key)
         assert loaded.keys() == measured.keys()
         for dtype, curve in loaded.items():
@@ -368,6 +374,41 @@ def test_a_profile_from_an_older_probe_still_loads_and_says_so(tiny_profile, tmp
     assert probe_mod.local_profile().device.matmul_curve.keys() == p.device.matmul_curve.keys()
     err = capsys.readouterr().err
     assert err.startswith(f"note: {path} comes from an older `offload probe`") and err.count("\n") == 1
-    save_profile(p, path)
+    save_profile(p, path)  # without the served engine's costs (the fixture's probe leaves them out)
+    probe_mod.local_profile()
+    assert "without the layer floor by rows or the served engine's own step costs" in capsys.readouterr().err
+    save_profile(dataclasses.replace(p, served_step=ServedStep(1e-4, 1e-5, 1e-6, 1e-3)), path)
     probe_mod.local_profile()
     assert capsys.readouterr().err == ""  # a current profile: nothing to say
+
+
+@pytest.mark.slow
+def test_the_served_step_is_measured_on_the_engine_s_own_server(tmp_path, monkeypatch):
+    import tempfile
+
+    from offload.planner.served_step import measure_served_step
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its model folder and the server's log go
+    served = measure_served_step("bfloat16", tokens=8, min_seconds=0.0)
+    assert served.step + served.per_stream > 0 and served.request > 0  # a served step costs more than its layer
+    assert min(served.step, served.per_stream, served.per_prompt_token) >= 0
+    assert served.step < 0.1 and served.per_stream < 0.1 and served.request < 1  # seconds: a tiny model on loopback
+    assert list(tmp_path.iterdir()) == []  # the model folder is gone, the server with it
+
+
+def test_a_server_that_does_not_come_up_is_one_line_and_the_probe_goes_on(tmp_path, monkeypatch):
+    import offload.planner.served_step as served_mod
+
+    (tmp_path / "model").mkdir()  # no config.json: `offload serve` exits with its one-line error
+    expected = r"the probe's `offload serve` did not come up: error: .*config\.json"
+    with pytest.raises(OffloadError, match=expected), served_mod._served(tmp_path, "bfloat16"):
+        pass
+
+    def refuse(*args):
+        raise OffloadError("the probe's `offload serve` did not come up: no port")
+
+    monkeypatch.setattr(probe_mod, "measure_served_step", refuse)
+    stages = []
+    p = probe(tmp_path, dataclasses.replace(TINY, served_tokens=8), log=stages.append)
+    assert p.served_step is None and p.device.matmul_curve  # the rest of the profile stands
+    assert "serving: not measured (the probe's `offload serve` did not come up: no port)" in stages

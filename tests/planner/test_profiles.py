@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -10,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from offload.common.errors import OffloadError
-from offload.common.hardware import ComputeUnit, HardwareProfile
+from offload.common.hardware import ComputeUnit, HardwareProfile, ServedStep
+from offload.planner.profile_text import format_profile
 from offload.planner.profiles import (
     PROFILE_DIR,
-    format_profile,
     known_profiles,
     load_profile,
     parse_profile,
@@ -26,6 +27,9 @@ SHIPPED = [
     *("a100-40gb", "a100-80gb", "a10g-24gb", "h100-80gb", "h200-141gb", "l4-24gb", "l40s-48gb", "mi300x-192gb"),
     *("rtx3090-24gb", "rtx4090-24gb", "rtx5090-32gb", "t4-16gb"),
 ]
+
+
+SERVED_US = {"step_us": 350, "per_stream_us": 120, "per_prompt_token_us": 0.5, "request_us": 1700}
 
 
 def tiny_profile(**changes) -> HardwareProfile:
@@ -163,6 +167,10 @@ def _delete(path: str):
         (_set("disk.read_gbps_by_backend", {"aio": 0}), ["disk.read_gbps_by_backend.aio: must be positive"]),
         (_set("disk.read_gbps_by_backend", {}), ["disk.read_gbps_by_backend: must be a non-empty object"]),
         (_set("disk.read_gbps_by_backend", [2, 1]), ["disk.read_gbps_by_backend: must be a non-empty object"]),
+        (_set("device.layer_floor_curve", {"float16": [[8, 0]]}), ["layer_floor_curve.float16[0].krows: must be pos"]),
+        (_set("serving", {"step_us": 1, "per_stream_us": 1}), ["serving.per_prompt_token_us: missing"]),
+        (_set("serving", {**SERVED_US, "request_us": -1}), ["serving.request_us: must not be negative"]),
+        (_set("serving", {**SERVED_US, "per_token_us": 1}), ["serving.per_token_us: unknown field"]),
     ],
 )
 def test_validation_names_the_file_and_the_field(tmp_path, edit, fragments):
@@ -192,6 +200,21 @@ def test_a_cpu_profile_may_have_no_links_and_keeps_its_curves(tmp_path):
     save_profile(p, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == p
     assert "[8, 0.0075]" in (tmp_path / "p.json").read_text()  # a curve point stays on one line
+
+
+def test_the_floor_by_rows_and_the_served_engine_s_costs_round_trip_and_are_optional(tmp_path):
+    unit = dataclasses.replace(tiny_profile().device, layer_floor_curve={"bfloat16": ((1, 2000.0), (128, 80000.0))})
+    p = tiny_profile(device=unit, host=unit, served_step=ServedStep(350e-6, 120e-6, 0.5e-6, 1.7e-3))
+    data = profile_to_json(p)
+    assert data["serving"] == SERVED_US
+    assert data["device"]["layer_floor_curve"] == {"bfloat16": [[1, 2], [128, 80]]}  # thousand rows/s
+    assert parse_profile(data) == p
+    save_profile(p, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == p
+    text = format_profile(p)
+    assert "350 us a step, 120 us a stream in it, 0.5 us a prompt token, 1700 us a request" in text
+    assert "a tiny decoder layer (the least a layer costs), prompts of up to 128 tokens, thousand rows/s" in text
+    assert "serving" not in profile_to_json(tiny_profile()) and tiny_profile().served_step is None
 
 
 def test_read_rates_by_backend_round_trip_and_are_optional(tmp_path):

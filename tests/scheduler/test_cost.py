@@ -170,6 +170,28 @@ def test_a_measured_layer_floor_binds_small_layers_only():
     assert with_floor(1e-6).prefill_seconds == base.prefill_seconds
 
 
+def test_a_measured_floor_curve_prices_each_row_count_and_a_mixed_step_counts_it_once():
+    from offload.scheduler.cost import layer_floor_seconds, make_context, mixed_step_seconds
+
+    plain = cpu_machine(flops=1e13)  # the work itself far under any floor
+    curve = {"bfloat16": ((1, 1e3), (128, 64e3))}  # rows/s: 1 ms at one row, 2 ms at 128
+    unit = dataclasses.replace(plain.device, layer_floor={"bfloat16": 5e-3}, layer_floor_curve=curve)
+    floored = dataclasses.replace(plain, device=unit, host=unit)
+    assert layer_floor_seconds(unit, "bfloat16", 1) == pytest.approx(1e-3)
+    assert layer_floor_seconds(unit, "bfloat16", 128) == pytest.approx(2e-3)  # the curve, not the one-row floor
+    assert layer_floor_seconds(unit, "bfloat16", 0) == 0
+    assert layer_floor_seconds(plain.device, "bfloat16", 8) == 0  # no floor measured: none
+    ctx, cand = make_context(SHAPE, floored, "bfloat16", 16), candidate(8, 1, (4, 0, 0))
+    decode = mixed_step_seconds(ctx, cand, 1, 128, 0, 128)
+    prefill = mixed_step_seconds(ctx, cand, 0, 128, 1, 128)
+    assert decode == pytest.approx(4 * (1e-3 + LAYER_OVERHEAD), rel=0.05)
+    assert prefill == pytest.approx(4 * (2e-3 + LAYER_OVERHEAD), rel=0.05)
+    both = mixed_step_seconds(ctx, cand, 1, 128, 1, 128)  # 129 rows: the floor once, at 129 rows, and the decode
+    # part's own work beside it (a one-row GEMM's weight read: 0.25 ms a layer here)
+    assert 4 * (layer_floor_seconds(unit, "bfloat16", 129) + 2 * LAYER_OVERHEAD) <= both
+    assert both < decode + prefill - 4 * 0.5e-3  # not the one-row floor again
+
+
 def test_a_decode_step_fills_micro_batches_of_the_prefill_token_budget():
     # 8 prompts of 64 tokens in 4 micro-batches: a budget of 128 tokens, which one decode step of 8 tokens fits
     hw = cpu_machine(flops=1e11)

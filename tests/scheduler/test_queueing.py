@@ -67,6 +67,27 @@ def test_a_light_rate_waits_for_one_prompt_and_a_heavy_one_queues(per_batch) -> 
     assert over.throughput == pytest.approx(light.max_rate * 64, rel=0.5)  # it serves about its capacity
 
 
+def test_the_served_engine_s_own_costs_slow_each_step_and_each_first_token(per_batch) -> None:
+    import dataclasses
+
+    from offload.common.hardware import ServedStep
+
+    p, served = per_batch[16], ServedStep(step=2e-3, per_stream=1e-3, per_prompt_token=1e-5, request=0.05)
+    ctx = make_context(SHAPE, HW, "bfloat16", 16)
+    costed = make_context(SHAPE, dataclasses.replace(HW, served_step=served), "bfloat16", 16)
+    bare, light = simulate(ctx, p, 512, 64, rate=0.01), simulate(costed, p, 512, 64, rate=0.01)
+    # alone: the request's handling, then its prefill step with the step's, its stream's and its tokens' costs
+    assert light.ttft_p50 == pytest.approx(bare.ttft_p50 + 0.05 + 2e-3 + 1e-3 + 512 * 1e-5, rel=1e-3)
+    one_token = mixed_step_seconds(ctx, p.candidate, 1, 512 + 32, 0, 512)
+    assert light.stream_tps_p50 == pytest.approx(1 / (one_token + 3e-3), rel=0.1)
+    assert light.max_rate < bare.max_rate
+    # staggered arrivals prefill beside running decode: near a full batch's lockstep round, not the same
+    round_ = p.round_seconds + 64 * (2e-3 + 16 * 1e-3) + 16 * 512 * 1e-5
+    assert 0.5 < light.max_rate / (16 / round_) < 2
+    below, above = (simulate(costed, p, 512, 64, rate=f * light.max_rate) for f in (0.5, 2.0))
+    assert not below.saturated and above.saturated and above.ttft_p50 > 10 * below.ttft_p50  # the queue grows
+
+
 def test_plan_qps_lists_policies_by_targets_with_their_serve_commands(capsys) -> None:
     argv = ["plan", "--model", "llama-3.1-8b", "--hardware", "rtx4090-24gb", "--gen-len", "64", "--qps", "1"]
     argv += ["--max-ttft", "2", "--min-stream-tps", "10"]

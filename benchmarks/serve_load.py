@@ -3,6 +3,7 @@
     python benchmarks/serve_load.py [--model DIR] [--clients 32] [--rounds 2] [--max-tokens 32]
                                     [--ratio-clients 16] [--ratio-tokens 128] [--repeats 3] [--skip-streamed]
                                     [--work-dir ~/.cache/offload/bench] [--layers 22] [--budget 600MB]
+                                    [--rate R] [--arrival poisson|burst] [--rate-requests 40]
                                     [--quick] [--out benchmarks/results/serve_load.json]
 
 load      The demo model (or --model), served with the engine's default settings. --clients clients each send
@@ -21,6 +22,12 @@ ratio     The same server: --ratio-clients streaming clients on as many distinct
           minimal SSE clients (httpx, one json.loads per chunk), and the rate to openai clients, which validate
           every chunk into typed objects and so take CPU from the server on a machine of two cores, is reported
           beside it.
+rate      With --rate: the same server, --rate-requests streamed completions arriving at R requests/s, Poisson (a
+          fixed seed) or in bursts of 8 (the arrivals `offload plan --qps` simulates), each a token-id prompt of its
+          own of --rate-prompt-tokens tokens and --rate-tokens new tokens (eos ignored), sent by served.py's at_rate.
+          Reported, client-side, over the requests after the first quarter: time to first token p50 and p90, the
+          median stream's decode tokens/s, and the completion rate (benchmarks/plan_vs_measured.py sets the rates
+          from the planner and compares).
 streamed  offload_vs_peers.py's random bf16 checkpoint of TinyLlama-1.1B's shape, served with the settings its runs
           of our engine use (--budget of device memory for weights, the KV cache on top, reads through pread), so
           that most layers stream from disk on every step. Token-id prompts of one length: one client alone, then 8
@@ -56,8 +63,10 @@ from served import (
     Job,
     Server,
     at_once,
+    at_rate,
     lean_at_once,
     openai_client,
+    rate_stats,
     scrape,
     send,
     serve_flags,
@@ -70,7 +79,9 @@ if TYPE_CHECKING:
 
 RESULTS = Path(__file__).parent / "results" / "serve_load.json"
 FULL = {"clients": 32, "rounds": 2, "max_tokens": 32, "ratio_clients": 16, "ratio_tokens": 128, "repeats": 3}
+FULL |= {"rate_requests": 40, "rate_prompt_tokens": 128, "rate_tokens": 32}
 QUICK = {"clients": 8, "rounds": 2, "max_tokens": 16, "ratio_clients": 8, "ratio_tokens": 16, "repeats": 1}
+QUICK |= {"rate_requests": 8, "rate_prompt_tokens": 16, "rate_tokens": 8}
 CANCEL_AFTER = 3  # non-empty chunks a cancelled stream reads before closing
 GOAL_RATIO = 0.8  # served tokens/s over in-process tokens/s, medians
 GOAL_SLOWDOWN = 1.3  # STREAMED.prompts clients at once over one alone, wall time, medians
@@ -358,6 +369,29 @@ def streamed_phase(args: argparse.Namespace, scratch: Path) -> Streamed:
 
 
 @dataclass(frozen=True, slots=True)
+class RateResult:
+    """The rate phase: requests/s offered, how they arrived, and served.py's rate_stats of what the clients saw."""
+
+    rate: float
+    arrival: str
+    requests: int
+    stats: dict[str, float]
+
+
+def rate_phase(server: Server, args: argparse.Namespace) -> RateResult:
+    import random
+
+    from offload.scheduler.queueing import arrival_times
+
+    rng = random.Random(0)
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    prompts = [[rng.randrange(5, vocab) for _ in range(args.rate_prompt_tokens)] for _ in range(args.rate_requests)]
+    arrivals = arrival_times(args.rate, args.rate_requests, args.arrival, seed=1)
+    seen = at_rate(server, prompts, args.rate_tokens, arrivals, REQUEST_BOUND["demo"])
+    return RateResult(args.rate, args.arrival, args.rate_requests, rate_stats(seen))
+
+
+@dataclass(frozen=True, slots=True)
 class Row:
     """One line of the table; goal "" and passed None: a measurement with nothing to judge."""
 
@@ -404,6 +438,19 @@ def ratio_rows(rates: Rates, clients: int) -> list[Row]:
     ]
 
 
+def rate_rows(r: RateResult) -> list[Row]:
+    st, offered = r.stats, f"{r.rate:g}/s {r.arrival}"
+    return [
+        Row(
+            "rate",
+            f"time to first token p50 / p90 at {offered}",
+            f"{st['ttft_p50'] * 1e3:.1f} / {st['ttft_p90'] * 1e3:.1f} ms",
+        ),
+        Row("rate", "stream decode tokens/s (median stream)", f"{st['stream_tps_p50']:.1f}"),
+        Row("rate", "requests completed/s", f"{st['completion_rate']:.2f}"),
+    ]
+
+
 def streamed_rows(s: Streamed) -> list[Row]:
     single = statistics.median(r.seconds for r in s.single)
     concurrent = statistics.median(r.seconds for r in s.concurrent)
@@ -427,9 +474,9 @@ def table(rows: list[Row]) -> str:
 # ---- running it ----------------------------------------------------------------------------------------------
 
 
-def demo_phases(args: argparse.Namespace, scratch: Path) -> tuple[LoadResult, Rates]:
-    """The load and ratio phases on one server with the engine's default settings, and the same settings in this
-    process: what each request must be answered, and the in-process side of the ratio."""
+def demo_phases(args: argparse.Namespace, scratch: Path) -> tuple[LoadResult, Rates, RateResult | None]:
+    """The load, ratio and (with --rate) rate phases on one server with the engine's default settings, and the same
+    settings in this process: what each request must be answered, and the in-process side of the ratio."""
     from offload.api import LLM
     from offload.common.config import SamplingParams
 
@@ -444,18 +491,19 @@ def demo_phases(args: argparse.Namespace, scratch: Path) -> tuple[LoadResult, Ra
         answers, statuses, wall = asyncio.run(load(server, pool, args))
         after = settle(server)
         rates = ratio_phase(server, llm, pool[: args.ratio_clients], args)
+        at = rate_phase(server, args) if args.rate is not None else None
     llm.close()
     failures = sorted({a.error for a in answers if a.error is not None})
     result = LoadResult(tally(answers, expected), latency(answers, wall), statuses, after, server.exit_status, failures)
-    return result, rates
+    return result, rates, at
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="serve_load-") as tmp:
-        loaded, rates = demo_phases(args, Path(tmp))
+        loaded, rates, at = demo_phases(args, Path(tmp))
         streamed = None if args.skip_streamed else streamed_phase(args, Path(tmp))
-    rows = load_rows(loaded) + ratio_rows(rates, args.ratio_clients)
+    rows = load_rows(loaded) + ratio_rows(rates, args.ratio_clients) + (rate_rows(at) if at is not None else [])
     rows += streamed_rows(streamed) if streamed is not None else []
     print()
     print(table(rows))
@@ -469,6 +517,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": settings | {"model": str(args.model), "work_dir": str(args.work_dir), "cancel_after": CANCEL_AFTER},
         "load": asdict(loaded),
         "ratio": asdict(rates) | {"ratio": rates.ratio, "openai_ratio": rates.openai_ratio},
+        "rate": None if at is None else asdict(at),
         "streamed": None if streamed is None else asdict(streamed) | {"slowdown": streamed.slowdown},
         "goals": [asdict(r) | {"verdict": r.verdict} for r in rows if r.goal],
     }
@@ -492,6 +541,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench"), help="the peers' checkpoint")
     parser.add_argument("--layers", type=int, default=22, help="decoder layers of the streamed checkpoint")
     parser.add_argument("--budget", default="600MB", help="device memory for the streamed checkpoint's weights")
+    parser.add_argument("--rate", type=float, help="requests/s of the rate phase (default: no rate phase)")
+    parser.add_argument("--arrival", choices=("poisson", "burst"), default="poisson", help="how they arrive")
+    parser.add_argument("--rate-requests", type=int, help=f"requests of the rate phase ({FULL['rate_requests']})")
+    parser.add_argument("--rate-prompt-tokens", type=int, help=f"prompt tokens each ({FULL['rate_prompt_tokens']})")
+    parser.add_argument("--rate-tokens", type=int, help=f"new tokens each ({FULL['rate_tokens']})")
     parser.add_argument("--quick", action="store_true", help="8 clients, few tokens, one round, no streamed phase")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -507,6 +561,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--ratio-clients must be 1..{pool} (distinct prompts), got {args.ratio_clients}")
     if min(args.clients, args.rounds, args.max_tokens, args.ratio_tokens, args.repeats) < 1:
         raise SystemExit("--clients, --rounds, --max-tokens, --ratio-tokens and --repeats must be at least 1")
+    if args.rate is not None and not (args.rate > 0 and min(args.rate_requests, args.rate_prompt_tokens) >= 1):
+        raise SystemExit("--rate, --rate-requests and --rate-prompt-tokens must be positive")
+    if args.rate_tokens < 2:
+        raise SystemExit("--rate-tokens must be at least 2 (a stream's rate needs a token after its first)")
     return args
 
 

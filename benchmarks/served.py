@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import itertools
 import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -278,3 +281,79 @@ async def lean_at_once(server: Server, prompts: list[str], max_tokens: int, boun
         start = time.perf_counter()
         tokens = await asyncio.gather(*(lean_stream(http, server, p, max_tokens) for p in prompts))
         return list(tokens), time.perf_counter() - start
+
+
+# ---- requests at a rate ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """One streamed completion sent at its arrival time; seconds from the run's start."""
+
+    sent: float
+    first: float  # the first chunk with a token
+    last: float  # the last chunk with a token
+    tokens: int  # tokens streamed
+
+
+def at_rate(server: Server, prompts: list[list[int]], max_tokens: int, arrivals: list[float], bound: float) -> list:
+    """Each token-id prompt sent as a streamed completion at its arrival time (seconds from now), greedy, eos
+    ignored, `max_tokens` new tokens; a Timed each, in order. Each request has a thread of its own with a plain
+    http.client connection, the lightest client there is: on a machine of two cores the clients' CPU is taken from
+    the server they measure, and an asyncio client with one json.loads per chunk took more of it. `logprobs: 0`
+    makes every token come in a chunk that says so, whatever its text (a checkpoint without a tokenizer has none).
+    A failed request raises, after the others finish."""
+    port = int(server.url.rsplit(":", 1)[1])
+    results: list[Timed | BaseException | None] = [None] * len(prompts)
+    start = time.perf_counter()
+
+    def one(i: int) -> None:
+        body = {"model": server.model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0}
+        body |= {"ignore_eos": True, "stream": True, "logprobs": 0}
+        try:
+            time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=bound)
+            sent = time.perf_counter()
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"request {i}: HTTP {response.status}: {response.read()[:200]!r}")
+            seen = []
+            for line in response:
+                if line.startswith(b"data: {"):
+                    choices = json.loads(line[6:])["choices"]
+                    if choices and (got := len((choices[0].get("logprobs") or {}).get("tokens") or ())):
+                        seen.append((time.perf_counter(), got))
+            conn.close()
+            tokens = sum(n for _, n in seen)
+            results[i] = Timed(sent - start, seen[0][0] - start, seen[-1][0] - start, tokens)
+        except BaseException as exc:  # raised below, in the caller's thread
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def rate_stats(seen: list[Timed]) -> dict[str, float]:
+    """p50 and p90 time to first token and the median stream's decode tokens/s (its tokens after the first over the
+    time from its first chunk to its last) over the requests after the first quarter (the queue warms up); and the
+    completion rate from the fifth to the fifth-last completion (while the queue is full, at a rate above capacity,
+    the largest rate the server sustains)."""
+    kept = seen[len(seen) // 4 :]
+    ttft = sorted(s.first - s.sent for s in kept)
+    streams = [(s.tokens - 1) / (s.last - s.first) for s in kept if s.last > s.first]
+    done = sorted(s.last for s in seen)
+    a, b = len(done) // 5, len(done) - len(done) // 5 - 1
+    return {
+        "ttft_p50": statistics.median(ttft),
+        "ttft_p90": ttft[min(int(0.9 * len(ttft)), len(ttft) - 1)],
+        "stream_tps_p50": statistics.median(streams) if streams else float("nan"),
+        "completion_rate": (b - a) / (done[b] - done[a]) if b > a else float("nan"),
+    }

@@ -80,7 +80,8 @@ def test_serve_flags_give_back_the_peer_config(bench):
 
 def test_quick_run_against_a_real_server(bench, demo_model, tmp_path):
     out = tmp_path / "serve_load.json"
-    bench.main(["--quick", "--model", str(demo_model), "--work-dir", str(tmp_path), "--out", str(out)])
+    argv = ["--quick", "--model", str(demo_model), "--work-dir", str(tmp_path), "--out", str(out)]
+    bench.main([*argv, "--rate", "20"])
     report = json.loads(out.read_text())
     tally, latency, ratio = report["load"]["tally"], report["load"]["latency"], report["ratio"]
     assert tally["requests"] == 16 and tally["cancelled"] > 0
@@ -98,4 +99,19 @@ def test_quick_run_against_a_real_server(bench, demo_model, tmp_path):
     assert ratio["ratio"] > 0 and ratio["failed"] == 0
     assert ratio["served_tokens"] == ratio["in_process_tokens"]  # greedy: both sides generate the same tokens
     assert report["streamed"] is None and report["machine"]["cores"] > 0
+    rate = report["rate"]  # 8 requests at 20/s, Poisson, each 8 new tokens streamed
+    assert (rate["rate"], rate["arrival"], rate["requests"]) == (20, "poisson", 8)
+    stats = rate["stats"]
+    assert 0 < stats["ttft_p50"] <= stats["ttft_p90"] and stats["stream_tps_p50"] > 0 and stats["completion_rate"] > 0
     assert {g["metric"] for g in report["goals"]} >= {"served / in-process", "lost / duplicated / failed"}
+
+
+def test_rate_stats_read_first_tokens_streams_and_the_full_queue_s_completions(bench):
+    from served import Timed, rate_stats
+
+    # 10 requests sent 1 s apart, each first token 0.5 s after it is sent, 9 more tokens over the next 0.9 s
+    seen = [Timed(sent=i, first=i + 0.5, last=i + 1.4, tokens=10) for i in range(10)]
+    stats = rate_stats(seen)
+    assert stats["ttft_p50"] == pytest.approx(0.5) and stats["ttft_p90"] == pytest.approx(0.5)
+    assert stats["stream_tps_p50"] == pytest.approx(10.0)  # 9 tokens in 0.9 s
+    assert stats["completion_rate"] == pytest.approx(1.0)  # the 2nd to the 9th completion, one a second

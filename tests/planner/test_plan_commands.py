@@ -13,6 +13,7 @@ from conftest import make_checkpoint
 from offload.api import LLM
 from offload.cli import build_parser, engine_config, main
 from offload.common.config import EngineConfig
+from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.common.knobs import to_flags
 from offload.planner.profiles import save_profile
 
@@ -55,6 +56,73 @@ def test_the_printed_command_places_and_batches_as_planned(six_layers, tmp_path,
     # the text report prints the same command under its table
     assert main(plan[:-1]) == 0
     assert best["command"] in capsys.readouterr().out
+
+
+TINYLLAMA = {  # TinyLlama-1.1B's shape, as the streamed benchmarks' checkpoint has it
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "bfloat16",
+}
+
+
+def sparse_checkpoint(path, config: dict) -> int:
+    """A Llama checkpoint of `config`'s shape whose tensors are all zeros, written as a sparse file: its header and
+    a hole, so that 2.2 GB of bfloat16 take no disk and no time to write. Returns the file's size."""
+    import struct
+
+    h = config["hidden_size"]
+    kv = h // config["num_attention_heads"] * config["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": [config["vocab_size"], h], "model.norm.weight": [h]}
+    shapes["lm_head.weight"] = [config["vocab_size"], h]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h]}
+        shapes |= {p + f"self_attn.{n}_proj.weight": [h, h] for n in ("q", "o")}
+        shapes |= {p + f"self_attn.{n}_proj.weight": [kv, h] for n in ("k", "v")}
+        shapes |= {p + f"mlp.{n}_proj.weight": [config["intermediate_size"], h] for n in ("gate", "up")}
+        shapes[p + "mlp.down_proj.weight"] = [h, config["intermediate_size"]]
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 2 * shape[0] * (shape[1] if len(shape) > 1 else 1)
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + offset)
+    return 8 + len(text) + offset
+
+
+def test_the_printed_command_places_a_1b_checkpoint_as_planned(tmp_path, capsys) -> None:
+    model = tmp_path / "llama-1.1b"
+    assert sparse_checkpoint(model, TINYLLAMA) > 2e9
+    profile = tmp_path / "cpu.json"
+    ram = ComputeUnit(16 << 30, 2e10, {"float32": 1e11, "bfloat16": 1e11})
+    save_profile(HardwareProfile("test cpu", "cpu", ram, ram, 0.0, 0.0, 2e9, 2e9, "test"), profile)
+    plan = ["plan", "--model", str(model), "--hardware", str(profile), "--device-memory", "600MB"]
+    plan += ["--host-memory", "0", "--prompt-len", "128", "--gen-len", "16", "--requests", "8", "--dtype", "bfloat16"]
+    plan += ["--json"]
+    assert main(plan) == 0
+    best = json.loads(capsys.readouterr().out)["best"][0]
+    layers = best["policy"]["layers"]
+    assert layers[0] > 0 and layers[2] > 0 and sum(layers) == 22  # some resident, the rest streamed from disk
+    words = shlex.split(best["command"])
+    assert words[:2] == ["offload", "batch"] and words[words.index("--model") + 1] == str(model)
+    config = engine_config(build_parser().parse_args(words[1:]))
+    with LLM(model, config) as llm:
+        assert list(llm.parts.weights.policy.counts) == layers
+        assert llm.config.max_num_seqs == best["policy"]["batch"]
+        assert llm.placement.device_budget == config.device_memory <= 600_000_000
 
 
 def test_a_named_model_gets_a_placeholder_and_a_quantized_policy_converts_first(capsys) -> None:

@@ -110,6 +110,7 @@ class _CoreCollector:
         tiers.add_metric(["host"], c.h2d_bytes)
         yield tiers
         yield counter("offload_read_stall_seconds", "Time the engine waited for weight reads", c.stall_seconds)
+        yield counter("offload_weight_read_seconds", "Time with at least one weight read in flight", c.read_seconds)
         yield counter("offload_step_seconds", "Time inside engine steps", c.prefill_seconds + c.decode_seconds)
         yield counter(
             "offload_prefill_tokens_computed",

@@ -227,6 +227,7 @@ def test_metrics_count_what_ran(server, client):
         "offload_kv_blocks_free",
         'offload_weight_bytes_read_total{tier="nvme"}',
         "offload_read_stall_seconds_total",
+        "offload_weight_read_seconds_total",
         "offload_preemptions_total",
         "offload_tokens_per_second",
         'offload_kv_bytes_moved_total{way="down"}',

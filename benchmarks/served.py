@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.client
 import itertools
 import json
 import os
@@ -22,7 +21,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -299,46 +297,23 @@ class Timed:
 def at_rate(server: Server, prompts: list[list[int]], max_tokens: int, arrivals: list[float], bound: float) -> list:
     """Each token-id prompt sent as a streamed completion at its arrival time (seconds from now), greedy, eos
     ignored, `max_tokens` new tokens; a Timed each, in order. Each request has a thread of its own with a plain
-    http.client connection, the lightest client there is: on a machine of two cores the clients' CPU is taken from
-    the server they measure, and an asyncio client with one json.loads per chunk took more of it. `logprobs: 0`
-    makes every token come in a chunk that says so, whatever its text (a checkpoint without a tokenizer has none).
-    A failed request raises, after the others finish."""
+    http.client connection (offload.planner.served_step's stream_completion, which `offload probe` measures the
+    server with): on a machine of two cores the clients' CPU is taken from the server they measure, and an asyncio
+    client with one json.loads per chunk took more of it. A failed request raises, after the others finish."""
+    from offload.planner.served_step import in_threads, stream_completion
+
     port = int(server.url.rsplit(":", 1)[1])
-    results: list[Timed | BaseException | None] = [None] * len(prompts)
     start = time.perf_counter()
 
-    def one(i: int) -> None:
-        body = {"model": server.model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0}
-        body |= {"ignore_eos": True, "stream": True, "logprobs": 0}
-        try:
-            time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=bound)
-            sent = time.perf_counter()
-            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            if response.status != 200:
-                raise RuntimeError(f"request {i}: HTTP {response.status}: {response.read()[:200]!r}")
-            seen = []
-            for line in response:
-                if line.startswith(b"data: {"):
-                    choices = json.loads(line[6:])["choices"]
-                    if choices and (got := len((choices[0].get("logprobs") or {}).get("tokens") or ())):
-                        seen.append((time.perf_counter(), got))
-            conn.close()
-            tokens = sum(n for _, n in seen)
-            results[i] = Timed(sent - start, seen[0][0] - start, seen[-1][0] - start, tokens)
-        except BaseException as exc:  # raised below, in the caller's thread
-            results[i] = exc
+    def one(prompt: list[int], at: float):
+        def call() -> Timed:
+            time.sleep(max(0.0, start + at - time.perf_counter()))
+            sent, seen = stream_completion(port, server.model, prompt, max_tokens, bound)
+            return Timed(sent - start, seen[0][0] - start, seen[-1][0] - start, sum(n for _, n in seen))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
+        return call
+
+    return in_threads([one(p, at) for p, at in zip(prompts, arrivals, strict=True)])
 
 
 def rate_stats(seen: list[Timed]) -> dict[str, float]:

@@ -74,8 +74,7 @@ def simulate(
 ) -> Latency:
     """The latency `prediction`'s policy gives at `rate` requests/s of `prompt_len`-token prompts and `gen_len` new
     tokens each, its batch (the policy's) the most sequences a step runs."""
-    served = ctx.hw.served_step
-    costs = (served.step, served.per_stream, served.per_prompt_token, served.request) if served else (0.0,) * 4
+    costs = _served_costs(ctx)
     arrivals = arrival_times(rate, requests, pattern, seed)
     first, done, steps, seqs = _timeline(ctx, prediction.candidate, prompt_len, gen_len, arrivals, costs)
     kept = range(requests // 4, requests)  # after the queue has warmed up
@@ -107,8 +106,7 @@ def max_rate(
     Staggered arrivals finish staggered, so later prompts are prefilled beside the running decode, in the same pass
     over the weights: more than the one-batch round's batch / round_seconds, where a whole batch is prefilled, then
     decoded, in lockstep."""
-    served = ctx.hw.served_step
-    costs = (served.step, served.per_stream, served.per_prompt_token, served.request) if served else (0.0,) * 4
+    costs = _served_costs(ctx)
     cand = prediction.candidate
     step, stream, token, _ = costs
     round_ = prediction.round_seconds + gen_len * (step + stream * cand.batch) + token * prompt_len * cand.batch
@@ -116,6 +114,13 @@ def max_rate(
     done = sorted(_timeline(ctx, cand, prompt_len, gen_len, arrivals, costs)[1])
     a, b = len(done) // 5, len(done) - len(done) // 5 - 1
     return (b - a) / (done[b] - done[a])
+
+
+def _served_costs(ctx: Context) -> tuple[float, float, float, float]:
+    """The served engine's own seconds per step, per stream in a step, per prompt token and per request, as the
+    profile holds them (HardwareProfile.served_step; none for a published card)."""
+    s = ctx.hw.served_step
+    return (s.step, s.per_stream, s.per_prompt_token, s.request) if s else (0.0, 0.0, 0.0, 0.0)
 
 
 def _timeline(

@@ -31,7 +31,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -44,6 +46,7 @@ PROMPT = 16  # tokens of each prompt (random ids)
 LONG_PROMPT = 128  # tokens of the prompts that measure a prompt token's cost
 READY_BOUND = 180.0  # seconds for the server to load and answer /health
 REQUEST_BOUND = 120.0  # seconds for one streamed completion
+T = TypeVar("T")
 ROUNDS = 5  # each measurement is taken this many times, the median kept
 
 
@@ -149,19 +152,24 @@ def _healthy(port: int) -> bool:
     return False
 
 
-def _stream(port: int, prompt: list[int], tokens: int) -> dict:
-    """One streamed completion: {"first": seconds from sending to its first token, "step": seconds a later token
-    took, on average (None when they all came in the first chunk)}."""
-    body = {"model": "probe", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    body |= {"stream": True, "logprobs": 0}  # logprobs: a chunk for every token, whatever its text
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_BOUND)
+def stream_completion(
+    port: int, model: str, prompt: list[int], tokens: int, bound: float = REQUEST_BOUND
+) -> tuple[float, list[tuple[float, int]]]:
+    """A streamed completion of token-id `prompt` from the server on loopback `port`: `tokens` new tokens, greedy,
+    eos ignored, read with a plain http.client connection (the lightest client there is). Returns (when it was sent,
+    [(when, tokens) of each chunk with tokens]) in time.perf_counter() seconds; a slow reader may get several tokens
+    in one chunk, and `logprobs: 0` makes every token come in a chunk that says so, whatever its text (a checkpoint
+    without a tokenizer has none). An answer that is not 200, or not `tokens` tokens, raises OffloadError."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "logprobs": 0}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=bound)
     try:
         sent = time.perf_counter()
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
         if response.status != 200:
-            raise OffloadError(f"the probe's `offload serve` answered {response.status}: {response.read()[:200]!r}")
-        seen = []  # (when, tokens) of each chunk with tokens: a slow reader may get several in one chunk
+            raise OffloadError(f"`offload serve` on port {port} answered {response.status}: {response.read()[:200]!r}")
+        seen = []
         for line in response:
             if line.startswith(b"data: {"):
                 choices = json.loads(line[6:])["choices"]
@@ -170,30 +178,49 @@ def _stream(port: int, prompt: list[int], tokens: int) -> dict:
     finally:
         conn.close()
     if sum(n for _, n in seen) != tokens:
-        raise OffloadError(f"the probe's `offload serve` streamed {sum(n for _, n in seen)} tokens, not {tokens}")
+        raise OffloadError(f"`offload serve` on port {port} streamed {sum(n for _, n in seen)} tokens, not {tokens}")
+    return sent, seen
+
+
+def in_threads(calls: list[Callable[[], T]]) -> list[T]:
+    """Each call run in a thread of its own, all at once; their results in order. The first exception is raised
+    once every thread has finished."""
+    results: list = [None] * len(calls)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # raised below, in the caller's thread
+            results[i] = _Failed(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, _Failed):
+            raise r.exc
+    return results
+
+
+class _Failed(NamedTuple):
+    exc: BaseException
+
+
+def _stream(port: int, prompt: list[int], tokens: int) -> dict:
+    """One streamed completion: {"first": seconds from sending to its first token, "step": seconds a later token
+    took, on average (None when they all came in the first chunk)}."""
+    sent, seen = stream_completion(port, "probe", prompt, tokens)
     (first, n_first), (last, _) = seen[0], seen[-1]
     return {"first": first - sent, "step": (last - first) / (tokens - n_first) if tokens > n_first else None}
 
 
 def _concurrent(port: int, prompts: list[list[int]], tokens: int) -> list[dict]:
     """A completion of each prompt, all sent at once, each from a thread of its own."""
-    streams = len(prompts)
-    results: list[dict | BaseException] = [OffloadError("no answer")] * streams
-    start = threading.Barrier(streams)
+    start = threading.Barrier(len(prompts))
 
-    def one(i: int) -> None:
-        try:
-            start.wait()
-            results[i] = _stream(port, prompts[i], tokens)
-        except BaseException as exc:  # reported below, in the caller's thread
-            results[i] = exc
+    def one(prompt: list[int]) -> Callable[[], dict]:
+        return lambda: (start.wait(), _stream(port, prompt, tokens))[1]
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results  # type: ignore[return-value]
+    return in_threads([one(p) for p in prompts])

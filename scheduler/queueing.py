@@ -110,6 +110,7 @@ def max_rate(
     cand = prediction.candidate
     step, stream, token, _ = costs
     round_ = prediction.round_seconds + gen_len * (step + stream * cand.batch) + token * prompt_len * cand.batch
+    requests = max(requests, 4 * cand.batch)  # enough to keep a full batch running, whatever its size
     arrivals = arrival_times(2 * cand.batch / round_, requests, pattern, seed)
     done = sorted(_timeline(ctx, cand, prompt_len, gen_len, arrivals, costs)[1])
     a, b = len(done) // 5, len(done) - len(done) // 5 - 1

@@ -231,7 +231,7 @@ def tiny_model_config(dtype: str, layers: int) -> dict:
         "num_hidden_layers": layers,
         "num_attention_heads": shape.heads,
         "num_key_value_heads": shape.kv_heads,
-        "max_position_embeddings": 512,
+        "max_position_embeddings": 1024,
         "torch_dtype": dtype,
     }
 

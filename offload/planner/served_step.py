@@ -10,10 +10,11 @@ The probe measures it on the engine's own server: a one-layer model of the probe
 weights, written to a temporary folder) is served by `offload serve` in a process of its own, and clients on this
 machine stream completions from it, one at a time and then 8 at once, each a 16-token prompt and `tokens` new
 tokens. A stream's step is the time between its chunks (after its first); a lone request's first token takes
-one step and the request's own cost. Less the layer itself (rates.measure_layer_floor at the same sequences),
-what remains at one stream and at 8 gives a step's cost and each stream's; the first token's wait less one step
-gives a request's. Clients on the same machine load its cores as a benchmark's clients do; remote clients cost the
-server less, so on a served machine this errs on the slow side.
+one step and the request's own cost; lone requests with 512-token prompts take longer by their prompt tokens' cost.
+Less the layer itself (rates.measure_layer_floor at the same rows), what remains at one stream and at 8 gives a
+step's cost and each stream's, the longer prompts' extra wait a prompt token's, and the first token's wait less one
+step (and its 16 prompt tokens) a request's. Clients on the same machine load its cores as a benchmark's clients
+do; remote clients cost the server less, so on a served machine this errs on the slow side.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from offload.planner.rates import measure_layer_floor, tiny_model_config
 
 STREAMS = 8  # the larger number of concurrent streams measured (the smaller is one)
 PROMPT = 16  # tokens of each prompt (random ids)
-LONG_PROMPT = 128  # tokens of the prompts that measure a prompt token's cost
+LONG_PROMPT = 512  # tokens of the prompts that measure a prompt token's cost (long: a difference of two medians)
 READY_BOUND = 180.0  # seconds for the server to load and answer /health
 REQUEST_BOUND = 120.0  # seconds for one streamed completion
 T = TypeVar("T")

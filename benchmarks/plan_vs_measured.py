@@ -64,12 +64,12 @@ def plan(model: Path, prompt_len: int, gen_len: int, budget: int | None, work_di
     from offload.scheduler.cost import Budgets, Workload, make_context
     from offload.scheduler.search import search
 
-    spec, hw = load_model_spec(str(model)), local_profile()
-    if budget is not None:  # the disk: the median of three reads of the full probe's 1 GiB file (one read of this
-        # VM's virtual disk rated it anywhere from 1.8 to 2.7 GB/s within minutes)
-        sizes = dataclasses.replace(ProbeSizes.quick(), disk_bytes=ProbeSizes().disk_bytes)
-        hw = sorted((remeasure(hw, sizes=sizes, disk_dir=work_dir) for _ in range(3)), key=lambda p: p.disk_read)[1]
-    hw = remeasure(hw, served=True)
+    # the disk, for the streamed model: the median of three reads of the full probe's 1 GiB file (single reads of
+    # this VM's virtual disk differ widely within minutes)
+    disk = work_dir if budget is not None else None
+    sizes = dataclasses.replace(ProbeSizes.quick(), disk_bytes=ProbeSizes().disk_bytes)
+    hw = remeasure(local_profile(), sizes=sizes, disk_dir=disk, served=True, disk_reads=3)
+    spec = load_model_spec(str(model))
     # streamed: no host tier, so that what the device budget leaves out streams from disk (a whole-RAM host tier
     # would keep every layer in memory, as the planner rightly prefers)
     workload = Workload(prompt_len, gen_len, BATCH)

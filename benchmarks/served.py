@@ -17,7 +17,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 import openai
+
+from offload.planner.served_step import free_port
 
 if TYPE_CHECKING:
     from offload.common.config import EngineConfig
@@ -48,12 +49,6 @@ class Server:
     model: str  # the name clients pass
     max_model_len: int  # tokens: the context window
     exit_status: int | None = None  # set once stopped: 0 after a clean drain, negative when killed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served_config(flags: list[str]) -> EngineConfig:

@@ -210,13 +210,14 @@ def measure_layer_floor_curve(
     FLOOR_PROMPT tokens (one prompt of `rows` tokens up to that, then `rows` / FLOOR_PROMPT of them): what a layer
     costs at the least for that many rows, however small its matrices. At 128 rows the tiny layer took 1.7 ms on
     this project's 2-core VMs, where the rates measured on 2048-wide matrices priced a 256-wide layer at 0.8."""
-    curve = []
+    shapes = {}  # rows -> (prompts, tokens each); rows that round to the same count are measured once
     for r in rows:
         seqs = -(-r // FLOOR_PROMPT)
-        tokens = r // seqs
-        curve.append((seqs * tokens, seqs * tokens / measure_layer_floor(device, dtype, min_seconds, seqs, tokens)))
-    merged: dict[int, float] = dict(curve)  # rows that round to the same count are measured once each; last kept
-    return tuple(sorted(merged.items()))
+        shapes[seqs * (r // seqs)] = (seqs, r // seqs)
+    return tuple(
+        (n, n / measure_layer_floor(device, dtype, min_seconds, seqs, tokens))
+        for n, (seqs, tokens) in sorted(shapes.items())
+    )
 
 
 def tiny_model_config(dtype: str, layers: int) -> dict:

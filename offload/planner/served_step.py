@@ -109,7 +109,7 @@ def _write_tiny_model(folder: Path, dtype: str) -> None:
 @contextlib.contextmanager
 def _served(folder: Path, dtype: str):
     """`offload serve` of folder/model on a free loopback port, in its own process group; its port while ready."""
-    port = _free_port()
+    port = free_port()
     log = folder / "serve.log"
     command = [sys.executable, "-m", "offload", "serve", "--model", str(folder / "model"), "--port", str(port)]
     command += ["--log-level", "warning", "--dtype", dtype, "--max-num-seqs", str(STREAMS)]
@@ -136,7 +136,8 @@ def _served(folder: Path, dtype: str):
             process.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback nobody listens on now (the OS's choice for a bind to port 0)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

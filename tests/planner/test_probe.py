@@ -142,7 +142,7 @@ def test_timings_are_the_median_not_the_shortest(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="remeasures CPU-only profiles")
-def test_remeasure_replaces_rates_and_keeps_disk_and_other_dtypes(tiny_profile, tmp_path):
+def test_remeasure_replaces_rates_and_keeps_disk_and_other_dtypes(tiny_profile, tmp_path, monkeypatch):
     p, _ = tiny_profile
     q = probe_mod.remeasure(p, ("bfloat16",), TINY)
     assert (q.disk_read, q.disk_write, q.name, q.source) == (p.disk_read, p.disk_write, p.name, p.source)
@@ -157,6 +157,15 @@ def test_remeasure_replaces_rates_and_keeps_disk_and_other_dtypes(tiny_profile, 
     with_disk = probe_mod.remeasure(p, ("bfloat16",), TINY, disk_dir=tmp_path)
     assert with_disk.disk_read > 0 and with_disk.disk_read != p.disk_read and with_disk.disk_write != p.disk_write
     assert list(tmp_path.iterdir()) == []  # the test file is gone
+    rates = iter([3e9, 1e9, 2e9])  # three disk tests: the median by read rate is kept
+
+    def disk_test(*args):
+        read = next(rates)
+        return disk_mod.DiskSpeed(read, read / 2, True, {"pread": read}, "")
+
+    monkeypatch.setattr(probe_mod, "measure_disk", disk_test)
+    median = probe_mod.remeasure(p, ("bfloat16",), TINY, disk_dir=tmp_path, disk_reads=3)
+    assert (median.disk_read, median.disk_write, median.disk_read_by_backend) == (2e9, 1e9, {"pread": 2e9})
 
 
 def test_remeasure_refuses_a_cuda_profile(tiny_profile):

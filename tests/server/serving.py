@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from typing import TypeVar
 
 import httpx
 import pytest
+
+from offload.planner.served_step import free_port
 
 API_KEY = "test-key"
 SERVER_FLAGS = ("--kv-cache-memory", "64MiB", "--max-num-seqs", "4", "--max-waiting", "4", "--log-level", "warning")
@@ -38,12 +39,6 @@ def eventually(check: Callable[[], T], what: str, bound: float = BOUND, poll: fl
             pytest.fail(f"not within {bound} s: {what}")
         time.sleep(poll)
     return value
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

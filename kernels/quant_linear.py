@@ -16,6 +16,7 @@ of a fixed matrix, and a checkpoint converted under one packing refuses to run u
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -55,6 +56,29 @@ def quant_linear(
 
         y = quant_matmul(x, codes, scales, fmt.bits)
     return y if bias is None else y + bias
+
+
+def stack_outputs(codes: list[torch.Tensor], scales: list[torch.Tensor], fmt: WeightQuant) -> tuple | None:
+    """Codes and scales of the matrix whose output features are the parts' one after another (their products,
+    concatenated), or None where the layout cannot stack these parts as stored: torch's CPU int4 packing, which
+    blocks rows, stacks only parts whose packing equals that of their stacked rows (`_int4_rows_stack`)."""
+    if fmt.layout == "cpu" and fmt.bits == 4 and not _int4_rows_stack(tuple(c.shape[0] for c in codes)):
+        return None
+    return torch.cat(codes), torch.cat(scales, dim=1)  # scales: [K / group, N(, 2)], output features on dim 1
+
+
+@functools.cache
+def _int4_rows_stack(rows: tuple[int, ...]) -> bool:
+    """Whether this torch packs int4 codes of parts with `rows` output features each into the bytes of their
+    stacked codes (true where each part fills whole row blocks of its CPU kernel), tried on codes of 64 inputs."""
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randint(0, 16, (r, 64), generator=gen, dtype=torch.int32) for r in rows]
+    try:
+        packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(p, 1) for p in parts]
+        whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat(parts), 1)
+    except RuntimeError:  # a row count the packing refuses
+        return False
+    return torch.equal(torch.cat(packed), whole)
 
 
 def to_cpu_layout(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -95,6 +95,15 @@ def apply_rotary(
     return rotary_ref(q, k, cos, sin)
 
 
+def apply_rotary_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Every head of x [tokens, heads, D] rotated (queries and keys side by side in one tensor: one pass for both),
+    as `apply_rotary` rotates each: the Triton kernel on a CUDA device, the torch reference elsewhere."""
+    if use_triton("rotary", x.device):
+        _check(x, x, cos, sin)
+        return _launch(x, cos, sin)
+    return _rotate_ref(x, cos, sin)
+
+
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -172,7 +173,16 @@ def build(
     policy = place(layout)
     # a table left in storage reads its rows through a backend of its own, never queued behind layer reads
     embed_backend = make_backend(io_backend.name, threads=4) if policy.embed_tier == "nvme" else None
-    store = WeightStore(layout, backend, policy, device_tier, host_tier, dtype, embed_backend=embed_backend)
+    store = WeightStore(
+        layout,
+        backend,
+        policy,
+        device_tier,
+        host_tier,
+        dtype,
+        embed_backend=embed_backend,
+        fuse=partial(family.fuse, spec),
+    )
     key = kv_key(model_dir, spec, dtype, kv)
     tables, host_tables, kv_tiers = make_kv_pool(config, kv, key, spec)
     # a sequence's blocks are all in one part of the pool: the device's, or the host's

@@ -20,6 +20,7 @@ device are both counted.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,8 @@ class WeightStore:
     (the same code then runs with synchronous copies, which is how it is tested on CPU-only machines).
     prepack: on the direct CPU path, pack resident matrices for the GEMM (kernels.linear.pack_weight); None does
     where kernels.linear.packing_pays measured it faster. Streamed layers stay dense: they change every pass.
+    fuse: on the direct CPU path, what becomes of a resident layer's weights (the family's stacking of projections
+    that share an input: new tensors, charged in place of the read buffer); streamed layers keep theirs.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class WeightStore:
         staged: bool | None = None,
         prepack: bool | None = None,
         embed_backend: ReadBackend | None = None,
+        fuse: Callable[[Weights], Weights] | None = None,
     ) -> None:
         if len(policy.layer_tiers) != len(layout.layers):
             raise ValueError(f"policy places {len(policy.layer_tiers)} layers, the model has {len(layout.layers)}")
@@ -111,9 +115,10 @@ class WeightStore:
         else:
             tiers = [device_tier, *(self._tier(policy.layer_tiers[i]) for i in resident)]
             packs = [self.prepack] * len(tiers)  # every group but the embedding may be packed for the CPU's GEMM
+            fuses = [None] + [fuse] * len(resident)  # the layers', not the head's
             if self.table is None:  # the embedding is a table of rows, not a product
-                tiers, packs = [device_tier, *tiers], [False, *packs]
-            loaded = [self._load_direct(g, t, p) for g, t, p in zip(groups, tiers, packs, strict=True)]
+                tiers, packs, fuses = [device_tier, *tiers], [False, *packs], [None, *fuses]
+            loaded = [self._load_direct(*args) for args in zip(groups, tiers, packs, fuses, strict=True)]
         self.embed: Weights = loaded.pop(0) if self.table is None else {}
         self.head, *layers = loaded
         if self.table is None:
@@ -129,15 +134,19 @@ class WeightStore:
     def _tier(self, name: str) -> MemoryTier:
         return self.device_tier if name == "device" else self.host_tier
 
-    def _load_direct(self, layout: GroupLayout, tier: MemoryTier, prepack: bool) -> Weights:
+    def _load_direct(
+        self, layout: GroupLayout, tier: MemoryTier, prepack: bool, fuse: Callable[[Weights], Weights] | None
+    ) -> Weights:
         """Read a group once into `tier` and keep it; tensors in another dtype are converted (charged to `tier`).
-        With `prepack`, its matrices are packed for `kernels.linear` and the read buffer goes."""
+        With `fuse`, its weights become what `fuse` makes of them; with `prepack`, its matrices are packed for
+        `kernels.linear`. Either way the tensors leave the read buffer, which goes."""
         buf = take(tier, layout.slot_bytes, "resident weights")
         self._wait(read(self.backend, layout, buf))
         out = convert(layout.views(buf), self.dtype, tier, keep=[])
         base = buf.untyped_storage().data_ptr()
-        if prepack and any(_packable(n, t) for n, t in out.items()):
-            return _packed(out, buf, tier)
+        fused = fuse(out) if fuse is not None else out
+        if fused.keys() != out.keys() or prepack and any(_packable(n, t) for n, t in fused.items()):
+            return _rehomed(out, fused, buf, tier, prepack)
         if all(t.untyped_storage().data_ptr() != base for t in out.values()):
             tier.free(buf)  # every tensor was converted: the read buffer is garbage, and must not stay charged
         return out
@@ -225,20 +234,27 @@ class WeightStore:
         )
 
 
-def _packed(weights: Weights, buf: torch.Tensor, tier: MemoryTier) -> Weights:
-    """`weights` with every matrix packed by kernels.linear.pack_weight and the rest copied out of `buf`, charged
-    to `tier` in place of `buf` and of the converted copies (the same bytes: packing only reorders them)."""
+def _rehomed(loaded: Weights, weights: Weights, buf: torch.Tensor, tier: MemoryTier, prepack: bool) -> Weights:
+    """`weights` (what became of `loaded`, views of `buf` and converted copies charged on their own) out of `buf`:
+    with `prepack` every matrix packed by kernels.linear.pack_weight, the rest copied out of `buf`; charged to `tier`
+    in place of `buf` and of the copies no longer kept."""
     base = buf.untyped_storage().data_ptr()
-    in_buf = {n for n, t in weights.items() if t.untyped_storage().data_ptr() == base}
-    out = {n: pack_weight(t) if _packable(n, t) else t.clone() if n in in_buf else t for n, t in weights.items()}
+    out = {}
     for n, t in weights.items():
-        if n not in in_buf and _packable(n, t):
-            tier.free(t)  # a converted copy, charged on its own, now replaced
+        if prepack and _packable(n, t):
+            out[n] = pack_weight(t)
+        else:
+            out[n] = t.clone() if t.untyped_storage().data_ptr() == base else t
+    kept = {id(t) for t in out.values()}
+    charged = {id(t): t for t in loaded.values() if t.untyped_storage().data_ptr() != base}  # converted copies
+    for t in charged.values():
+        if id(t) not in kept:
+            tier.free(t)  # replaced
     tier.free(buf)
     for n, t in out.items():
-        if (n in in_buf or _packable(n, weights[n])) and not tier.adopt(t):
+        if id(t) not in charged and not tier.adopt(t):
             raise OffloadError(
-                f"--{tier.name}-memory budget of {tier.capacity} bytes cannot hold {n} packed for the CPU "
+                f"--{tier.name}-memory budget of {tier.capacity} bytes cannot hold {n} as the CPU multiplies it "
                 f"({t.numel() * t.element_size()} bytes; {tier.used} already in use)"
             )
     return out

@@ -43,9 +43,10 @@ def test_a_small_run_breaks_each_step_into_the_engines_calls(bench, tiny_llama, 
     kinds = [s["kind"] for s in run["steps"]]
     assert kinds == ["prefill", "decode", "decode"]
     prefill = run["steps"][0]
-    # one micro-batch through 3 layers of 7 projections each, then the LM head
+    # one micro-batch through 3 layers of 4 products each (q/k/v and gate/up stacked: the layers are held whole),
+    # then the LM head
     calls = prefill["calls"]
-    assert calls["GEMMs (projections, LM head)"] == 3 * 7 + 1 and calls["head: final norm"] == 1
+    assert calls["GEMMs (projections, LM head)"] == 3 * 4 + 1 and calls["head: final norm"] == 1
     assert calls["attention: gathers, masks, copies"] == 3 and calls["KV write"] == 3
     summary = bench.summarize(run["steps"], "decode")
     assert summary["steps"] == 2

@@ -25,6 +25,7 @@ from offload.common.quant import WeightQuant
 from offload.convert import ALIGN, MANIFEST, convert, read_manifest, verify
 from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.kernels.quant_matmul import dequantize
+from offload.model.llama import LlamaFamily
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
 from offload.tiers.checkpoint import Checkpoint
@@ -127,6 +128,37 @@ def test_streamed_quantized_layers_compute_what_resident_ones_do(converted):
         streamed = [c.token_ids for c in llm.generate_ids(PROMPTS, params)]
         assert llm.stats().weights.bytes_read > 0
     assert streamed == resident
+
+
+@pytest.mark.parametrize("quant", FORMATS, ids=lambda q: q.name)
+def test_stacked_projections_compute_what_separate_ones_do(quant, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Layers held whole run q/k/v and gate/up as one product each (LlamaFamily.fuse); with stacking turned off they
+    run one product a part, and the logits are the same. q has 128 rows, k and v 64: whole row blocks of torch's CPU
+    int4 packing, which stacks only such parts."""
+    source = tmp_path / "source"
+    make_checkpoint(source, "llama", hidden_size=128, intermediate_size=128)
+    out = tmp_path / "quantized"
+    convert(source, out, quant)
+    with LLM(out, EngineConfig(dtype="float32")) as llm:
+        layer = llm.parts.weights.store.acquire(0)
+        assert {"qkv_proj", "qkv_proj" + SCALES_SUFFIX, "gate_up_proj"} <= set(layer) and "q_proj" not in layer
+        stacked = llm.score(PROMPTS)
+    monkeypatch.setattr(LlamaFamily, "fuse", lambda self, spec, w: w)
+    with LLM(out, EngineConfig(dtype="float32")) as llm:
+        assert "q_proj" in llm.parts.weights.store.acquire(0)
+        separate = llm.score(PROMPTS)
+    for got, want in zip(stacked, separate, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_int4_parts_torch_cannot_stack_run_one_product_each(source: Path, tmp_path: Path):
+    """SHAPE's k and v have 32 rows, half of a row block of torch's CPU int4 packing: stacked codes would not be
+    the stacked rows' codes, so q, k and v stay apart (gate and up, 128 rows each, stack)."""
+    out = tmp_path / "q"
+    convert(source, out, WeightQuant(4, 32, "cpu"))
+    with LLM(out, EngineConfig(dtype="float32")) as llm:
+        layer = llm.parts.weights.store.acquire(0)
+        assert {"q_proj", "k_proj", "v_proj", "gate_up_proj"} <= set(layer) and "qkv_proj" not in layer
 
 
 def test_quantized_files_are_aligned_valid_safetensors_with_checksums(converted, source: Path):

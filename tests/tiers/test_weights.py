@@ -15,6 +15,7 @@ from offload import build
 from offload.api import LLM
 from offload.common.config import EngineConfig, Policy, SamplingParams
 from offload.common.errors import OffloadError
+from offload.model.llama import FAMILY
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
 from offload.tiers import weights
@@ -236,8 +237,11 @@ def staged_config(base: LLM, host_layers: int, staging: bool = True, **kw) -> En
 
 
 def assert_same_weights(got: LLM, want: LLM) -> None:
+    """The same tensors in every layer, a layer held whole (its projections stacked, LlamaFamily.fuse) compared
+    with one streamed by stacking the streamed one's."""
     for layer in range(LAYERS):
         a, b = got.parts.weights.store.acquire(layer), want.parts.weights.store.acquire(layer)
+        a, b = FAMILY.fuse(got.spec, a), FAMILY.fuse(want.spec, b)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b), f"layer {layer}"
         got.parts.weights.store.release(layer)
         want.parts.weights.store.release(layer)
@@ -525,16 +529,19 @@ def test_prepacked_resident_weights_give_identical_logits_in_the_same_bytes(bf16
     monkeypatch.setattr(build, "WeightStore", functools.partial(WeightStore, prepack=True))
     packed = LLM(bf16_dir, config)
     layer = packed.parts.weights.store.acquire(0)
-    assert layer["q_proj"].is_mkldnn and not layer["input_norm"].is_mkldnn
+    assert layer["qkv_proj"].is_mkldnn and not layer["input_norm"].is_mkldnn
     assert (
         packed.parts.weights.store.head["lm_head"].is_mkldnn and not packed.parts.weights.store.embed["embed"].is_mkldnn
     )
-    assert not dense.parts.weights.store.acquire(0)["q_proj"].is_mkldnn
+    assert not dense.parts.weights.store.acquire(0)["qkv_proj"].is_mkldnn
     for got, want in zip(packed.score(PROMPTS), dense.score(PROMPTS), strict=True):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     packed.check_integrity()
     layout, tier = llm_layout(packed), packed.parts.device_tier
-    # each packed group (the head and every layer) is charged its tensors' bytes instead of its read buffer's
-    groups = [layout.head, *layout.layers]
-    saved = sum(tier.footprint(g.slot_bytes) - g.tensor_bytes for g in groups)
+    # each packed group is charged its tensors' bytes instead of its read buffer's: the head only when packed, the
+    # layers either way (their stacked projections are new tensors too, LlamaFamily.fuse)
+    saved = tier.footprint(layout.head.slot_bytes) - layout.head.tensor_bytes
     assert packed.stats().device_used == dense.stats().device_used - saved
+    layers = sum(g.tensor_bytes for g in layout.layers)
+    embed = tier.footprint(layout.embed.slot_bytes) + layout.head.tensor_bytes
+    assert packed.stats().device_used == layers + embed + packed.parts.kv.cache.nbytes

@@ -72,6 +72,7 @@ class KVCache:
         pinned = pin and device.type == "cpu" and torch.cuda.is_available()
         self._data = torch.empty(shape, dtype=stored, device=device, pin_memory=pinned)
         self.dtype = dtype
+        self._layers = [self._layer(i) for i in range(num_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
         # what a stored block's bytes mean (keys persisted blocks): "bfloat16", "int8-g32", ...
@@ -98,6 +99,10 @@ class KVCache:
         return self._data
 
     def layer(self, layer: int) -> KVLayer:
+        """Layer `layer`'s keys and values: views of the storage, made once (every layer of every step asks)."""
+        return self._layers[layer]
+
+    def _layer(self, layer: int) -> KVLayer:
         k, v = self._data[layer, 0], self._data[layer, 1]
         if self.quant is None:
             return KVLayer(k, v)

@@ -16,7 +16,8 @@ from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.tool_calls import CallStream, ToolUse
 
-# nesting, enums, arrays with bounds, numbers with bounds, an optional field
+# nesting, enums, arrays with bounds, integers with bounds, an optional field. The scores are integers: a sampled
+# reply may draw digits of a JSON number without end (any length is valid), and so run out of tokens by chance
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -25,7 +26,7 @@ SCHEMA = {
         "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Other"]},
         "scores": {
             "type": "array",
-            "items": {"type": "number", "minimum": 0, "maximum": 10},
+            "items": {"type": "integer", "minimum": 0, "maximum": 10},
             "minItems": 1,
             "maxItems": 3,
         },

@@ -1,8 +1,10 @@
 """A GGUF file's metadata and tensor names in Hugging Face terms: config.json's fields, each checkpoint tensor's GGUF
 name, and the row order llama.cpp's converter gave the Llama family's q and k projections.
 
-Only the dense decoder architectures the engine runs under llama.cpp's tensor names are read: llama (Llama, Mistral
-and the like), qwen2 and qwen3. llama.cpp permutes the rows of Llama's q and k projections for its interleaved
+The decoder architectures the engine runs under llama.cpp's tensor names are read: llama (Llama, Mistral and the
+like; Mixtral where the file has experts), qwen2, qwen3, qwen2moe and qwen3moe. A mixture's routed experts are stored
+stacked, one [experts, rows, columns] tensor per matrix and layer (ffn_gate_exps, ...): each expert is read as its
+slice (`gguf_source`). llama.cpp permutes the rows of Llama's q and k projections for its interleaved
 rotary layout (each head's rows, Hugging Face's two halves [2, head_dim / 2], stored interleaved as
 [head_dim / 2, 2]); transformers' GGUF loader undoes it and so does `rotary_row_order`. Qwen2 and Qwen3 keep
 Hugging Face's order (llama.cpp's NEOX rotary). Rotary scaling: none, linear, or Llama 3's, which llama.cpp stores
@@ -19,7 +21,14 @@ from gguf import GGUFReader
 
 from offload.common.errors import OffloadError
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+MIXTRAL = "MixtralForCausalLM"  # a "llama" file with experts
 PERMUTED = ("llama",)  # architectures whose q and k rows llama.cpp permutes
 GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
@@ -40,6 +49,18 @@ LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
 }
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# a mixture's layer: the router, the shared expert (Qwen2-MoE) and its gate, under Qwen's and Mixtral's names
+MOE_NAMES = {
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# routed expert e's matrices: llama.cpp stacks each over the experts, [experts, rows, columns], as ffn_*_exps
+EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3 rope scaling as per-frequency divisors: read into config.json
 # (low_freq_factor, high_freq_factor, original context) of Llama 3.1 to 3.3's rope scaling, whose factors
 # rope_freqs.weight holds without naming them
@@ -78,8 +99,7 @@ def architecture(reader: GGUFReader, path: Path) -> str:
     arch = field(reader, "general.architecture", path)
     if arch not in ARCHITECTURES:
         raise OffloadError(
-            f"{path}: general.architecture {arch!r} is not imported (supported: {', '.join(ARCHITECTURES)}; "
-            "mixtures of experts are not)"
+            f"{path}: general.architecture {arch!r} is not imported (supported: {', '.join(ARCHITECTURES)})"
         )
     return arch
 
@@ -92,8 +112,6 @@ def hf_config(reader: GGUFReader, path: Path, dtype: str) -> dict:
     def meta(key: str, default: object = _REQUIRED):
         return field(reader, f"{arch}.{key}", path, default)
 
-    if meta("expert_count", 0) or any("_exps." in name for name in tensors):
-        raise OffloadError(f"{path}: a mixture of experts ({arch}): its stacked experts are not imported")
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     head_dim = meta("attention.key_length", hidden // heads)
     if meta("attention.value_length", head_dim) != head_dim or meta("rope.dimension_count", head_dim) != head_dim:
@@ -118,7 +136,30 @@ def hf_config(reader: GGUFReader, path: Path, dtype: str) -> dict:
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensors,
         "dtype": dtype,
     }
-    return config | special_tokens(reader, path)
+    return config | _experts(arch, meta, tensors, path) | special_tokens(reader, path)
+
+
+def _experts(arch: str, meta, tensors: dict, path: Path) -> dict:
+    """config.json's fields of a mixture of experts (none for a dense file). llama.cpp runs every layer of these
+    files sparse; it renormalizes the chosen experts' weights for Mixtral and Qwen3-MoE, not for Qwen2-MoE."""
+    experts = meta("expert_count", 0)
+    if not experts:
+        if any("_exps." in name for name in tensors):
+            raise OffloadError(f"{path}: stacked experts (ffn_*_exps) but no {arch}.expert_count")
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise OffloadError(f"{path}: no {arch}.expert_count")
+        return {}
+    fields = {"num_experts_per_tok": meta("expert_used_count")}
+    if arch == "llama":
+        return {"architectures": [MIXTRAL], "model_type": "mixtral", "num_local_experts": experts} | fields
+    if arch not in ("qwen2moe", "qwen3moe"):
+        raise OffloadError(f"{path}: a mixture of experts of {arch}, which the import does not read")
+    fields |= {"num_experts": experts, "moe_intermediate_size": meta("expert_feed_forward_length")}
+    fields |= {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": arch == "qwen3moe"}
+    if arch == "qwen2moe":
+        shared = "blk.0.ffn_gate_shexp.weight" in tensors
+        fields["shared_expert_intermediate_size"] = meta("expert_shared_feed_forward_length") if shared else 0
+    return {"model_type": {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}[arch]} | fields
 
 
 def _rope(reader: GGUFReader, arch: str, path: Path, theta: float, head_dim: int) -> dict:
@@ -170,12 +211,27 @@ def special_tokens(reader: GGUFReader, path: Path) -> dict:
     return out
 
 
+def gguf_source(hf_name: str, tensors: dict) -> tuple[str, int | None]:
+    """The GGUF tensor a checkpoint tensor is read from, and which of its stacked experts it is (None: the whole
+    tensor): a routed expert's matrix is a slice of llama.cpp's stacked ffn_*_exps, or, in older Mixtral files, a
+    tensor of its own (blk.N.ffn_gate.E.weight) when the file has no stack."""
+    if m := EXPERT.match(hf_name):
+        layer, expert, matrix = m.groups()
+        if matrix in EXPERT_NAMES:
+            stacked = f"blk.{layer}.ffn_{EXPERT_NAMES[matrix]}_exps.weight"
+            alone = f"blk.{layer}.ffn_{EXPERT_NAMES[matrix]}.{expert}.weight"
+            return (alone, None) if stacked not in tensors and alone in tensors else (stacked, int(expert))
+    return gguf_name(hf_name), None
+
+
 def gguf_name(hf_name: str) -> str:
     """The GGUF name of a checkpoint tensor ("model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight")."""
     if m := LAYER.match(hf_name):
         layer, module, kind = m.groups()
         if module in LAYER_NAMES:
             return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+        if module in MOE_NAMES:
+            return f"blk.{layer}.{MOE_NAMES[module]}.{kind}"
     else:
         module, _, kind = hf_name.rpartition(".")
         if module in GLOBAL_NAMES:

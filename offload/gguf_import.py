@@ -9,6 +9,8 @@ listed in quantization_config.unquantized: quantized types as gguf.quants.dequan
 types as stored. Where no layer matrix is 4-bit, the triton layout takes int8 in groups of 32 (Q8_0 exactly, Q6_K
 requantized); the cpu layout's int8 has one scale per output channel, which holds neither, so there they stay
 float. Embeddings, norms and the LM head are float as the engine reads them: quantized ones dequantized to float32.
+A mixture's routed experts, stacked in the file, are written one matrix per expert (offload/gguf_config.py's
+`gguf_source` names each one's slice), so the engine reads and streams them by expert.
 
 The output is written as `offload convert`'s is (offload/convert.py): aligned safetensors, MANIFEST with checksums
 and, per tensor, what was kept and what it cost, a temporary folder renamed into place. `resolve_model` lets every
@@ -41,7 +43,7 @@ from offload.gguf_config import (
     ROPE_FACTORS,
     architecture,
     check_magic,
-    gguf_name,
+    gguf_source,
     hf_config,
     open_gguf,
     rotary_row_order,
@@ -117,6 +119,7 @@ class _Model:
     config: dict  # config.json
     quant: WeightQuant | None  # the checkpoint's weight format (None: every matrix float)
     plan: list[Planned]  # the output tensors, each with the GGUF tensor it is made from
+    experts: dict[str, int]  # weight name -> the expert it is of its GGUF tensor's stack (absent: the whole tensor)
 
 
 def import_gguf(path: Path, out: Path, layout: str) -> ImportStats:
@@ -153,25 +156,30 @@ def _model(reader: GGUFReader, path: Path, layout: str) -> _Model:
     family = get_family(config["architectures"][0], str(path))
     family.check(spec, str(path))
     layers = model_tensors(family, spec).layers
-    matrices = {t.name: T(_gguf(tensors, t.name, path).tensor_type) for g in layers for t in g.values()}
-    quant = _format({n: qtype for n, qtype in matrices.items() if n.endswith("_proj.weight")}, layout)
+    # the projections `offload convert` would quantize: short names "*_proj" (Mixtral's experts' among them)
+    matrices = {t.name: _gguf(tensors, t.name, path)[0] for g in layers for s, t in g.items() if s.endswith("_proj")}
+    quant = _format({n: T(g.tensor_type) for n, g in matrices.items()}, layout)
     if quant is not None:
         config["quantization_config"] = _quant_config(quant)
         spec = dataclasses.replace(spec, quant=quant)
-    plan = _plan(model_tensors(family, spec), tensors, path, config["dtype"])
+    plan, experts = _plan(model_tensors(family, spec), tensors, path, config["dtype"])
     if quantized:  # stored exactly, in float32; run by default in bfloat16, where torch's int4 CPU matmul is fast
         config["dtype"] = QUANTIZED_COMPUTE_DTYPE
     unused = sorted(set(tensors) - {p.source.name for p in plan} - {ROPE_FACTORS})  # the last read into config
     if unused:
         raise OffloadError(f"{path}: tensor {unused[0]!r} is not read by the engine's {arch} ({len(unused)} unread)")
-    return _Model(arch, config, quant, plan)
+    return _Model(arch, config, quant, plan, experts)
 
 
-def _gguf(tensors: dict[str, ReaderTensor], hf_name: str, path: Path) -> ReaderTensor:
-    name = gguf_name(hf_name)
+def _gguf(tensors: dict[str, ReaderTensor], hf_name: str, path: Path) -> tuple[ReaderTensor, int | None]:
+    """The GGUF tensor `hf_name` is read from, and its expert in that tensor's stack (None: all of it)."""
+    name, expert = gguf_source(hf_name, tensors)
     if name not in tensors:
         raise OffloadError(f"{path}: no tensor {name!r} (the engine reads it as {hf_name})")
-    return tensors[name]
+    g = tensors[name]
+    if expert is not None and (len(g.shape) != 3 or expert >= int(g.shape[2])):
+        raise OffloadError(f"{path}: tensor {name!r} of shape {list(reversed(g.shape))} has no expert {expert}")
+    return g, expert
 
 
 def _float_dtype(reader: GGUFReader) -> str:
@@ -215,18 +223,25 @@ def _quant_config(quant: WeightQuant) -> dict:
     }
 
 
-def _plan(read: ModelTensors, tensors: dict[str, ReaderTensor], path: Path, dtype: str) -> list[Planned]:
-    """Every tensor the engine reads, in its order, with the GGUF tensor it is made from."""
+def _plan(
+    read: ModelTensors, tensors: dict[str, ReaderTensor], path: Path, dtype: str
+) -> tuple[list[Planned], dict[str, int]]:
+    """Every tensor the engine reads, in its order, with the GGUF tensor it is made from; and each routed expert's
+    weight name with its place in that tensor's stack."""
     float_code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[dtype]
-    plan = []
+    plan, experts = [], {}
     for group in (read.embed, *read.layers, read.head):
         for short, t in group.items():
             weight = _weight_name(t.name)
-            g = _gguf(tensors, weight, path)
+            g, expert = _gguf(tensors, weight, path)
             qtype = T(g.tensor_type)
             if qtype not in READ:
                 raise OffloadError(f"{path}: tensor {g.name!r} has type {qtype.name}, which the import does not read")
             shape = tuple(int(d) for d in reversed(g.shape))
+            if expert is not None:  # one expert's slice of the stack
+                shape, experts[weight] = shape[1:], expert
+            if len(shape) == 1 and len(t.shape) == 2 and t.shape == (1, *shape):
+                shape = t.shape  # a [1, n] matrix llama.cpp stores as a vector (Qwen2-MoE's shared expert gate)
             if t.name == weight and shape != t.shape:
                 raise OffloadError(
                     f"{path}: tensor {g.name!r} has shape {list(shape)}, the engine wants {list(t.shape)}"
@@ -238,7 +253,7 @@ def _plan(read: ModelTensors, tensors: dict[str, ReaderTensor], path: Path, dtyp
             else:  # float types as stored, quantized ones as their float32 dequantization
                 part, code = "copy", FLOATS.get(qtype, "F32")
             plan.append(Planned(t.name, TensorSpec(g.name, shape), code, t.shape, part))
-    return plan
+    return plan, experts
 
 
 def _weight_name(name: str) -> str:
@@ -255,21 +270,27 @@ class _Source:
 
     def __init__(self, tensors: dict[str, ReaderTensor], model: _Model) -> None:
         self.tensors, self.arch, self.config, self.quant = tensors, model.arch, model.config, model.quant
+        self.experts = model.experts
         self.kept: dict[str, Kept] = {}
         self._made: dict[str, dict[str, torch.Tensor]] = {}
 
     def part(self, p: Planned) -> torch.Tensor:
-        if p.source.name not in self._made:
-            self._made = {p.source.name: self._make(p)}
-        return self._made[p.source.name][p.part]
+        weight = _weight_name(p.name)  # its codes and scales come from one decoding
+        if weight not in self._made:
+            self._made = {weight: self._make(p)}
+        return self._made[weight][p.part]
 
     def _make(self, p: Planned) -> dict[str, torch.Tensor]:
         g = self.tensors[p.source.name]
         qtype, rows = T(g.tensor_type), p.source.shape[0]
-        raw = np.asarray(g.data).view(np.uint8).reshape(rows, -1)  # [rows, bytes per row]
+        weight = _weight_name(p.name)
+        raw = np.asarray(g.data).view(np.uint8)
+        if (expert := self.experts.get(weight)) is None:
+            raw = raw.reshape(rows, -1)  # [rows, bytes per row]
+        else:  # the stack's rows expert after expert: this expert's
+            raw = raw.reshape(int(g.shape[2]) * rows, -1)[expert * rows : (expert + 1) * rows]
         order = rotary_row_order(self.arch, g.name, rows, self.config)
         raw = raw if order is None else raw[order]
-        weight = _weight_name(p.name)
         if p.part == "copy":
             w, stored = _float(raw, qtype, p.source.shape)
             self.kept[weight] = Kept(g.name, qtype.name, stored, True)

@@ -281,6 +281,139 @@ def test_imported_models_compute_what_transformers_computes_from_the_file(tmp_pa
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
+# ---- mixtures of experts: transformers' checkpoints written as llama.cpp's converter writes them ------------------
+
+MOE_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+# sizes a Q4_0 block divides; every layer sparse, as llama.cpp runs these files
+MOE_SHAPE = dict(intermediate_size=96, mlp_only_layers=[], shared_expert_intermediate_size=64)
+MOE_HF = {
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+MOE_HF |= {f"mlp.shared_expert.{m}_proj": f"ffn_{m}_shexp" for m in ("gate", "up", "down")}
+MOE_HF |= {f"self_attn.{m}_norm": f"attn_{m}_norm" for m in ("q", "k")}
+MOE_HF |= {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"} | {v: k for k, v in HF.items()}
+EXPERT_HF = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def moe_checkpoint(path: Path, family: str):
+    """A transformers mixture of `family` saved to `path`, its vocabulary write_moe_gguf's tokens."""
+    from conftest import make_checkpoint
+
+    shape = MOE_SHAPE if family != "mixtral" else {"intermediate_size": 64}
+    return make_checkpoint(path, family, vocab_size=len(SPECIALS) + len(_alphabet()) + 1, **shape)
+
+
+def write_moe_gguf(path: Path, family: str, source: Path, qtype: T) -> dict[str, np.ndarray]:
+    """The checkpoint in `source` as llama.cpp's converter writes it: its names, q/k rows permuted for llama, each
+    layer's routed experts stacked [experts, rows, columns] per matrix; projections in `qtype`, the rest F32. Returns
+    the stacked experts' data as written."""
+    config = json.loads((source / "config.json").read_text())
+    with safe_open(source / "model.safetensors", "pt") as f:
+        names = f.keys()  # a safetensors file is not a mapping
+        weights = {k: f.get_tensor(k).float().numpy() for k in names}
+    arch, hidden, heads = MOE_ARCH[family], config["hidden_size"], config["num_attention_heads"]
+    kv, d = config["num_key_value_heads"], config.get("head_dim") or hidden // heads
+    experts = config.get("num_local_experts") or config["num_experts"]
+    tokens = SPECIALS + _alphabet() + ["\u0120t"]
+    w = GGUFWriter(path, arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(d)
+    w.add_value_length(d)
+    w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_expert_count(experts)
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    if family != "mixtral":
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if family == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    w.add_token_merges(["\u0120 t"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT)
+
+    def add(name: str, a: np.ndarray, quantized: bool) -> np.ndarray:
+        data = quants.quantize(a, qtype) if quantized and qtype != T.F32 else a.astype(np.float32)
+        w.add_tensor(name, data, raw_dtype=qtype if quantized and qtype != T.F32 else None)
+        return data
+
+    add("token_embd.weight", weights["model.embed_tokens.weight"], False)
+    add("output_norm.weight", weights["model.norm.weight"], False)
+    if "lm_head.weight" in weights:
+        add("output.weight", weights["lm_head.weight"], False)
+    stacks: dict[str, list[np.ndarray]] = {}
+    for name, a in weights.items():
+        if not name.startswith("model.layers."):
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, _, kind = rest.rpartition(".")
+        if module.split(".")[1:2] == ["experts"]:  # mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1
+            e, matrix = int(module.split(".")[2]), module.split(".")[3]
+            stacks.setdefault(f"blk.{layer}.ffn_{EXPERT_HF[matrix]}_exps.weight", [None] * experts)[e] = a
+            continue
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            a = _llama_cpp_permute(a, heads if "q_proj" in module else kv)
+        if module == "mlp.shared_expert_gate":
+            a = a.reshape(-1)  # llama.cpp's [hidden] vector
+        add(f"blk.{layer}.{MOE_HF[module]}.{kind}", a, module.endswith("_proj") and kind == "weight")
+    written = {}
+    for name, parts in stacks.items():
+        written[name] = np.stack([quants.quantize(p, qtype) if qtype != T.F32 else p for p in parts])
+        w.add_tensor(name, written[name], raw_dtype=None if qtype == T.F32 else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
+
+
+@pytest.mark.parametrize("family", sorted(MOE_ARCH))
+def test_a_mixture_runs_as_transformers_runs_its_checkpoint(tmp_path: Path, family: str):
+    """The stacked experts, the router, the shared expert and its gate, the config (experts, top-k, whether the
+    top-k weights are renormalized) come through the import: float32 weights give transformers' logits."""
+    model = moe_checkpoint(tmp_path / "hf", family)
+    path = tmp_path / "moe.gguf"
+    write_moe_gguf(path, family, tmp_path / "hf", T.F32)
+    stats = import_gguf(path, tmp_path / "out", "cpu")
+    assert stats.quant is None
+    ids = [5, 9, 40, 41, 42, 100, 200, 7, 8, 9, 10, 11, 3]
+    with LLM(tmp_path / "out", EngineConfig(dtype="float32")) as llm:
+        assert llm.spec.architecture == type(model).__name__
+        got = llm.score([ids])[0]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0, -got.shape[0] :]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["cpu", "triton"])
+def test_each_stacked_expert_keeps_its_q4_blocks_bit_for_bit(tmp_path: Path, layout: str):
+    moe_checkpoint(tmp_path / "hf", "qwen2_moe")
+    path = tmp_path / "moe.gguf"
+    stacks = write_moe_gguf(path, "qwen2_moe", tmp_path / "hf", T.Q4_0)
+    out = tmp_path / "out"
+    stats = import_gguf(path, out, layout)
+    assert stats.quant is not None and stats.quant.bits == 4 and not stats.quant.unquantized
+    kept = json.loads((out / MANIFEST).read_text())["gguf"]["tensors"]
+    for name, stack in stacks.items():
+        layer, matrix = name.split(".")[1], name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
+        for e in range(stack.shape[0]):
+            hf = f"model.layers.{layer}.mlp.experts.{e}.{matrix}_proj.weight"
+            assert torch.equal(engine_weight(out, hf), torch.from_numpy(quants.dequantize(stack[e], T.Q4_0))), hf
+            assert kept[hf]["gguf"] == name and kept[hf]["exact"]
+    with LLM(out, EngineConfig(dtype="float32")) as llm:  # the codes run
+        assert len(llm.generate_ids([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
 def llama31_factors(theta: float, dim: int, factor: float) -> np.ndarray:
     """rope_freqs.weight as llama.cpp's converter writes it for Llama 3.1's rope scaling (band 1, 4, 8192)."""
     low, high, original = 1.0, 4.0, 8192

@@ -5,8 +5,9 @@ The codes and scales follow kernels/quant_matmul.py: int4 is asymmetric per grou
 [K / group, N]). Two layouts of the same codes, so that no pass repacks a weight:
 
 - "cpu": what torch's own CPU kernels consume. int4 codes packed by `_convert_weight_to_int4pack_for_cpu`
-  (multiplied by `_weight_int4pack_mm_for_cpu`, which reads the packed codes and dequantizes in registers); int8 per
-  output channel only, the one scale per row `_weight_int8pack_mm` takes.
+  (multiplied by `_weight_int4pack_mm_for_cpu`, which reads the packed codes and dequantizes in registers; from
+  INT4_DENSE_MIN_ROWS rows, a prefill's, the codes are unpacked and dequantized a slice at a time for the dense GEMM,
+  which is faster there); int8 per output channel only, the one scale per row `_weight_int8pack_mm` takes.
 - "triton": int4 two codes a byte, even input features in the low nibble ([N, K / 2] uint8); int8 [N, K]. Read by
   the fused Triton kernel on CUDA; elsewhere dequantized, then multiplied (the reference, slow on a CPU).
 
@@ -28,6 +29,12 @@ from offload.kernels.linear import linear
 # rows from which int8 codes converted to the compute dtype (exact: |code| <= 127) and one dense GEMM beat torch's
 # int8 CPU kernel: 256 x 2048 -> 5632 in bf16, 18 ms against 44; 64 rows, 5.8 against 10.7; 32 rows, 9.2 against 5.5
 INT8_DENSE_MIN_ROWS = 64
+# rows from which int4 codes dequantized to the compute dtype and one dense GEMM beat torch's int4 CPU kernel, in
+# bf16 on a 2-core EPYC (576 -> 3072, SmolLM2's gate and up): 512 rows 6.4 ms against 10.7, 2048 rows 23 against 43;
+# at 256 rows the two were even (4.7 against 5.4 there, 1.8 against 1.7 for 576 -> 960)
+INT4_DENSE_MIN_ROWS = 512
+DEQUANT_ROWS = 1024  # output features dequantized at a time: scratch of DEQUANT_ROWS x K values, not of the matrix
+CPU_INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing (`unpack_cpu_int4`)
 SCALES_SUFFIX = ".scales"  # the short name of a quantized weight's scales: "<weight short name>.scales"
 
 
@@ -46,7 +53,10 @@ def quant_linear(
         record("quant_matmul", "torch")
         if fmt.bits == 4:
             group = codes.shape[1] * 2 // scales.shape[0]
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, group, scales)
+            if x.shape[0] >= INT4_DENSE_MIN_ROWS and codes.shape[0] % CPU_INT4_BLOCK == 0 and _unpacks_cpu_int4():
+                y = _dense_int4(x, codes, scales, group)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, group, scales)
         elif x.shape[0] >= INT8_DENSE_MIN_ROWS:  # one scale per row factors out of the sum: scale the product
             y = linear(x, codes.to(x.dtype)) * scales[0]
         else:
@@ -56,6 +66,48 @@ def quant_linear(
 
         y = quant_matmul(x, codes, scales, fmt.bits)
     return y if bias is None else y + bias
+
+
+def _dense_int4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """x @ W.T for W in torch's CPU int4 packing, DEQUANT_ROWS output features at a time dequantized to x's dtype
+    (w = (q - 8) * scale + zero in float32, then rounded once) and multiplied by the dense GEMM."""
+    n = codes.shape[0]
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, DEQUANT_ROWS):
+        end = min(start + DEQUANT_ROWS, n)
+        w = dequantize_cpu_int4(codes[start:end], scales[:, start:end], group).to(x.dtype)
+        out[:, start:end] = linear(x, w)
+    return out
+
+
+def dequantize_cpu_int4(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """W [N, K] in float32 from int4 codes in torch's CPU packing and their scales and zeros [K / group, N, 2]: the
+    values torch's int4 kernel multiplies, bit for bit (one fused multiply-add, rounded once)."""
+    q = unpack_cpu_int4(codes)
+    n, k = q.shape
+    scale, zero = (scales[..., i].t().float()[..., None] for i in (0, 1))  # [N, K / group, 1]
+    return torch.addcmul(zero, q.view(n, k // group, group).float() - 8, scale).reshape(n, k)
+
+
+def unpack_cpu_int4(codes: torch.Tensor) -> torch.Tensor:
+    """The codes [N, K] uint8 (0..15) that torch's CPU int4 packing holds: per block of CPU_INT4_BLOCK output
+    features, K rows of CPU_INT4_BLOCK / 2 bytes, the low nibble of byte j feature j, the high one feature j + 32 (as
+    this torch packs on an AVX-512 CPU: `_unpacks_cpu_int4` checks it once per process)."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    half = CPU_INT4_BLOCK // 2
+    b = codes.view(n // CPU_INT4_BLOCK, k, half)
+    return torch.cat((b & 0xF, b >> 4), dim=2).permute(0, 2, 1).reshape(n, k)
+
+
+@functools.cache
+def _unpacks_cpu_int4() -> bool:
+    """Whether `unpack_cpu_int4` inverts this torch's packing on this CPU (else its int4 kernel does every product)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (2 * CPU_INT4_BLOCK, 96), generator=gen, dtype=torch.int32)
+    try:
+        return torch.equal(unpack_cpu_int4(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)).int(), q)
+    except RuntimeError:  # a packing of another shape
+        return False
 
 
 def stack_outputs(codes: list[torch.Tensor], scales: list[torch.Tensor], fmt: WeightQuant) -> tuple | None:

@@ -104,6 +104,7 @@ class _DecodeGroup:
     blocks: torch.Tensor  # [n * width] int64 block ids, row by row; a short row repeats its own first block
     stale: torch.Tensor  # [p] int64 flat indices, into the gathered [n * width * block_size] slots, to zero
     every_row: bool  # rows are 0..n-1 and n every query token: the group is the whole packed batch, in its order
+    run: int | None  # one sequence whose blocks are consecutive from this one: its K/V are a view, not a gather
 
 
 def _decode_groups(batch: PagedBatch, seqs: list[int], block_size: int, per_block: int) -> list[_DecodeGroup]:
@@ -142,7 +143,9 @@ def _decode_groups(batch: PagedBatch, seqs: list[int], block_size: int, per_bloc
         stale = (shown >= lens).flatten().nonzero().flatten()
         rows = torch.tensor([batch.query_start[s] for s in members], device=device)
         every = members == list(range(batch.num_seqs)) and batch.query_start[-1] == len(members)
-        groups.append(_DecodeGroup(tuple(lens.flatten().tolist()), rows, table.flatten(), stale, every))
+        ids = table.flatten().tolist()
+        run = ids[0] if len(members) == 1 and ids == list(range(ids[0], ids[0] + len(ids))) else None
+        groups.append(_DecodeGroup(tuple(lens.flatten().tolist()), rows, table.flatten(), stale, every, run))
         i = j
     batch.memo[key] = groups
     return groups
@@ -165,14 +168,21 @@ def _attend_single_queries(
     per_block = 2 * block_size * kv_heads * head_dim * k_cache.element_size()  # K and V of one block as gathered, bytes
     for g in _decode_groups(batch, seqs, block_size, per_block):
         n, longest = len(g.lens), max(g.lens)
-        # index_select along blocks copies whole rows: 4-6x faster than indexing by the 2-D table
-        # [n, width * block_size, Hkv, D]
-        k = k_cache.index_select(0, g.blocks).view(n, -1, kv_heads, head_dim)
-        v = v_cache.index_select(0, g.blocks).view(n, -1, kv_heads, head_dim)
         # every sequence attends to all of the group's first `longest` slots when they are all that long and no
         # window cuts them: those slots hold only written positions, so neither zeroing nor a mask is needed
+        masked = min(g.lens) < longest or (window is not None and window < longest)
+        if g.run is not None and not masked and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+            # one sequence on consecutive blocks: the cache itself, read in place (never written here)
+            blocks = slice(g.run, g.run + len(g.blocks))
+            k = k_cache[blocks].view(1, -1, kv_heads, head_dim)
+            v = v_cache[blocks].view(1, -1, kv_heads, head_dim)
+        else:
+            # index_select along blocks copies whole rows: 4-6x faster than indexing by the 2-D table
+            # [n, width * block_size, Hkv, D]
+            k = k_cache.index_select(0, g.blocks).view(n, -1, kv_heads, head_dim)
+            v = v_cache.index_select(0, g.blocks).view(n, -1, kv_heads, head_dim)
         mask = None
-        if min(g.lens) < longest or (window is not None and window < longest):
+        if masked:
             k.view(-1, kv_heads, head_dim).index_fill_(0, g.stale, 0)
             v.view(-1, kv_heads, head_dim).index_fill_(0, g.stale, 0)
             mask = _valid(batch, g, longest, window)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from offload.tiers.checkpoint import TORCH_DTYPES, Checkpoint, Extent, ModelTensors, TensorGroup
-from offload.tiers.io.base import aligned_span
+from offload.tiers.checkpoint import TORCH_DTYPES, Checkpoint, Extent, ModelTensors, TensorGroup, held_dtype
+from offload.tiers.io.base import ALIGN, aligned_span
 
 Weights = dict[str, torch.Tensor]  # short name (e.g. "q_proj") -> tensor on the compute device
 
@@ -27,6 +27,9 @@ class Run:
     offset: int
     nbytes: int
     slot_offset: int  # bytes, a multiple of ALIGN
+
+
+CONVERT_PIECE = 8 << 20  # bytes of a stored tensor read and converted at a time (`load_buffer_bytes`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,14 @@ class GroupLayout:
         """Bytes transferred from storage: the runs' aligned spans."""
         return sum(aligned_span(r.offset, r.nbytes).length for r in self.runs)
 
+    def file_offset(self, tensor: TensorAt) -> tuple[Path, int]:
+        """Where `tensor`'s bytes start in its file: the run whose slot span holds it, and the offset there."""
+        for run in self.runs:
+            span = aligned_span(run.offset, run.nbytes)
+            if run.slot_offset <= tensor.slot_offset < run.slot_offset + span.length:
+                return run.path, span.start + tensor.slot_offset - run.slot_offset
+        raise ValueError(f"{tensor.short}: no run holds slot offset {tensor.slot_offset}")
+
     def views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each tensor as a typed view into `slot` (the buffer the runs were read into)."""
         out = {}
@@ -63,6 +74,15 @@ class GroupLayout:
                 raw = raw.clone()
             out[t.short] = raw.view(dtype).reshape(t.shape)
         return out
+
+
+def load_buffer_bytes(group: GroupLayout, dtype: torch.dtype) -> int:
+    """Bytes of the buffer a group held whole is read through when the compute device is the CPU: its whole slot;
+    or, where every tensor is converted to `dtype` (a float32 checkpoint run in bfloat16) and the slot is larger, a
+    piece of CONVERT_PIECE bytes (and the alignment around it) at a time, each converted before the next is read."""
+    piece = CONVERT_PIECE + 2 * ALIGN
+    converted = all(held_dtype(t.dtype, dtype) != TORCH_DTYPES[t.dtype][0] for t in group.tensors)
+    return piece if group.tensors and converted and group.slot_bytes > piece else group.slot_bytes
 
 
 def group_layout(extents: dict[str, Extent]) -> GroupLayout:

@@ -15,7 +15,7 @@ from offload.tiers.checkpoint import TORCH_DTYPES, held_dtype
 from offload.tiers.device import DeviceTier
 from offload.tiers.embedding import read_buffer_bytes, storable
 from offload.tiers.host import HostTier
-from offload.tiers.layout import GroupLayout, ModelLayout, TensorAt
+from offload.tiers.layout import GroupLayout, ModelLayout, TensorAt, load_buffer_bytes
 from offload.tiers.slot import slot_layout
 
 
@@ -44,8 +44,9 @@ def place_by_bytes(
 
 
 def group_cost(layout: GroupLayout, dtype: torch.dtype, tier: DeviceTier, staged: bool | None = None) -> int:
-    """Bytes `tier` is charged for a group loaded in compute dtype `dtype`. Direct path: its read buffer plus
-    copies of tensors stored in another dtype. Staged path (default: when the device is not the CPU): its tensors
+    """Bytes `tier` is charged for a group loaded in compute dtype `dtype`. Direct path: its read buffer (the slot,
+    or the piece a wholly converted group is read through: tiers/layout.py's load_buffer_bytes) plus copies of
+    tensors stored in another dtype. Staged path (default: when the device is not the CPU): its tensors
     packed in `dtype` (the read buffer is host staging)."""
     if staged if staged is not None else tier.device.type != "cpu":
         return tier.footprint(slot_layout(layout, dtype).nbytes)
@@ -54,7 +55,7 @@ def group_cost(layout: GroupLayout, dtype: torch.dtype, tier: DeviceTier, staged
         return t.nbytes // TORCH_DTYPES[t.dtype][1] * dtype.itemsize
 
     converted = sum(as_dtype(t) for t in layout.tensors if held_dtype(t.dtype, dtype) != TORCH_DTYPES[t.dtype][0])
-    return tier.footprint(layout.slot_bytes) + converted
+    return tier.footprint(load_buffer_bytes(layout, dtype)) + converted
 
 
 def place_weights(

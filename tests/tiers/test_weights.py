@@ -545,3 +545,29 @@ def test_prepacked_resident_weights_give_identical_logits_in_the_same_bytes(bf16
     layers = sum(g.tensor_bytes for g in layout.layers)
     embed = tier.footprint(layout.embed.slot_bytes) + layout.head.tensor_bytes
     assert packed.stats().device_used == layers + embed + packed.parts.kv.cache.nbytes
+
+
+def test_a_group_converted_whole_is_read_a_piece_at_a_time(model_dir, monkeypatch):
+    """float32 weights run in bfloat16: a group whose every tensor converts is read through a buffer of one piece,
+    each piece converted before the next is read, so loading never holds the float32 copy beside the bfloat16 one.
+    The weights are the ones the whole-slot read gives, and the device's peak is lower by what the buffer saves."""
+    from offload.tiers import layout as layout_module
+
+    config = EngineConfig(ring_slots=RING, kv_cache_bytes=KV, dtype="bfloat16")
+    whole = LLM(model_dir, config)
+    piece = 2 * 4096  # smaller than every group here: the embedding and each layer
+    monkeypatch.setattr(layout_module, "CONVERT_PIECE", piece)
+    monkeypatch.setattr(weights, "CONVERT_PIECE", piece)
+    pieces = LLM(model_dir, config)
+    layout = llm_layout(pieces)
+    assert all(g.slot_bytes > piece + 2 * 4096 for g in (layout.embed, *layout.layers))
+    assert layout_module.load_buffer_bytes(layout.embed, torch.bfloat16) == piece + 2 * 4096
+    assert torch.equal(pieces.parts.weights.store.embed["embed"], whole.parts.weights.store.embed["embed"])
+    assert torch.equal(
+        pieces.parts.weights.store.acquire(0)["input_norm"], whole.parts.weights.store.acquire(0)["input_norm"]
+    )
+    for got, want in zip(pieces.score(PROMPTS), whole.score(PROMPTS), strict=True):
+        assert torch.equal(got, want)
+    assert pieces.stats().device_used == whole.stats().device_used  # the same tensors, once loaded
+    saved = layout.embed.slot_bytes - (piece + 2 * 4096)  # the largest group's buffer, not its slot
+    assert pieces.parts.device_tier.peak <= whole.parts.device_tier.peak - saved

@@ -20,6 +20,7 @@ from offload.common.config_fields import REQUIRED, eos, flag, integer, model_dty
 from offload.common.deepseek import deepseek_fields
 from offload.common.dtypes import DTYPES
 from offload.common.errors import OffloadError
+from offload.common.gpt_oss import gpt_oss_fields
 from offload.common.quant import WeightQuant, parse_quant
 
 LLAMA_LIKE = (
@@ -32,7 +33,8 @@ LLAMA_LIKE = (
     "Qwen3MoeForCausalLM",
 )
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-PLANNING_ONLY = ("DeepseekV3ForCausalLM",)  # priced by `offload plan` (offload/common/deepseek.py), not run
+# priced by `offload plan` (offload/common/deepseek.py, offload/common/gpt_oss.py), not run
+PLANNING_ONLY = ("DeepseekV3ForCausalLM", "GptOssForCausalLM")
 SUPPORTED = (*LLAMA_LIKE, "OPTForCausalLM", *PLANNING_ONLY)
 
 
@@ -180,7 +182,7 @@ def parse_model_config(config: dict, source: str, name: str = "") -> ModelSpec:
     if arch not in SUPPORTED:
         raise OffloadError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
     if arch in PLANNING_ONLY:
-        fields = deepseek_fields(config, source)
+        fields = (gpt_oss_fields if arch == "GptOssForCausalLM" else deepseek_fields)(config, source)
         params, rope = ParamCounts(*fields.pop("params")), RopeSpec(theta=fields.pop("rope_theta"), kind="yarn")
         return ModelSpec(architecture=arch, name=name, params=params, rope=rope, **fields)
     spec = _opt_spec(config, name, source) if arch == "OPTForCausalLM" else _llama_like_spec(config, arch, name, source)

@@ -50,6 +50,9 @@ VARIANTS = {
 
 MODELS = [
     "deepseek-v3",
+    "gpt-oss-120b",
+    "gpt-oss-20b",
+    "kimi-k2",
     "llama-3.1-405b",
     "llama-3.1-70b",
     "llama-3.1-8b",
@@ -328,3 +331,41 @@ def test_deepseek_v3_is_priced_from_its_shape_and_refused_by_the_engine():
     assert round(big.total_params / 1e9) == 671 and round(big.num_layers * big.params.active_layer / 1e9) == 36
     with pytest.raises(OffloadError, match="DeepseekV3ForCausalLM is priced by `offload plan` only"):
         get_family(big.architecture)
+
+
+def test_gpt_oss_is_priced_from_its_shape_and_refused_by_the_engine():
+    """Biased attention with sinks, sliding and full layers alternating, every layer a mixture with a biased router
+    and biased experts: the spec's counts equal the parameters transformers builds; the published sizes are
+    OpenAI's (117B and 21B in all, 5.1B and 3.6B active without the input embedding); the engine refuses it."""
+    from transformers import GptOssConfig
+
+    from offload.model.registry import get_family
+
+    config = GptOssConfig(
+        **TINY | dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=24, intermediate_size=48),
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    model = meta_model(config)
+    config.architectures = [type(model).__name__]
+    shape = parse_model_config(config.to_dict(), "tiny", "test")
+    assert_matches(shape, model)
+    assert shape.sliding_windows == (5, None) * 2
+    assert shape.qkv_bias and shape.o_bias and shape.num_experts == 4 and shape.experts_per_token == 2
+    for name, total, active in (("gpt-oss-120b", 117, 5.1), ("gpt-oss-20b", 21, 3.6)):
+        big = load_model_spec(name)
+        assert round(big.total_params / 1e9) == total
+        assert round((big.num_layers * big.params.active_layer + big.params.head) / 1e9, 1) == active
+    with pytest.raises(OffloadError, match="GptOssForCausalLM is priced by `offload plan` only"):
+        get_family("GptOssForCausalLM")
+
+
+def test_kimi_k2_is_deepseek_v3_with_more_experts():
+    kimi, deepseek = load_model_spec("kimi-k2"), load_model_spec("deepseek-v3")
+    assert kimi.architecture == deepseek.architecture and kimi.num_experts == 384 and kimi.num_heads == 64
+    assert round(kimi.total_params / 1e12, 2) == 1.03  # Moonshot's "1 trillion total parameters"
+    active = kimi.num_layers * kimi.params.active_layer + kimi.params.embed + kimi.params.head
+    assert round(active / 1e9) == 33  # "32 billion activated", which leaves out the input embedding
+    assert kimi.kv_bytes_per_token(2) == deepseek.kv_bytes_per_token(2)  # the same latent per token and layer

@@ -10,7 +10,7 @@ from offload.common.model_config import ModelSpec
 from offload.kernels.paged_batch import PagedBatch
 from offload.model.host_attention import HostAttention, Staging, staging
 from offload.model.registry import ExpertSource, Family, LayerInput
-from offload.model.rope import cos_sin, inverse_frequencies
+from offload.model.rope import attention_scale, cos_sin, inverse_frequencies
 from offload.scheduler.plan import MicroBatch, StepPlan
 from offload.tiers.kv import KVCache
 from offload.tiers.weights import WeightStore
@@ -59,6 +59,7 @@ class Engine:
         self.caches = {"device": kv} | ({"host": host_kv} if host_kv is not None else {})
         self.device, self.dtype = device, dtype
         self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim).to(device)
+        self.rope_scale = attention_scale(spec.rope)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
@@ -97,7 +98,7 @@ class Engine:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         pos_t = tensor(positions)
-        cos, sin = cos_sin(self.inv_freq, pos_t, self.dtype)
+        cos, sin = cos_sin(self.inv_freq, pos_t, self.dtype, self.rope_scale)
         cache_device = self.caches[mb.kv_tier].storage.device
         batch = PagedBatch(
             query_start=tuple(starts),

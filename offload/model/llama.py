@@ -21,7 +21,7 @@ from offload.model.registry import LayerInput
 from offload.tiers.checkpoint import TensorSpec
 from offload.tiers.layout import Weights
 
-ROPE_KINDS = ("default", "linear", "llama3")  # what offload/model/rope.py computes
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")  # what offload/model/rope.py computes
 # projections of one input that run as one product where a layer's weights are held whole (`LlamaFamily.fuse`):
 # the stacked matrix's name -> its parts' and their biases' names. One call instead of three (two) at decode sizes
 # saves the dispatch of each: SmolLM2's q, k and v at one row took 33 us as three int4 products, 22 as one (gate and

@@ -200,3 +200,56 @@ def test_rotated_dot_products_depend_only_on_relative_position() -> None:
 
     assert score(10, 3) == pytest.approx(score(107, 100), rel=1e-9)
     assert score(10, 3) != pytest.approx(score(10, 4), rel=1e-3)
+
+
+# --- YaRN ----------------------------------------------------------------------------------------------------
+
+YARN = {  # rope_parameters as published configs give them
+    "gpt-oss": dict(rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False),
+    "deepseek-like": dict(rope_theta=10000.0, factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    "mscales apart": dict(rope_theta=10000.0, factor=40.0, mscale=0.707, mscale_all_dim=1.0),
+    "qwen-like": dict(rope_theta=1000000.0, factor=4.0),
+    "given attention factor": dict(rope_theta=10000.0, factor=8.0, attention_factor=1.25),
+}
+
+
+@pytest.mark.parametrize("name", sorted(YARN))
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_yarn_matches_transformers(name: str, head_dim: int) -> None:
+    """config.json's yarn parameters, parsed as the engine reads them, give transformers' frequencies and the same
+    factor on cos and sin."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from offload.common.model_config import parse_model_config
+    from offload.model.rope import attention_scale
+
+    parameters = {"rope_type": "yarn", "original_max_position_embeddings": 4096} | YARN[name]
+    config = transformers.LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=131072,
+        rope_parameters=parameters,
+    )
+    theirs, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+    config.architectures = ["LlamaForCausalLM"]
+    rope = parse_model_config(config.to_dict(), "test").rope
+    assert rope.kind == "yarn" and rope.factor == YARN[name]["factor"]
+    torch.testing.assert_close(inverse_frequencies(rope, head_dim), theirs.float(), rtol=1e-6, atol=0)
+    assert attention_scale(rope) == pytest.approx(scaling, rel=1e-12)
+    cos, sin = cos_sin(inverse_frequencies(rope, head_dim), torch.arange(5), torch.float32, attention_scale(rope))
+    assert cos[0, 0] == pytest.approx(scaling)
+
+
+def test_yarn_without_a_factor_takes_the_contexts_growth_and_needs_the_original_context() -> None:
+    from offload.common.errors import OffloadError
+    from offload.common.model_config import _rope
+
+    config = {
+        "max_position_embeddings": 16384,
+        "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096},
+    }
+    assert _rope(config, "c").factor == 4.0
+    with pytest.raises(OffloadError, match="c: yarn rope scaling needs original_max_position_embeddings"):
+        _rope({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "c")

@@ -119,3 +119,21 @@ def test_config_defaults_follow_transformers():
     assert not mistral.qkv_bias and not mistral.o_bias  # transformers' Mistral has no attention biases
     llama = parse_model_config(base | {"architectures": ["LlamaForCausalLM"], "attention_bias": True}, "c")
     assert llama.qkv_bias and llama.o_bias and llama.head_dim == 64
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_yarn_scaled_checkpoints_track_transformers(tmp_path, family):
+    """YaRN rope scaling (the interpolated frequencies and the factor on cos and sin), over positions past the
+    original context, gives transformers' logits and greedy tokens."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    model = make_checkpoint(tmp_path, family, rope_parameters=yarn)
+    llm = LLM(tmp_path, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
+    assert llm.spec.rope.kind == "yarn"
+    batch = prompts((40, 9))
+    for ids, ours in zip(batch, llm.score(batch), strict=True):
+        torch.testing.assert_close(ours.cpu(), reference_logits(model, ids), atol=ATOL, rtol=0)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for ids, out in zip(batch, llm.generate_ids(batch, params), strict=True):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert list(out.token_ids) == want[0, len(ids) :].tolist()

@@ -55,9 +55,13 @@ def paged_attention_ref(
     batch: PagedBatch,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+    """q [T, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D]. `sinks` [Hq]: a learned logit
+    per query head that joins each softmax as one more key with a value of zero (gpt-oss), or None."""
     _check(q, k_cache, v_cache, batch)
+    if sinks is not None:
+        return _attend_with_sinks(q, k_cache, v_cache, batch, scale, window, sinks)
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     # decode tokens, one sequence or many: grouped by length, one product per group, the query heads folded into
@@ -92,6 +96,40 @@ def paged_attention_ref(
             enable_gqa=True,
         )  # [1, Hq, q_len, D]
         out[q0:q1] = o[0].transpose(0, 1)
+    return out
+
+
+def _attend_with_sinks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor | PagedCache,
+    v_cache: torch.Tensor | PagedCache,
+    batch: PagedBatch,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, `sinks[h]`, over a value of zero: each sequence's scores
+    computed in float32, the sink joined to every row, the softmax taken, the sink's share dropped."""
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [{q.shape[1]}] (one per query head), got {tuple(sinks.shape)}")
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    sink = sinks.to(q.device, torch.float32)[:, None, None]  # [Hq, 1, 1]
+    for s in range(batch.num_seqs):
+        q0, q1, ctx = batch.query_start[s], batch.query_start[s + 1], batch.context_lens[s]
+        blocks = batch.block_tables[s, : -(-ctx // block_size)]
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].repeat_interleave(group, dim=1)
+        q_pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # [q_len, ctx]
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k.float()) * scale
+        scores.masked_fill_(~mask, float("-inf"))
+        logits = torch.cat((scores, sink.expand(-1, q1 - q0, 1)), dim=-1)  # [Hq, q_len, ctx + 1]
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
     return out
 
 
@@ -271,16 +309,17 @@ def paged_attention(
     batch: PagedBatch,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over the paged cache, q [T, Hq, D] -> [T, Hq, D].
 
     On CUDA with plain-tensor caches the Triton kernels run: one-query sequences through `paged_decode` (split
     over partitions of the context), the others through `paged_prefill`, both reading the blocks in place.
-    Elsewhere, and for a quantized cache (kv_quant.QuantizedKV, which dequantizes only the blocks gathered), the
-    reference `paged_attention_ref` runs."""
+    Elsewhere, for a quantized cache (kv_quant.QuantizedKV, which dequantizes only the blocks gathered), and with
+    attention sinks (which the Triton kernels do not take yet), the reference `paged_attention_ref` runs."""
     plain = isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
-    if not (plain and use_triton("paged_attention", q.device)):
-        return paged_attention_ref(q, k_cache, v_cache, batch, scale, window)
+    if sinks is not None or not (plain and use_triton("paged_attention", q.device)):
+        return paged_attention_ref(q, k_cache, v_cache, batch, scale, window, sinks)
     # imported here: they import triton, which only the Triton path needs
     from offload.kernels.paged_decode import paged_decode
     from offload.kernels.paged_prefill import paged_prefill

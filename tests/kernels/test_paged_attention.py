@@ -262,3 +262,41 @@ def test_one_decode_sequence_on_consecutive_blocks_reads_the_cache_in_place(wind
     torch.testing.assert_close(out, dense_attention(case, 0.3, window), atol=1e-5, rtol=1e-5)
     for now, then in zip((k_cache, v_cache), before, strict=True):
         assert torch.equal(now.nan_to_num(7.0), then.nan_to_num(7.0))
+
+
+def dense_attention_with_sinks(case: Case, scale: float, window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """dense_attention with one more logit per head, sinks[h], over a zero value: exp(s_i) / (sum exp(s_j) + e^sink)."""
+    q_heads, kv_heads = case.q.shape[1], case.keys[0].shape[1]
+    group = q_heads // kv_heads
+    out = torch.empty(case.q.shape, dtype=torch.float32)
+    for s, ctx in enumerate(case.batch.context_lens):
+        q0, q1 = case.batch.query_start[s], case.batch.query_start[s + 1]
+        k, v = case.keys[s].float(), case.values[s].float()
+        for t in range(q0, q1):
+            pos = ctx - (q1 - q0) + (t - q0)
+            lo = 0 if window is None else max(0, pos - window + 1)
+            for h in range(q_heads):
+                scores = k[lo : pos + 1, h // group] @ case.q[t, h].float() * scale
+                weights = scores.exp() / (scores.exp().sum() + sinks[h].float().exp())
+                out[t, h] = weights @ v[lo : pos + 1, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("block_size", "q_heads", "kv_heads", "head_dim"), [(3, 4, 2, 24), (16, 4, 1, 24)])
+def test_sinks_take_their_share_of_every_softmax(dtype, window, block_size, q_heads, kv_heads, head_dim) -> None:
+    """Prefill chunks and decode tokens alike; through the dispatcher too (the Triton kernels take no sinks yet);
+    sinks of -inf are plain attention."""
+    case = make_case(SEQS, block_size, q_heads, kv_heads, head_dim, dtype)
+    sinks = torch.linspace(-2.0, 3.0, q_heads)
+    want = dense_attention_with_sinks(case, 0.3, window, sinks)
+    for launch in (paged_attention_ref, paged_attention):
+        got = launch(case.q, case.k_cache, case.v_cache, case.batch, 0.3, window, sinks=sinks)
+        torch.testing.assert_close(got.float(), want, atol=ATOL[dtype], rtol=RTOL[dtype])
+    none = paged_attention_ref(
+        case.q, case.k_cache, case.v_cache, case.batch, 0.3, window, sinks=torch.full((q_heads,), float("-inf"))
+    )
+    torch.testing.assert_close(none.float(), dense_attention(case, 0.3, window), atol=ATOL[dtype], rtol=RTOL[dtype])
+    with pytest.raises(ValueError, match=f"sinks must be \\[{q_heads}\\]"):
+        paged_attention_ref(case.q, case.k_cache, case.v_cache, case.batch, 0.3, window, sinks=sinks[:1])

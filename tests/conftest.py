@@ -120,6 +120,14 @@ def family_config(family: str, **overrides):
         return tf.Qwen3MoeConfig(
             **dict(num_experts=8, moe_intermediate_size=32, head_dim=24, norm_topk_prob=True, mlp_only_layers=[0]) | moe
         )
+    if family == "gpt_oss":  # sinks, sliding and full layers, biased router and experts, YaRN; every layer sparse
+        return tf.GptOssConfig(
+            **tiny | dict(num_hidden_layers=4, head_dim=16, num_key_value_heads=2),
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=7,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        )
     raise ValueError(family)
 
 

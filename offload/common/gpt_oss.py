@@ -1,4 +1,4 @@
-"""gpt-oss's shape, for `offload plan` only: the engine does not run it yet (offload/model/registry.py says so).
+"""gpt-oss's shape: what `offload plan` prices and offload/model/gpt_oss.py runs.
 
 What sets it apart from the Llama family, and how the spec prices it:
 - Attention with biases on q, k, v and o, and one learned sink logit per head; layers alternate between a sliding
@@ -7,8 +7,9 @@ What sets it apart from the Llama family, and how the spec prices it:
   token (softmax over the chosen ones), each expert a SwiGLU of `intermediate_size` with biases (gate and up
   stored interleaved in one matrix, clamped activations: the same parameter count).
 - The published checkpoints store the experts in MXFP4 (4.25 bits a weight: 32 four-bit values and an 8-bit
-  exponent a block) and everything else in bfloat16. The spec counts parameters; `offload plan` prices its widths
-  (`--quantize` adds 8 and 4 bits, the nearest to MXFP4's experts).
+  exponent a block) and everything else in bfloat16; the engine runs bfloat16 (and float32) checkpoints and refuses
+  MXFP4 by its quantization_config. The spec counts parameters; `offload plan` prices its widths (`--quantize` adds
+  8 and 4 bits, the nearest to MXFP4's experts).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def gpt_oss_fields(config: dict, source: str) -> dict:
         moe_intermediate_size=width,
         norm_topk_prob=True,  # a softmax over the chosen experts' logits: their weights sum to 1
         sliding_windows=tuple(window if t == SLIDING else None for t in types),
+        attention_sinks=True,
+        swiglu_limit=float(config.get("swiglu_limit") or 7.0),
+        swiglu_alpha=float(config.get("swiglu_alpha") or 1.702),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos(config),
         params=params,

@@ -22,6 +22,7 @@ from offload.common.dtypes import DTYPES
 from offload.common.errors import OffloadError
 from offload.common.gpt_oss import gpt_oss_fields
 from offload.common.quant import WeightQuant, parse_quant
+from offload.common.rope_spec import RopeSpec, parse_rope
 
 LLAMA_LIKE = (
     "LlamaForCausalLM",
@@ -33,29 +34,9 @@ LLAMA_LIKE = (
     "Qwen3MoeForCausalLM",
 )
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-# priced by `offload plan` (offload/common/deepseek.py, offload/common/gpt_oss.py), not run
-PLANNING_ONLY = ("DeepseekV3ForCausalLM", "GptOssForCausalLM")
-SUPPORTED = (*LLAMA_LIKE, "OPTForCausalLM", *PLANNING_ONLY)
-
-
-@dataclass(frozen=True, slots=True)
-class RopeSpec:
-    """Rotary position embedding parameters, as read from config.json."""
-
-    theta: float = 10000.0
-    kind: str = "default"  # "default", "linear", "llama3" or "yarn" run; other kinds are kept for the runtime to refuse
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-    # yarn: the ramp between interpolated and kept frequencies, in rotations over the original context, whether its
-    # ends are rounded to whole dimensions, and what scales cos and sin (None: YaRN's own from factor and mscales)
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
+PLANNING_ONLY = ("DeepseekV3ForCausalLM",)  # priced by `offload plan` (offload/common/deepseek.py), not run
+GPT_OSS = "GptOssForCausalLM"  # its shape read by offload/common/gpt_oss.py
+SUPPORTED = (*LLAMA_LIKE, GPT_OSS, "OPTForCausalLM", *PLANNING_ONLY)
 
 
 class ParamCounts(NamedTuple):
@@ -99,6 +80,9 @@ class ModelSpec:
     dense_layers: tuple[int, ...] = ()  # layers of a mixture whose MLP is dense (intermediate_size wide)
     # per layer: attend only to the last `window` positions, or None for full causal attention
     sliding_windows: tuple[int | None, ...] = ()
+    attention_sinks: bool = False  # a learned logit per query head in every softmax (gpt-oss: `sinks`)
+    swiglu_limit: float | None = None  # gpt-oss's experts: gate clamped above, up on both sides, at this value
+    swiglu_alpha: float = 1.702  # ... and gate * sigmoid(alpha * gate) as the activation
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     params: ParamCounts | None = None
@@ -190,9 +174,21 @@ def parse_model_config(config: dict, source: str, name: str = "") -> ModelSpec:
     if arch not in SUPPORTED:
         raise OffloadError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
     if arch in PLANNING_ONLY:
-        fields = (gpt_oss_fields if arch == "GptOssForCausalLM" else deepseek_fields)(config, source)
+        fields = deepseek_fields(config, source)
         params, rope = ParamCounts(*fields.pop("params")), RopeSpec(theta=fields.pop("rope_theta"), kind="yarn")
         return ModelSpec(architecture=arch, name=name, params=params, rope=rope, **fields)
+    if arch == GPT_OSS:
+        fields = gpt_oss_fields(config, source)
+        fields.pop("rope_theta")
+        spec = ModelSpec(
+            architecture=arch,
+            name=name,
+            params=ParamCounts(*fields.pop("params")),
+            rope=parse_rope(config, source),
+            **fields,
+        )
+        quant = parse_quant(config, source)
+        return spec if quant is None else dataclasses.replace(spec, quant=quant)
     spec = _opt_spec(config, name, source) if arch == "OPTForCausalLM" else _llama_like_spec(config, arch, name, source)
     quant = parse_quant(config, source)
     return spec if quant is None else dataclasses.replace(spec, quant=quant)
@@ -226,7 +222,7 @@ def _llama_like_spec(config: dict, arch: str, name: str, source: str) -> ModelSp
         head_dim=integer(config, "head_dim", source, 128 if arch == "Qwen3ForCausalLM" else hidden // heads),
         max_position=integer(config, "max_position_embeddings", source, 2048),
         rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
-        rope=_rope(config, source),
+        rope=parse_rope(config, source),
         dtype=model_dtype(config, source),
         hidden_act="silu",
         tie_word_embeddings=flag(config, "tie_word_embeddings", source, False),
@@ -334,58 +330,6 @@ def _opt_spec(config: dict, name: str, source: str) -> ModelSpec:
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos(config),
         params=params,
-    )
-
-
-def _rope(config: dict, source: str) -> RopeSpec:
-    # transformers 5 writes `rope_parameters` (theta inside); earlier configs `rope_theta` + `rope_scaling`.
-    params = dict(config.get("rope_scaling") or {})
-    params.update(config.get("rope_parameters") or {})
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "linear":
-        return RopeSpec(theta=theta, kind="linear", factor=float(params["factor"]))
-    if kind == "llama3":
-        try:
-            return RopeSpec(
-                theta=theta,
-                kind="llama3",
-                factor=float(params["factor"]),
-                low_freq_factor=float(params["low_freq_factor"]),
-                high_freq_factor=float(params["high_freq_factor"]),
-                original_max_position=int(params["original_max_position_embeddings"]),
-            )
-        except KeyError as exc:
-            raise OffloadError(f"{source}: llama3 rope scaling lacks {exc.args[0]!r}") from None
-    if kind == "yarn":
-        return _yarn(params, theta, config, source)
-    return RopeSpec(theta=theta, kind=str(kind))
-
-
-def _yarn(params: dict, theta: float, config: dict, source: str) -> RopeSpec:
-    """YaRN's fields as transformers reads them: a missing factor is the context's growth over the original."""
-
-    def number(key: str) -> float | None:
-        value = params.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise OffloadError(f"{source}: yarn rope scaling field {key!r} must be a number, got {value!r}")
-        return None if value is None else float(value)
-
-    original = params.get("original_max_position_embeddings")
-    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
-        raise OffloadError(f"{source}: yarn rope scaling needs original_max_position_embeddings, got {original!r}")
-    factor = number("factor") or integer(config, "max_position_embeddings", source) / original
-    return RopeSpec(
-        theta=theta,
-        kind="yarn",
-        factor=factor,
-        original_max_position=original,
-        beta_fast=number("beta_fast") or 32.0,
-        beta_slow=number("beta_slow") or 1.0,
-        truncate=bool(params.get("truncate", True)),
-        attention_factor=number("attention_factor"),
-        mscale=number("mscale"),
-        mscale_all_dim=number("mscale_all_dim"),
     )
 
 

@@ -141,11 +141,14 @@ class LlamaFamily:
         # (offload/model/host_attention.py), on the compute device over the blocks copied there
         at = inp.kv.device
         inp.kv.write(inp.batch.slot_mapping, k.to(at), v.to(at))
+        sinks = w.get("sinks")  # gpt-oss: a learned logit per head in every softmax
         if (s := inp.staging) is not None:
             k_staged, v_staged = s.gather(inp.kv.k, x.device), s.gather(inp.kv.v, x.device)
-            out = paged_attention(q, k_staged, v_staged, s.batch, d**-0.5, spec.window(layer))
+            out = paged_attention(q, k_staged, v_staged, s.batch, d**-0.5, spec.window(layer), sinks)
         else:
-            out = paged_attention(q.to(at), inp.kv.k, inp.kv.v, inp.batch, d**-0.5, spec.window(layer)).to(x.device)
+            sinks = None if sinks is None else sinks.to(at)
+            out = paged_attention(q.to(at), inp.kv.k, inp.kv.v, inp.batch, d**-0.5, spec.window(layer), sinks)
+            out = out.to(x.device)
         return project(spec, w, "o_proj", out.reshape(tokens, spec.q_size), "o_bias")
 
     def head(self, spec: ModelSpec, w: Weights, hidden: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,7 @@ def experts_forward(
     fetch: Callable[[list[int], bool, list[int]], Mapping[int, Weights]],
     routing_dtype: torch.dtype,
     per_fetch: int | None = None,
+    expert: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor] = swiglu,
 ) -> torch.Tensor:
     """sum over each token's top-k experts of routing weight * expert(x), as x's dtype.
 
@@ -123,7 +124,8 @@ def experts_forward(
     experts (None: no limit), each batch run before the next is fetched. A batch's experts run in the order the
     fetched mapping gives (expert streaming puts those whose weights are ready first), and their outputs are
     added in ascending order whatever order they ran in, so the sums round alike. The routing weights are cast
-    to `routing_dtype` before they scale the experts' outputs.
+    to `routing_dtype` before they scale the experts' outputs. `expert` computes one expert from its weights
+    (a SwiGLU of "gate_proj", "up_proj", "down_proj"; gpt-oss's is its own).
     """
     k = spec.experts_per_token
     probs = torch.softmax(router_logits.float(), dim=-1)
@@ -146,7 +148,7 @@ def experts_forward(
         for e in fetched:
             w, picked = fetched[e], rows_of[e]
             where = next(iter(w.values())).device  # the CPU for a cold expert run where its weights are
-            y = swiglu(spec, w, x[picked // k].to(where)) * weights[picked, None].to(where)
+            y = expert(spec, w, x[picked // k].to(where)) * weights[picked, None].to(where)
             ran[e] = y.to(x.device)
             while added < len(batch) and batch[added] in ran:
                 rows = rows_of[batch[added]]

@@ -25,6 +25,7 @@ from offload.tiers.layout import Weights
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "offload.model.llama",
     "MistralForCausalLM": "offload.model.llama",
+    "GptOssForCausalLM": "offload.model.gpt_oss",
     "MixtralForCausalLM": "offload.model.moe",
     "Qwen2ForCausalLM": "offload.model.llama",
     "Qwen2MoeForCausalLM": "offload.model.moe",

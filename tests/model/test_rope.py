@@ -244,12 +244,12 @@ def test_yarn_matches_transformers(name: str, head_dim: int) -> None:
 
 def test_yarn_without_a_factor_takes_the_contexts_growth_and_needs_the_original_context() -> None:
     from offload.common.errors import OffloadError
-    from offload.common.model_config import _rope
+    from offload.common.rope_spec import parse_rope
 
     config = {
         "max_position_embeddings": 16384,
         "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096},
     }
-    assert _rope(config, "c").factor == 4.0
+    assert parse_rope(config, "c").factor == 4.0
     with pytest.raises(OffloadError, match="c: yarn rope scaling needs original_max_position_embeddings"):
-        _rope({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "c")
+        parse_rope({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "c")

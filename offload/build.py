@@ -182,6 +182,7 @@ def build(
         dtype,
         embed_backend=embed_backend,
         fuse=partial(family.fuse, spec),
+        packable=family.packable,
     )
     key = kv_key(model_dir, spec, dtype, kv)
     tables, host_tables, kv_tiers = make_kv_pool(config, kv, key, spec)

@@ -49,11 +49,13 @@ def held_dtype(code: str, compute: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """A checkpoint tensor a model family needs: its name in the checkpoint, the shape it must have, and its dtype
-    (a safetensors code; None: any float, converted to the compute dtype)."""
+    (a safetensors code; None: any float, converted to the compute dtype). With `row`, it is that row of the stacked
+    tensor `name` ([rows, *shape]: one expert of gpt-oss's experts stored together), read alone."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str | None = None
+    row: int | None = None
 
 
 TensorGroup = dict[str, TensorSpec]  # short name (e.g. "q_proj") -> the checkpoint tensor
@@ -158,9 +160,18 @@ class Checkpoint:
         except KeyError:
             raise OffloadError(f"{self.model_dir}: checkpoint has no tensor {name!r}") from None
 
-    def check(self, name: str, shape: tuple[int, ...], dtype: str | None = None) -> Extent:
-        """The extent of `name`, verified to be a tensor of `shape` stored as `dtype` (None: any float)."""
+    def check(self, name: str, shape: tuple[int, ...], dtype: str | None = None, row: int | None = None) -> Extent:
+        """The extent of `name` (of its row `row`: the tensor's first dimension stacks rows of `shape`), verified to
+        be a tensor of `shape` stored as `dtype` (None: any float)."""
         ext = self.extent(name)
+        if row is not None:
+            if ext.shape[1:] != shape or not 0 <= row < (ext.shape[0] if ext.shape else 0):
+                raise OffloadError(
+                    f"{ext.path.name}: tensor {name} has shape {list(ext.shape)}, expected rows of {list(shape)} "
+                    f"and a row {row}"
+                )
+            size = ext.nbytes // ext.shape[0]
+            ext = Extent(f"{name}[{row}]", ext.path, ext.offset + row * size, size, ext.dtype, shape)
         if ext.shape != shape:
             raise OffloadError(f"{ext.path.name}: tensor {name} has shape {list(ext.shape)}, expected {list(shape)}")
         if dtype is not None and ext.dtype != dtype:

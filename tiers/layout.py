@@ -130,4 +130,4 @@ def model_layout(checkpoint: Checkpoint, tensors: ModelTensors) -> ModelLayout:
 
 
 def _layout(checkpoint: Checkpoint, group: TensorGroup) -> GroupLayout:
-    return group_layout({short: checkpoint.check(t.name, t.shape, t.dtype) for short, t in group.items()})
+    return group_layout({short: checkpoint.check(t.name, t.shape, t.dtype, t.row) for short, t in group.items()})

@@ -63,6 +63,8 @@ class WeightStore:
     where kernels.linear.packing_pays measured it faster. Streamed layers stay dense: they change every pass.
     fuse: on the direct CPU path, what becomes of a resident layer's weights (the family's stacking of projections
     that share an input: new tensors, charged in place of the read buffer); streamed layers keep theirs.
+    packable: which float matrices (by short name) `prepack` may pack: those the family multiplies as linear
+    weights [out, in] (None: every one).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class WeightStore:
         prepack: bool | None = None,
         embed_backend: ReadBackend | None = None,
         fuse: Callable[[Weights], Weights] | None = None,
+        packable: Callable[[str], bool] | None = None,
     ) -> None:
         if len(policy.layer_tiers) != len(layout.layers):
             raise ValueError(f"policy places {len(policy.layer_tiers)} layers, the model has {len(layout.layers)}")
@@ -90,6 +93,7 @@ class WeightStore:
         # resident matrices packed for the CPU's GEMM (None: wherever kernels.linear measures that it pays)
         cpu_direct = not self.staged and self.device.type == "cpu"
         self.prepack = cpu_direct and (packing_pays(dtype) if prepack is None else prepack)
+        self.packable = packable or (lambda name: True)
         self.stall_seconds = 0.0  # time spent waiting for reads while loading
         self.h2d_bytes = 0  # bytes copied host -> device while loading
         self.layouts = layout.layers
@@ -144,19 +148,22 @@ class WeightStore:
         if load_buffer_bytes(layout, self.dtype) < layout.slot_bytes:  # converted a piece at a time
             out = self._load_converting(layout, tier)
             fused = fuse(out) if fuse is not None else out
-            if fused.keys() != out.keys() or prepack and any(_packable(n, t) for n, t in fused.items()):
-                return _rehomed(out, fused, None, tier, prepack)
+            if fused.keys() != out.keys() or prepack and any(self._packable(n, t) for n, t in fused.items()):
+                return _rehomed(out, fused, None, tier, prepack and self._packable)
             return out
         buf = take(tier, layout.slot_bytes, "resident weights")
         self._wait(read(self.backend, layout, buf))
         out = convert(layout.views(buf), self.dtype, tier, keep=[])
         base = buf.untyped_storage().data_ptr()
         fused = fuse(out) if fuse is not None else out
-        if fused.keys() != out.keys() or prepack and any(_packable(n, t) for n, t in fused.items()):
-            return _rehomed(out, fused, buf, tier, prepack)
+        if fused.keys() != out.keys() or prepack and any(self._packable(n, t) for n, t in fused.items()):
+            return _rehomed(out, fused, buf, tier, prepack and self._packable)
         if all(t.untyped_storage().data_ptr() != base for t in out.values()):
             tier.free(buf)  # every tensor was converted: the read buffer is garbage, and must not stay charged
         return out
+
+    def _packable(self, name: str, t: torch.Tensor) -> bool:
+        return _packable(name, t) and self.packable(name)
 
     def _load_converting(self, layout: GroupLayout, tier: MemoryTier) -> Weights:
         """A group whose every tensor converts to the compute dtype, read through a buffer of CONVERT_PIECE bytes:
@@ -271,14 +278,20 @@ class WeightStore:
         )
 
 
-def _rehomed(loaded: Weights, weights: Weights, buf: torch.Tensor | None, tier: MemoryTier, prepack: bool) -> Weights:
+def _rehomed(
+    loaded: Weights,
+    weights: Weights,
+    buf: torch.Tensor | None,
+    tier: MemoryTier,
+    prepack: Callable[[str, torch.Tensor], bool] | bool,
+) -> Weights:
     """`weights` (what became of `loaded`, views of `buf` and converted copies charged on their own; no buf: all
-    converted) out of `buf`: with `prepack` every matrix packed by kernels.linear.pack_weight, the rest copied out
-    of `buf`; charged to `tier` in place of `buf` and of the copies no longer kept."""
+    converted) out of `buf`: the matrices `prepack` accepts packed by kernels.linear.pack_weight (False: none), the
+    rest copied out of `buf`; charged to `tier` in place of `buf` and of the copies no longer kept."""
     base = buf.untyped_storage().data_ptr() if buf is not None else None
     out = {}
     for n, t in weights.items():
-        if prepack and _packable(n, t):
+        if prepack and prepack(n, t):
             out[n] = pack_weight(t)
         else:
             out[n] = t.clone() if t.untyped_storage().data_ptr() == base else t

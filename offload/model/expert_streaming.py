@@ -64,13 +64,8 @@ def model_layouts(
     if not spec.num_experts:
         raise OffloadError(f"--expert-cache-memory streams a mixture's experts; {spec.architecture} has none")
     dense, experts = split_experts(tensors)
-    if not experts:  # gpt-oss: each matrix of every expert in one stacked tensor, read with its layer
-        raise OffloadError(
-            f"--expert-cache-memory streams experts stored one by one; {spec.architecture} stores them stacked, "
-            "and they stream with their layers"
-        )
     layouts = {
-        key: group_layout({s: checkpoint.check(t.name, t.shape, t.dtype) for s, t in group.items()})
+        key: group_layout({s: checkpoint.check(t.name, t.shape, t.dtype, t.row) for s, t in group.items()})
         for key, group in experts.items()
     }
     return model_layout(checkpoint, dense), layouts

@@ -8,8 +8,9 @@ The mixture, as transformers' GptOssForCausalLM computes it:
     gate = min(gate, limit); up = clamp(up, -limit, limit)
     out = ((up + 1) * gate * sigmoid(alpha * gate)) @ W_down[e] + b_down[e]
 
-The experts are stored stacked, as transformers saves them ([experts, hidden, 2 x intermediate] and [experts,
-intermediate, hidden], input-major), and held so with the layer's weights: a layer streams whole. The published
+The checkpoint stacks each matrix over the experts, as transformers saves them ([experts, hidden, 2 x intermediate]
+and [experts, intermediate, hidden], input-major); each expert is read as its row of those tensors
+(TensorSpec.row), so a layer streams whole or, with an expert cache, by expert like the other mixtures. The published
 MXFP4 experts are not read (config.json's quantization_config names them and is refused); a bfloat16 or float32
 checkpoint runs.
 """
@@ -27,7 +28,7 @@ from offload.model.registry import LayerInput
 from offload.tiers.checkpoint import TensorSpec
 from offload.tiers.layout import Weights
 
-EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")  # stacked, one row per expert
+EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")  # one row each per expert
 
 
 class GptOssFamily(LlamaFamily):
@@ -35,24 +36,30 @@ class GptOssFamily(LlamaFamily):
         t = super().layer_tensors(spec, layer)
         for name in ("gate_proj", "up_proj", "down_proj"):  # the dense MLP's
             del t[name]
-        p, e, h, i = f"model.layers.{layer}.", spec.num_experts, spec.hidden_size, spec.expert_size
+        p, h, i = f"model.layers.{layer}.", spec.hidden_size, spec.expert_size
         t["sinks"] = TensorSpec(p + "self_attn.sinks", (spec.num_heads,))
-        t["router"] = TensorSpec(p + "mlp.router.weight", (e, h))
-        t["router_bias"] = TensorSpec(p + "mlp.router.bias", (e,))
-        shapes = {"gate_up_proj": (e, h, 2 * i), "gate_up_proj_bias": (e, 2 * i), "down_proj": (e, i, h)}
-        shapes["down_proj_bias"] = (e, h)
-        for name, shape in shapes.items():
-            t[f"experts.{name}"] = TensorSpec(p + f"mlp.experts.{name}", shape)
+        t["router"] = TensorSpec(p + "mlp.router.weight", (spec.num_experts, h))
+        t["router_bias"] = TensorSpec(p + "mlp.router.bias", (spec.num_experts,))
+        shapes = dict(zip(EXPERT_TENSORS, ((h, 2 * i), (2 * i,), (i, h), (h,)), strict=True))
+        for e in range(spec.num_experts):
+            for name, shape in shapes.items():
+                t[f"expert{e}.{name}"] = TensorSpec(p + f"mlp.experts.{name}", shape, row=e)
         return t
+
+    def packable(self, short: str) -> bool:
+        return not short.startswith("expert")  # the experts' matrices are input-major: x @ W, not linear(x, W)
 
     def _mlp(
         self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput, hidden: torch.Tensor
     ) -> torch.Tensor:
         def fetch(chosen: list[int], last: bool, rows: list[int]) -> Mapping[int, Weights]:
-            return {e: {name: w[f"experts.{name}"][e] for name in EXPERTS} for e in chosen}
+            if inp.experts is None:
+                return {e: {name: w[f"expert{e}.{name}"] for name in EXPERT_TENSORS} for e in chosen}
+            return inp.experts.fetch(chosen, hidden if last else None, rows)
 
+        per_fetch = spec.num_experts if inp.experts is None else inp.experts.capacity
         logits = project(spec, w, "router", x, "router_bias")
-        return experts_forward(spec, x, logits, fetch, routing_dtype=x.dtype, expert=clamped_swiglu)
+        return experts_forward(spec, x, logits, fetch, x.dtype, per_fetch=per_fetch, expert=clamped_swiglu)
 
 
 def clamped_swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,9 @@ class LlamaFamily:
             "lm_head": TensorSpec(lm_head, (spec.vocab_size, spec.hidden_size)),
         }
 
+    def packable(self, short: str) -> bool:
+        return True  # every matrix of the family is a linear weight [out, in]
+
     def fuse(self, spec: ModelSpec, w: Weights) -> Weights:
         """A layer's weights with each FUSED group of projections stacked into one matrix (new tensors; the parts
         leave the mapping), where all of a group's parts are present, stored alike (dtype, input features, the

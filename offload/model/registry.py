@@ -78,6 +78,10 @@ class Family(Protocol):
 
     def head_tensors(self, spec: ModelSpec) -> dict[str, TensorSpec]: ...
 
+    def packable(self, short: str) -> bool:
+        """Whether float matrix `short` is multiplied as a linear weight [out, in], which the CPU may pack."""
+        ...
+
     def fuse(self, spec: ModelSpec, w: Weights) -> Weights:
         """A layer's weights, held whole in memory, with projections of one input stacked to run as one product."""
         ...

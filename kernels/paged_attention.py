@@ -315,10 +315,10 @@ def paged_attention(
 
     On CUDA with plain-tensor caches the Triton kernels run: one-query sequences through `paged_decode` (split
     over partitions of the context), the others through `paged_prefill`, both reading the blocks in place.
-    Elsewhere, for a quantized cache (kv_quant.QuantizedKV, which dequantizes only the blocks gathered), and with
-    attention sinks (which the Triton kernels do not take yet), the reference `paged_attention_ref` runs."""
+    Elsewhere, and for a quantized cache (kv_quant.QuantizedKV, which dequantizes only the blocks gathered), the
+    reference `paged_attention_ref` runs. Both take attention sinks."""
     plain = isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
-    if sinks is not None or not (plain and use_triton("paged_attention", q.device)):
+    if not (plain and use_triton("paged_attention", q.device)):
         return paged_attention_ref(q, k_cache, v_cache, batch, scale, window, sinks)
     # imported here: they import triton, which only the Triton path needs
     from offload.kernels.paged_decode import paged_decode
@@ -338,8 +338,9 @@ def paged_attention(
             scale,
             window,
             max_context=split.max_decode_context,
+            sinks=sinks,
         )
         if rows is None:  # every query is a decode token
             return decoded
         out[rows] = decoded
-    return paged_prefill(q, k_cache, v_cache, batch, scale, window, seqs=split.prefill_seqs, out=out)
+    return paged_prefill(q, k_cache, v_cache, batch, scale, window, seqs=split.prefill_seqs, out=out, sinks=sinks)

@@ -71,6 +71,7 @@ def _decode_kernel(
     v_ptr,
     tables_ptr,  # [S, W] block ids
     lens_ptr,  # [S] context lengths
+    sinks_ptr,  # [Hq] attention sink logits, read when HAS_SINKS
     out_ptr,  # [S, Hq, D], written when not SPLIT
     part_m_ptr,  # [S, Hq, P] float32 running max (base 2), written when SPLIT
     part_l_ptr,  # [S, Hq, P] float32 sum of exp2(score - max)
@@ -100,6 +101,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,  # dot operands in float32 (Triton's interpreter gets bfloat16 dots wrong)
     DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -129,6 +131,10 @@ def _decode_kernel(
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    if HAS_SINKS:  # the sink: one more key, of logit sinks[h] and value 0, counted once, in partition 0
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(part == 0, sink, m_i)
+        l_i = tl.where(part == 0, 1.0, l_i)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
@@ -242,6 +248,16 @@ def check_index(name: str, t: torch.Tensor, dims: int) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
 
 
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if sinks.shape != (q.shape[1],) or sinks.device != q.device or not sinks.is_floating_point():
+        raise ValueError(
+            f"sinks must be float [{q.shape[1]}] on {q.device} (one per query head), got {sinks.dtype} "
+            f"{tuple(sinks.shape)} on {sinks.device}"
+        )
+
+
 def check_window(window: int | None) -> None:
     if window is not None and window < 1:
         raise ValueError(f"window must be at least 1 position, got {window}")
@@ -268,9 +284,11 @@ def paged_decode(
     partition_size: int | None = None,
     *,
     max_context: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [S, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D], block_tables [S, W] and context_lens [S]
     (int32 or int64, each length at least 1: the query's own position is in the cache) -> [S, Hq, D] in q's dtype.
+    sinks [Hq]: a logit per query head joining each softmax over a value of zero (gpt-oss), or None.
 
     partition_size: context positions per program (a power of two, at least 16; PARTITION_SIZE by default); the
     partition count follows from the longest context, `max_context` when the caller knows it (else read from
@@ -282,6 +300,7 @@ def paged_decode(
     check_window(window)
     num_seqs, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    check_sinks(sinks, q)
     if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
         raise ValueError(
             f"{num_seqs} queries, block_tables {tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}"
@@ -317,6 +336,7 @@ def paged_decode(
         v_cache,
         block_tables,
         context_lens,
+        q if sinks is None else sinks,
         out,
         part_m,
         part_l,
@@ -342,6 +362,7 @@ def paged_decode(
         SPLIT=split,
         DOT_F32=dot_f32,
         DOT_PRECISION=precision,
+        HAS_SINKS=sinks is not None,
     )
     if split:
         _combine_kernel[(num_seqs, q_heads)](
@@ -368,6 +389,7 @@ def paged_decode_ref(
     scale: float,
     window: int | None = None,
     partition_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What `paged_decode` computes, one sequence at a time in float32 (partition_size does not change it)."""
     num_seqs, q_heads, _ = q.shape
@@ -381,5 +403,8 @@ def paged_decode_ref(
         k = k.repeat_interleave(q_heads // kv_heads, dim=1)  # [visible, Hq, D]
         v = v.repeat_interleave(q_heads // kv_heads, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale  # [Hq, visible]
+        if sinks is not None:  # one more logit per head, over a value of zero
+            scores = torch.cat((scores, sinks.float()[:, None]), dim=-1)
+            v = torch.cat((v, v.new_zeros(1, *v.shape[1:])))
         out[s] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -26,6 +26,7 @@ from offload.kernels.paged_decode import (
     LOG2E,
     check_device,
     check_operands,
+    check_sinks,
     check_window,
     dot_options,
     load_kv_tile,
@@ -45,6 +46,7 @@ def _prefill_kernel(
     starts_ptr,  # [S + 1] int32 query offsets
     lens_ptr,  # [S] int32 context lengths
     tables_ptr,  # [S, W] int32 block ids
+    sinks_ptr,  # [Hq] attention sink logits, read when HAS_SINKS
     scale_log2,  # softmax scale * log2(e)
     window,  # a query at p sees keys in (p - window, p]; read only when HAS_WINDOW
     stride_qt,
@@ -68,6 +70,7 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_F32: tl.constexpr,  # dot operands in float32 (Triton's interpreter gets bfloat16 dots wrong)
     DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.load(seqs_ptr + tl.program_id(0))
     kv_head = tl.program_id(2)
@@ -103,6 +106,9 @@ def _prefill_kernel(
 
         m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
+        if HAS_SINKS:  # the sink: one more key, of logit sinks[h] and value 0
+            m_i = tl.load(sinks_ptr + heads, mask=in_group < GROUP, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_Q * G_PAD], 1.0, dtype=tl.float32)
         acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], dtype=tl.float32)
         k_head_ptr = k_ptr + kv_head * stride_kh
         v_head_ptr = v_ptr + kv_head * stride_vh
@@ -184,13 +190,16 @@ def paged_prefill(
     *,
     seqs: Sequence[int] | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D] in q's dtype.
+    """q [T, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D] in q's dtype. sinks [Hq]: a
+    logit per query head joining each softmax over a value of zero (gpt-oss), or None.
 
     seqs: the sequences whose queries are attended (all by default); `out` [T, Hq, D], when given, receives
     their rows and keeps the others, and is returned."""
     check_operands(q, k_cache, v_cache)
     check_window(window)
+    check_sinks(sinks, q)
     check_device(q.device, block_tables=batch.block_tables)
     _, block_size, kv_heads, _ = k_cache.shape
     check_batch(q, block_size, batch)
@@ -217,6 +226,7 @@ def paged_prefill(
         inputs.starts,
         inputs.lens,
         inputs.tables,
+        q if sinks is None else sinks,
         scale * LOG2E,
         window or 0,
         q.stride(0),
@@ -236,6 +246,7 @@ def paged_prefill(
         HAS_WINDOW=window is not None,
         DOT_F32=dot_f32,
         DOT_PRECISION=precision,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -247,6 +258,7 @@ def paged_prefill_ref(
     batch: PagedBatch,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What `paged_prefill` computes, one sequence at a time in float32."""
     _, q_heads, _ = q.shape
@@ -265,6 +277,10 @@ def paged_prefill_ref(
         if window is not None:
             visible &= k_pos > q_pos - window
         scores = torch.einsum("thd,nhd->htn", q[q0:q1].float(), k) * scale  # [Hq, q_len, ctx]
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:  # one more logit per head, over a value of zero
+            scores = torch.cat((scores, sinks.float()[:, None, None].expand(-1, q1 - q0, 1)), dim=-1)
+            v = torch.cat((v, v.new_zeros(1, *v.shape[1:])))
+        probs = scores.softmax(-1)
         out[q0:q1] = torch.einsum("htn,nhd->thd", probs, v).to(q.dtype)
     return out

@@ -286,8 +286,8 @@ def dense_attention_with_sinks(case: Case, scale: float, window: int | None, sin
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(("block_size", "q_heads", "kv_heads", "head_dim"), [(3, 4, 2, 24), (16, 4, 1, 24)])
 def test_sinks_take_their_share_of_every_softmax(dtype, window, block_size, q_heads, kv_heads, head_dim) -> None:
-    """Prefill chunks and decode tokens alike; through the dispatcher too (the Triton kernels take no sinks yet);
-    sinks of -inf are plain attention."""
+    """Prefill chunks and decode tokens alike; through the dispatcher too (the reference here: the Triton kernels'
+    sinks are tested in test_paged_decode.py and test_paged_prefill.py); sinks of -inf are plain attention."""
     case = make_case(SEQS, block_size, q_heads, kv_heads, head_dim, dtype)
     sinks = torch.linspace(-2.0, 3.0, q_heads)
     want = dense_attention_with_sinks(case, 0.3, window, sinks)

@@ -228,3 +228,28 @@ def test_decode_on_gpu(block_size, q_heads, kv_heads, head_dim, dtype, window, p
 def test_decode_large_on_gpu() -> None:
     case = to_cuda(decode_case((5000, 1029, 3, 2048), 16, 32, 8, 128, torch.bfloat16, seed=2))
     assert_matches(case, run(case, 128**-0.5, None, None), 128**-0.5, None)
+
+
+@interpreted
+@pytest.mark.parametrize("partition_size", [None, 32], ids=["one-partition", "split-32"])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize(("block_size", "q_heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[4]])
+def test_sinks_join_each_softmax_once_whatever_the_partitions(
+    block_size, q_heads, kv_heads, head_dim, window, partition_size
+):
+    """The sink counts once per query head, in the first partition, so a split context merges to the same
+    attention; against the torch reference and paged_attention_ref (itself checked against a dense reference)."""
+    from offload.kernels.paged_attention import paged_attention_ref
+
+    case = decode_case(CONTEXTS, block_size, q_heads, kv_heads, head_dim, torch.float32, seed=3)
+    sinks = torch.linspace(-1.0, 4.0, q_heads)
+    tables, lens = case.batch.block_tables, torch.tensor(case.batch.context_lens)
+    scale = head_dim**-0.5
+    out = paged_decode(case.q, case.k_cache, case.v_cache, tables, lens, scale, window, partition_size, sinks=sinks)
+    ref = paged_decode_ref(case.q, case.k_cache, case.v_cache, tables, lens, scale, window, sinks=sinks)
+    torch.testing.assert_close(out, ref, atol=ATOL[torch.float32], rtol=RTOL[torch.float32])
+    dense = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.batch, scale, window, sinks)
+    torch.testing.assert_close(out, dense, atol=ATOL[torch.float32], rtol=RTOL[torch.float32])
+    assert not torch.allclose(out, run(case, scale, window, partition_size), atol=1e-3)  # the sinks count
+    with pytest.raises(ValueError, match=f"sinks must be float \\[{q_heads}\\]"):
+        paged_decode(case.q, case.k_cache, case.v_cache, tables, lens, scale, window, sinks=sinks[1:])

@@ -230,3 +230,29 @@ def test_dispatcher_on_gpu(window: int | None) -> None:
     case = to_cuda(make_case(seqs, 16, 32, 8, 128, torch.bfloat16, seed=8))
     out = paged_attention(case.q, case.k_cache, case.v_cache, case.batch, 128**-0.5, window)
     assert_matches(case, out, 128**-0.5, window)
+
+
+@interpreted
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("block_size", "q_heads", "kv_heads", "head_dim"), [GEOMETRIES[0], GEOMETRIES[-1]])
+def test_sinks_join_every_rows_softmax(block_size, q_heads, kv_heads, head_dim, window) -> None:
+    case = make_case(SEQS, block_size, q_heads, kv_heads, head_dim, torch.float32, seed=4)
+    sinks = torch.linspace(-1.0, 4.0, q_heads)
+    scale = head_dim**-0.5
+    out = paged_prefill(case.q, case.k_cache, case.v_cache, case.batch, scale, window, sinks=sinks)
+    ref = paged_prefill_ref(case.q, case.k_cache, case.v_cache, case.batch, scale, window, sinks=sinks)
+    dense = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.batch, scale, window, sinks)
+    rows = [t for s in range(len(SEQS)) for t in range(case.batch.query_start[s], case.batch.query_start[s + 1])]
+    for want in (ref, dense):
+        torch.testing.assert_close(out[rows], want[rows], atol=ATOL[torch.float32], rtol=RTOL[torch.float32])
+    assert not torch.allclose(out[rows], run(case, scale, window)[rows], atol=1e-3)  # the sinks count
+
+
+@interpreted
+def test_dispatcher_gives_the_kernels_the_sinks(triton_dispatch) -> None:
+    case = make_case(SEQS, 16, 4, 2, 32, torch.float32, seed=8)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 3.0])
+    out = paged_attention(case.q, case.k_cache, case.v_cache, case.batch, 0.2, 30, sinks)
+    assert triton_dispatch == ["decode", "prefill"]
+    want = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.batch, 0.2, 30, sinks)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)

@@ -7,9 +7,9 @@ What sets it apart from the Llama family, and how the spec prices it:
   token (softmax over the chosen ones), each expert a SwiGLU of `intermediate_size` with biases (gate and up
   stored interleaved in one matrix, clamped activations: the same parameter count).
 - The published checkpoints store the experts in MXFP4 (4.25 bits a weight: 32 four-bit values and an 8-bit
-  exponent a block) and everything else in bfloat16; the engine runs bfloat16 (and float32) checkpoints and refuses
-  MXFP4 by its quantization_config. The spec counts parameters; `offload plan` prices its widths (`--quantize` adds
-  8 and 4 bits, the nearest to MXFP4's experts).
+  exponent a block) and everything else in bfloat16; the engine reads them as stored (model_config marks the spec's
+  mxfp4_experts), or bfloat16 and float32 checkpoints. The spec counts parameters; `offload plan` prices its widths
+  (`--quantize` adds 8 and 4 bits, the nearest to MXFP4's experts).
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ class ModelSpec:
     attention_sinks: bool = False  # a learned logit per query head in every softmax (gpt-oss: `sinks`)
     swiglu_limit: float | None = None  # gpt-oss's experts: gate clamped above, up on both sides, at this value
     swiglu_alpha: float = 1.702  # ... and gate * sigmoid(alpha * gate) as the activation
+    mxfp4_experts: bool = False  # gpt-oss's routed experts stored in MXFP4 (kernels/mxfp4.py), as published
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     params: ParamCounts | None = None
@@ -187,6 +188,9 @@ def parse_model_config(config: dict, source: str, name: str = "") -> ModelSpec:
             rope=parse_rope(config, source),
             **fields,
         )
+        q = config.get("quantization_config")
+        if isinstance(q, dict) and q.get("quant_method") == "mxfp4":  # the published experts, read as stored
+            return dataclasses.replace(spec, mxfp4_experts=True)
         quant = parse_quant(config, source)
         return spec if quant is None else dataclasses.replace(spec, quant=quant)
     spec = _opt_spec(config, name, source) if arch == "OPTForCausalLM" else _llama_like_spec(config, arch, name, source)

@@ -8,11 +8,13 @@ The mixture, as transformers' GptOssForCausalLM computes it:
     gate = min(gate, limit); up = clamp(up, -limit, limit)
     out = ((up + 1) * gate * sigmoid(alpha * gate)) @ W_down[e] + b_down[e]
 
-The checkpoint stacks each matrix over the experts, as transformers saves them ([experts, hidden, 2 x intermediate]
-and [experts, intermediate, hidden], input-major); each expert is read as its row of those tensors
-(TensorSpec.row), so a layer streams whole or, with an expert cache, by expert like the other mixtures. The published
-MXFP4 experts are not read (config.json's quantization_config names them and is refused); a bfloat16 or float32
-checkpoint runs.
+The checkpoint stacks each matrix over the experts; each expert is read as its row of those tensors (TensorSpec.row),
+so a layer streams whole or, with an expert cache, by expert like the other mixtures. Two forms:
+- bfloat16 or float32, as transformers saves them: [experts, hidden, 2 x intermediate] and [experts, intermediate,
+  hidden], input-major;
+- MXFP4, as the published checkpoints store them (config.json's quantization_config says "mxfp4"):
+  `*_blocks` [experts, out, in / 32, 16] and `*_scales` [experts, out, in / 32], 4.25 bits a weight, read and held
+  as stored, each chosen expert's matrices dequantized (kernels/mxfp4.py) just before its product.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.nn.functional as F
 
 from offload.common.model_config import ModelSpec
+from offload.kernels.mxfp4 import BLOCK, dequantize_mxfp4
 from offload.model.llama import LlamaFamily, project
 from offload.model.moe import experts_forward
 from offload.model.registry import LayerInput
@@ -29,6 +33,10 @@ from offload.tiers.checkpoint import TensorSpec
 from offload.tiers.layout import Weights
 
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")  # one row each per expert
+MXFP4_TENSORS = (
+    *("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias"),
+    *("down_proj_blocks", "down_proj_scales", "down_proj_bias"),
+)
 
 
 class GptOssFamily(LlamaFamily):
@@ -36,14 +44,13 @@ class GptOssFamily(LlamaFamily):
         t = super().layer_tensors(spec, layer)
         for name in ("gate_proj", "up_proj", "down_proj"):  # the dense MLP's
             del t[name]
-        p, h, i = f"model.layers.{layer}.", spec.hidden_size, spec.expert_size
+        p, h = f"model.layers.{layer}.", spec.hidden_size
         t["sinks"] = TensorSpec(p + "self_attn.sinks", (spec.num_heads,))
         t["router"] = TensorSpec(p + "mlp.router.weight", (spec.num_experts, h))
         t["router_bias"] = TensorSpec(p + "mlp.router.bias", (spec.num_experts,))
-        shapes = dict(zip(EXPERT_TENSORS, ((h, 2 * i), (2 * i,), (i, h), (h,)), strict=True))
         for e in range(spec.num_experts):
-            for name, shape in shapes.items():
-                t[f"expert{e}.{name}"] = TensorSpec(p + f"mlp.experts.{name}", shape, row=e)
+            for name, (shape, dtype) in expert_shapes(spec).items():
+                t[f"expert{e}.{name}"] = TensorSpec(p + f"mlp.experts.{name}", shape, dtype, row=e)
         return t
 
     def packable(self, short: str) -> bool:
@@ -52,9 +59,11 @@ class GptOssFamily(LlamaFamily):
     def _mlp(
         self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput, hidden: torch.Tensor
     ) -> torch.Tensor:
+        names = MXFP4_TENSORS if spec.mxfp4_experts else EXPERT_TENSORS
+
         def fetch(chosen: list[int], last: bool, rows: list[int]) -> Mapping[int, Weights]:
             if inp.experts is None:
-                return {e: {name: w[f"expert{e}.{name}"] for name in EXPERT_TENSORS} for e in chosen}
+                return {e: {name: w[f"expert{e}.{name}"] for name in names} for e in chosen}
             return inp.experts.fetch(chosen, hidden if last else None, rows)
 
         per_fetch = spec.num_experts if inp.experts is None else inp.experts.capacity
@@ -62,13 +71,37 @@ class GptOssFamily(LlamaFamily):
         return experts_forward(spec, x, logits, fetch, x.dtype, per_fetch=per_fetch, expert=clamped_swiglu)
 
 
+def expert_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """One expert's tensors (its row of each stacked tensor): name -> (shape, safetensors dtype; None: any float)."""
+    h, i = spec.hidden_size, spec.expert_size
+    if not spec.mxfp4_experts:
+        return {"gate_up_proj": ((h, 2 * i), None), "gate_up_proj_bias": ((2 * i,), None)} | {
+            "down_proj": ((i, h), None),
+            "down_proj_bias": ((h,), None),
+        }
+    out = {}
+    for name, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+        out[f"{name}_blocks"] = ((rows, cols // BLOCK, BLOCK // 2), "U8")
+        out[f"{name}_scales"] = ((rows, cols // BLOCK), "U8")
+        out[f"{name}_bias"] = ((rows,), None)
+    return out
+
+
 def clamped_swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    """One gpt-oss expert over x [tokens, hidden] (module docstring): w's input-major matrices and their biases."""
-    gate_up = torch.addmm(w["gate_up_proj_bias"], x, w["gate_up_proj"])  # [tokens, 2 x intermediate]
+    """One gpt-oss expert over x [tokens, hidden] (module docstring): its matrices, input-major or in MXFP4 (output-
+    major, dequantized here), and their biases."""
+    if "gate_up_proj_blocks" in w:
+        up_w = dequantize_mxfp4(w["gate_up_proj_blocks"], w["gate_up_proj_scales"], x.dtype)  # [2 x intermediate, h]
+        gate_up = F.linear(x, up_w, w["gate_up_proj_bias"])
+    else:
+        gate_up = torch.addmm(w["gate_up_proj_bias"], x, w["gate_up_proj"])  # [tokens, 2 x intermediate]
     limit = spec.swiglu_limit
     gate, up = gate_up[:, ::2].clamp(max=limit), gate_up[:, 1::2].clamp(min=-limit, max=limit)
-    glu = gate * torch.sigmoid(gate * spec.swiglu_alpha)
-    return torch.addmm(w["down_proj_bias"], (up + 1) * glu, w["down_proj"])
+    glu = (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
+    if "down_proj_blocks" in w:
+        down_w = dequantize_mxfp4(w["down_proj_blocks"], w["down_proj_scales"], x.dtype)  # [h, intermediate]
+        return F.linear(glu, down_w, w["down_proj_bias"])
+    return torch.addmm(w["down_proj_bias"], glu, w["down_proj"])
 
 
 FAMILY = GptOssFamily()

@@ -122,17 +122,87 @@ def test_bfloat16_packs_linear_weights_and_keeps_the_experts_input_major(gpt_oss
     assert float((got - want).norm() / want.norm()) < 1.2 * float((theirs - want).norm() / want.norm())
 
 
-def test_mxfp4_experts_are_refused_by_name(gpt_oss, tmp_path):
-    path, _ = gpt_oss
-    mxfp4 = tmp_path / "mxfp4"
-    mxfp4.mkdir()
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory) -> tuple[Path, object]:
+    """The checkpoint with its experts in MXFP4 as the published files store them (kernels/mxfp4.py writes the
+    blocks), and transformers' model of the same weights: its experts replaced by their dequantized values."""
+    import copy
+
+    from safetensors.torch import load_file, save_file
+
+    from offload.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    path, model = gpt_oss
+    out = tmp_path_factory.mktemp("gpt-oss-mxfp4")
     for f in path.iterdir():
-        (mxfp4 / f.name).write_bytes(f.read_bytes())
-    config = json.loads((mxfp4 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn"]}
-    (mxfp4 / "config.json").write_text(json.dumps(config))
-    with pytest.raises(OffloadError, match="quant_method 'mxfp4' is not run by this engine"):
-        LLM(mxfp4)
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors, reference = load_file(path / "model.safetensors"), copy.deepcopy(model)
+    for layer, block in enumerate(reference.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{layer}.mlp.experts.{name}"
+            blocks, scales = quantize_mxfp4(tensors.pop(key).transpose(1, 2))  # output-major, as published
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+            with torch.no_grad():
+                getattr(block.mlp.experts, name).copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "mlp.router"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out, reference
+
+
+def test_mxfp4_experts_run_as_stored_and_compute_their_dequantized_values(gpt_oss_mxfp4):
+    path, reference = gpt_oss_mxfp4
+    batch = prompts((5, 23), seed=4)
+    reference.generation_config.eos_token_id = None
+    with LLM(path, EngineConfig(kv_cache_bytes=1 << 22, block_size=8, dtype="float32")) as llm:
+        assert llm.spec.mxfp4_experts
+        layer = llm.parts.weights.store.acquire(0)
+        assert layer["expert1.gate_up_proj_blocks"].dtype == torch.uint8 and "expert1.gate_up_proj" not in layer
+        for ids, ours in zip(batch, llm.score(batch), strict=True):
+            with torch.no_grad():
+                torch.testing.assert_close(ours, reference(torch.tensor([ids])).logits[0], atol=ATOL, rtol=0)
+        got = llm.generate_ids(batch, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    for ids, out in zip(batch, got, strict=True):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        assert list(out.token_ids) == want[0, len(ids) :].tolist()
+
+
+def test_mxfp4_experts_stream_by_expert_at_4_25_bits_a_weight(gpt_oss_mxfp4):
+    from offload.model.expert_streaming import model_layouts
+    from offload.model.registry import get_family
+    from offload.tiers.checkpoint import Checkpoint
+    from offload.tiers.io.buffered import BufferedReader
+
+    path, reference = gpt_oss_mxfp4
+    with LLM(path, EngineConfig(kv_cache_bytes=1 << 22, dtype="float32", expert_cache_memory=1 << 16)) as llm:
+        spec = llm.spec
+        ids = prompts((9,), seed=5)[0]
+        with torch.no_grad():
+            torch.testing.assert_close(llm.score([ids])[0], reference(torch.tensor([ids])).logits[0], atol=ATOL, rtol=0)
+    with BufferedReader() as reader:
+        _, experts = model_layouts(Checkpoint(path, reader), get_family(spec.architecture), spec, True)
+    h, i = spec.hidden_size, spec.expert_size
+    weights = 2 * i * h + h * i  # gate_up and down
+    for group in experts.values():
+        matrices = sum(t.nbytes for t in group.tensors if not t.short.endswith("_bias"))
+        assert matrices * 8 == weights * 4.25  # 4 bits a value and an 8-bit exponent a block of 32
+        assert group.tensor_bytes == matrices + 4 * (2 * i + h)  # and the float32 biases
+
+
+def test_other_quantization_methods_are_refused_by_name(gpt_oss, tmp_path):
+    path, _ = gpt_oss
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
+    for f in path.iterdir():
+        (gptq / f.name).write_bytes(f.read_bytes())
+    config = json.loads((gptq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (gptq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(OffloadError, match="quant_method 'gptq' is not run by this engine"):
+        LLM(gptq)
 
 
 def test_a_row_of_a_stacked_tensor_is_its_own_extent_and_bad_rows_are_named(gpt_oss):

@@ -21,17 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from offload.kernels.attention_checks import check_device, check_operands, check_sinks, check_window
 from offload.kernels.paged_batch import PagedBatch
-from offload.kernels.paged_decode import (
-    LOG2E,
-    check_device,
-    check_operands,
-    check_sinks,
-    check_window,
-    dot_options,
-    load_kv_tile,
-    tile_for,
-)
+from offload.kernels.paged_decode import LOG2E, dot_options, load_kv_tile, tile_for
 
 BLOCK_M = 64  # tile rows: queries times query heads per KV head
 

@@ -50,15 +50,20 @@ def test_prefill_logits_match_transformers(gpt_oss, micro_batch_tokens):
         torch.testing.assert_close(ours.cpu(), want, atol=ATOL, rtol=0)
 
 
+def greedy(model, batch: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, eos or not."""
+    model.generation_config.eos_token_id = None
+    out = []
+    for ids in batch:
+        with torch.no_grad():
+            out.append(model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids) :])
+    return [o.tolist() for o in out]
+
+
 def test_greedy_tokens_match_transformers_resident_and_streamed(gpt_oss):
     path, model = gpt_oss
     batch = prompts((4, 9, 23), seed=2)
-    model.generation_config.eos_token_id = None
-    expected = []
-    for ids in batch:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
-        expected.append(out[0, len(ids) :].tolist())
+    expected = greedy(model, batch, 16)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     with LLM(path, EngineConfig(kv_cache_bytes=1 << 22, block_size=8)) as llm:
         assert [list(c.token_ids) for c in llm.generate_ids(batch, params)] == expected
@@ -78,12 +83,7 @@ def test_streaming_by_expert_reads_each_experts_rows_of_the_stacked_tensors(gpt_
     chosen ones are read, and the tokens are transformers'."""
     path, model = gpt_oss
     batch = prompts((4, 9, 23), seed=2)
-    model.generation_config.eos_token_id = None
-    expected = []
-    for ids in batch:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-        expected.append(out[0, len(ids) :].tolist())
+    expected = greedy(model, batch, 8)
     expert = 4 * (64 * 192 + 192 + 96 * 64 + 64)  # float32 bytes of one expert's four rows
     config = EngineConfig(kv_cache_bytes=1 << 22, block_size=8, expert_cache_memory=2 * expert + (64 << 10))
     with LLM(path, config) as llm:
@@ -155,7 +155,6 @@ def gpt_oss_mxfp4(gpt_oss, tmp_path_factory) -> tuple[Path, object]:
 def test_mxfp4_experts_run_as_stored_and_compute_their_dequantized_values(gpt_oss_mxfp4):
     path, reference = gpt_oss_mxfp4
     batch = prompts((5, 23), seed=4)
-    reference.generation_config.eos_token_id = None
     with LLM(path, EngineConfig(kv_cache_bytes=1 << 22, block_size=8, dtype="float32")) as llm:
         assert llm.spec.mxfp4_experts
         layer = llm.parts.weights.store.acquire(0)
@@ -164,10 +163,7 @@ def test_mxfp4_experts_run_as_stored_and_compute_their_dequantized_values(gpt_os
             with torch.no_grad():
                 torch.testing.assert_close(ours, reference(torch.tensor([ids])).logits[0], atol=ATOL, rtol=0)
         got = llm.generate_ids(batch, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    for ids, out in zip(batch, got, strict=True):
-        with torch.no_grad():
-            want = reference.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-        assert list(out.token_ids) == want[0, len(ids) :].tolist()
+    assert [list(c.token_ids) for c in got] == greedy(reference, batch, 8)
 
 
 def test_mxfp4_experts_stream_by_expert_at_4_25_bits_a_weight(gpt_oss_mxfp4):

@@ -68,17 +68,11 @@ def test_llama3_smooth_factor_formula() -> None:
     torch.testing.assert_close(scaled[mid], expected, rtol=1e-5, atol=0)
 
 
-def hf_frequencies(rope_type: str, rope: RopeSpec, head_dim: int) -> torch.Tensor:
+def hf_rope(parameters: dict, head_dim: int):
+    """(transformers' LlamaConfig with these rope_parameters, its inverse frequencies, its attention scaling)."""
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    parameters = {"rope_type": rope_type, "rope_theta": rope.theta, "factor": rope.factor}
-    if rope_type == "llama3":
-        parameters |= {
-            "low_freq_factor": rope.low_freq_factor,
-            "high_freq_factor": rope.high_freq_factor,
-            "original_max_position_embeddings": rope.original_max_position,
-        }
     config = transformers.LlamaConfig(
         hidden_size=head_dim * 4,
         num_attention_heads=4,
@@ -86,7 +80,18 @@ def hf_frequencies(rope_type: str, rope: RopeSpec, head_dim: int) -> torch.Tenso
         max_position_embeddings=131072,
         rope_parameters=parameters,
     )
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return config, *ROPE_INIT_FUNCTIONS[parameters["rope_type"]](config, torch.device("cpu"))
+
+
+def hf_frequencies(rope_type: str, rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    parameters = {"rope_type": rope_type, "rope_theta": rope.theta, "factor": rope.factor}
+    if rope_type == "llama3":
+        parameters |= {
+            "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position,
+        }
+    _, inv_freq, attention_scaling = hf_rope(parameters, head_dim)
     assert attention_scaling == 1.0
     return inv_freq
 
@@ -218,21 +223,11 @@ YARN = {  # rope_parameters as published configs give them
 def test_yarn_matches_transformers(name: str, head_dim: int) -> None:
     """config.json's yarn parameters, parsed as the engine reads them, give transformers' frequencies and the same
     factor on cos and sin."""
-    import transformers
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     from offload.common.model_config import parse_model_config
     from offload.model.rope import attention_scale
 
     parameters = {"rope_type": "yarn", "original_max_position_embeddings": 4096} | YARN[name]
-    config = transformers.LlamaConfig(
-        hidden_size=head_dim * 4,
-        num_attention_heads=4,
-        head_dim=head_dim,
-        max_position_embeddings=131072,
-        rope_parameters=parameters,
-    )
-    theirs, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+    config, theirs, scaling = hf_rope(parameters, head_dim)
     config.architectures = ["LlamaForCausalLM"]
     rope = parse_model_config(config.to_dict(), "test").rope
     assert rope.kind == "yarn" and rope.factor == YARN[name]["factor"]

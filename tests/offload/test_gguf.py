@@ -84,6 +84,17 @@ def _llama_cpp_permute(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
+def add_tokenizer(w: GGUFWriter, tokens: list[str]) -> None:
+    """A byte-level BPE tokenizer of `tokens` (SPECIALS first, one merge), bos 1, eos 2, and CHAT as the template."""
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    w.add_token_merges(["\u0120 t"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT)
+
+
 def write_gguf(
     path: Path,
     arch: str = "llama",
@@ -108,13 +119,7 @@ def write_gguf(
     w.add_value_length(d)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
-    w.add_token_merges(["\u0120 t"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHAT)
+    add_tokenizer(w, tokens)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.add_tensor(
@@ -334,13 +339,7 @@ def write_moe_gguf(path: Path, family: str, source: Path, qtype: T) -> dict[str,
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if family == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
-    w.add_token_merges(["\u0120 t"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHAT)
+    add_tokenizer(w, tokens)
 
     def add(name: str, a: np.ndarray, quantized: bool) -> np.ndarray:
         data = quants.quantize(a, qtype) if quantized and qtype != T.F32 else a.astype(np.float32)

@@ -569,7 +569,12 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="the float model directory (config.json, *.safetensors), or a GGUF file to import",
     )
-    p.add_argument("--quant", choices=["int4", "int8"], help="the weight format (a model directory's; required there)")
+    p.add_argument(
+        "--quant",
+        choices=["int4", "int8", "mxfp4"],
+        help="the weight format (a model directory's; required there); mxfp4: gpt-oss's experts as its published "
+        "checkpoints store them, the rest as stored",
+    )
     p.add_argument(
         "--group-size",
         type=int,
@@ -605,7 +610,9 @@ def _convert(args: argparse.Namespace) -> None:
     if Path(args.model).expanduser().is_file():
         return _import_gguf(args, layout)
     if args.quant is None:
-        raise OffloadError(f"--quant int4|int8 is required to convert the model directory {args.model}")
+        raise OffloadError(f"--quant int4|int8|mxfp4 is required to convert the model directory {args.model}")
+    if args.quant == "mxfp4":
+        return _convert_mxfp4(args)
     bits = int(args.quant.removeprefix("int"))
     # int4 in groups of 32: on a real model (benchmarks/real_accuracy.py) 64 and 128 cost 30-50% perplexity
     default_group = 32 if bits == 4 else (128 if layout == "triton" else 0)
@@ -618,6 +625,26 @@ def _convert(args: argparse.Namespace) -> None:
     stats = convert(Path(args.model).expanduser(), Path(args.out).expanduser(), quant, args.method or "rtn")
     print(
         f"converted  {stats.tensors_quantized} matrices to {quant.name}, {stats.tensors_copied} tensors copied: "
+        f"{format_size(stats.source_bytes)} -> {format_size(stats.bytes_written)} in "
+        f"{time.perf_counter() - start:.1f} s -> {stats.out}",
+        file=sys.stderr,
+    )
+
+
+def _convert_mxfp4(args: argparse.Namespace) -> None:
+    import time
+
+    from offload.common.sizes import format_size
+    from offload.convert_mxfp4 import convert_mxfp4
+
+    if args.group_size is not None or args.method is not None or args.layout is not None:
+        raise OffloadError(
+            "--group-size, --method and --layout do not apply to --quant mxfp4 (blocks of 32, as published)"
+        )
+    start = time.perf_counter()
+    stats = convert_mxfp4(Path(args.model).expanduser(), Path(args.out).expanduser())
+    print(
+        f"converted  {stats.tensors_quantized} expert matrices to mxfp4, {stats.tensors_copied} tensors copied: "
         f"{format_size(stats.source_bytes)} -> {format_size(stats.bytes_written)} in "
         f"{time.perf_counter() - start:.1f} s -> {stats.out}",
         file=sys.stderr,

@@ -67,7 +67,7 @@ class Planned:
 @dataclass(frozen=True, slots=True)
 class ConvertStats:
     out: Path
-    quant: WeightQuant
+    quant: WeightQuant | None  # None: gpt-oss's experts in MXFP4 (offload/convert_mxfp4.py)
     tensors_quantized: int
     tensors_copied: int
     source_bytes: int  # bytes of the tensors read from the source
@@ -85,8 +85,14 @@ def convert(model_dir: Path, out: Path, quant: WeightQuant, method: str = "rtn")
     if spec.quant is not None:
         raise OffloadError(f"{model_dir / 'config.json'}: already quantized ({spec.quant.name}); convert a float model")
     check_new(out)
+    tensors = model_tensors(family, spec)
+    if any(t.row is not None for group in tensors.layers for t in group.values()):
+        raise OffloadError(
+            f"{model_dir / 'config.json'}: {spec.architecture} stores its experts stacked; --quant int4|int8 does not "
+            "write them (gpt-oss: --quant mxfp4 does)"
+        )
     store_dtype = getattr(torch, spec.dtype)  # scales and float tensors keep the model's declared dtype
-    plan = _plan(model_tensors(family, spec), quant, CODES[store_dtype])
+    plan = _plan(tensors, quant, CODES[store_dtype])
     with BufferedReader() as reader, staged(out) as work:
         source = _Source(Checkpoint(model_dir, reader), quant, store_dtype, method)
         for p in plan:

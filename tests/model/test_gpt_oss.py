@@ -217,3 +217,45 @@ def test_a_row_of_a_stacked_tensor_is_its_own_extent_and_bad_rows_are_named(gpt_
             checkpoint.check(name, (96, 64), row=4)
         with pytest.raises(OffloadError, match="expected rows of \\[64, 96\\]"):
             checkpoint.check(name, (64, 96), row=0)
+
+
+def test_convert_writes_the_experts_in_mxfp4_as_published(gpt_oss, gpt_oss_mxfp4, tmp_path, capsys):
+    """`offload convert --quant mxfp4` writes what the published files hold (the fixture's own MXFP4 copy: the same
+    blocks), checksummed, and the engine runs it; int4/int8 refuse the stacked experts by name, and mxfp4 other
+    families."""
+    from safetensors import safe_open
+
+    from offload.cli import main
+    from offload.convert import verify
+
+    path, _ = gpt_oss
+    out = tmp_path / "converted"
+    assert main(["convert", "--model", str(path), "--quant", "mxfp4", "--out", str(out)]) == 0
+    assert "converted  8 expert matrices to mxfp4" in capsys.readouterr().err
+    verify(out)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    with (
+        safe_open(out / "model.safetensors", "pt") as got,
+        safe_open(gpt_oss_mxfp4[0] / "model.safetensors", "pt") as want,
+    ):
+        names = {n for n in got.keys() if not n.startswith("__pad__")}  # noqa: SIM118 (the 4 KiB alignment's padding)
+        assert names == set(want.keys())
+        for name in names:
+            assert torch.equal(got.get_tensor(name), want.get_tensor(name)), name
+    ids = prompts((12,), seed=6)
+    with (
+        LLM(out, EngineConfig(kv_cache_bytes=1 << 22, dtype="float32")) as a,
+        LLM(gpt_oss_mxfp4[0], EngineConfig(kv_cache_bytes=1 << 22, dtype="float32")) as b,
+    ):
+        assert torch.equal(a.score(ids)[0], b.score(ids)[0])
+    assert main(["convert", "--model", str(path), "--quant", "int4", "--out", str(tmp_path / "int4")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "stores its experts stacked; --quant int4|int8 does not write them" in err and "\n" not in err
+    assert not (tmp_path / "int4").exists()
+    llama = tmp_path / "llama"
+    make_checkpoint(llama, "llama")
+    assert main(["convert", "--model", str(llama), "--quant", "mxfp4", "--out", str(tmp_path / "m")]) == 2
+    assert (
+        "--quant mxfp4 writes gpt-oss's experts (GptOssForCausalLM), not LlamaForCausalLM's" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "m").exists()

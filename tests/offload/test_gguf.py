@@ -480,7 +480,7 @@ def test_bad_files_are_one_line_errors_and_leave_nothing(capsys, tmp_path: Path,
     _one_line_error(capsys, [*convert, str(text)], "notes.gguf: not a GGUF file")
     _one_line_error(capsys, ["generate", "--prompt", "x", "--model", str(text)], "notes.gguf: not a GGUF file")
     _one_line_error(capsys, [*convert, str(tiny_gguf), "--quant", "int4"], "do not apply to the GGUF file")
-    _one_line_error(capsys, [*convert, str(tiny_gguf.parent)], "--quant int4|int8 is required")
+    _one_line_error(capsys, [*convert, str(tiny_gguf.parent)], "--quant int4|int8|mxfp4 is required")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ints.gguf", "notes.gguf", "other.gguf"]
     out.mkdir()
     _one_line_error(capsys, [*convert, str(tiny_gguf)], f"--out {out}: already exists")

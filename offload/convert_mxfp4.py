@@ -61,9 +61,11 @@ def convert_mxfp4(model_dir: Path, out: Path) -> ConvertStats:
                 made.clear()
                 if p.part == "copy":
                     made[p.source.name] = {"copy": w}
-                else:  # [experts, in, out] -> the published [experts, out, in] blocks
-                    blocks, scales = quantize_mxfp4(w.transpose(1, 2))
-                    made[p.source.name] = {"blocks": blocks, "scales": scales}
+                else:  # [experts, in, out] -> the published [experts, out, in] blocks, an expert at a time (the
+                    # rounding's float32 temporaries are several times an expert's size)
+                    parts = [quantize_mxfp4(w[e].t()) for e in range(w.shape[0])]
+                    made[p.source.name] = {"blocks": torch.stack([b for b, _ in parts])}
+                    made[p.source.name]["scales"] = torch.stack([sc for _, sc in parts])
             return made[p.source.name][p.part]
 
         files, crcs = write_weights(work, plan, part)

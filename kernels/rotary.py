@@ -90,9 +90,7 @@ def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k rotated by cos/sin: the Triton kernel on a CUDA device, the torch reference elsewhere."""
-    if use_triton("rotary", q.device):
-        return rotary(q, k, cos, sin)
-    return rotary_ref(q, k, cos, sin)
+    return apply_rotary_heads(q, cos, sin), apply_rotary_heads(k, cos, sin)
 
 
 def apply_rotary_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

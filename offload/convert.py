@@ -263,13 +263,14 @@ def _make(
 
 
 def _write_config(model_dir: Path, work: Path, quant: WeightQuant) -> None:
+    fields = {"quant_method": QUANT_METHOD, "bits": quant.bits, "group_size": quant.group_size, "layout": quant.layout}
+    write_config(model_dir, work, fields)
+
+
+def write_config(model_dir: Path, work: Path, quantization_config: dict) -> None:
+    """`model_dir`'s config.json with `quantization_config`, and its tokenizer files, into `work`."""
     config = read_config(model_dir)
-    config["quantization_config"] = {
-        "quant_method": QUANT_METHOD,
-        "bits": quant.bits,
-        "group_size": quant.group_size,
-        "layout": quant.layout,
-    }
+    config["quantization_config"] = quantization_config
     (work / "config.json").write_text(json.dumps(config, indent=2))
     for name in COPIED:
         if (model_dir / name).is_file():

@@ -11,22 +11,21 @@ checksums, a temporary folder renamed into place.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from offload.common.errors import OffloadError
-from offload.common.model_config import GPT_OSS, read_config
+from offload.common.model_config import GPT_OSS
 from offload.convert import (
     CODES,
-    COPIED,
     FORMAT,
     MANIFEST,
     ConvertStats,
     Planned,
     check_new,
     staged,
+    write_config,
     write_weights,
 )
 from offload.kernels.mxfp4 import BLOCK, quantize_mxfp4
@@ -51,30 +50,9 @@ def convert_mxfp4(model_dir: Path, out: Path) -> ConvertStats:
     with BufferedReader() as reader, staged(out) as work:
         checkpoint = Checkpoint(model_dir, reader)
         plan = _plan(model_tensors(family, spec), checkpoint, model_dir)
-        made: dict[str, dict[str, torch.Tensor]] = {}
-        read = [0]
-
-        def part(p: Planned) -> torch.Tensor:
-            if p.source.name not in made:
-                ext = checkpoint.extent(p.source.name)
-                w, read[0] = checkpoint.read(ext), read[0] + ext.nbytes
-                made.clear()
-                if p.part == "copy":
-                    made[p.source.name] = {"copy": w}
-                else:  # [experts, in, out] -> the published [experts, out, in] blocks, an expert at a time (the
-                    # rounding's float32 temporaries are several times an expert's size)
-                    parts = [quantize_mxfp4(w[e].t()) for e in range(w.shape[0])]
-                    made[p.source.name] = {"blocks": torch.stack([b for b, _ in parts])}
-                    made[p.source.name]["scales"] = torch.stack([sc for _, sc in parts])
-            return made[p.source.name][p.part]
-
-        files, crcs = write_weights(work, plan, part)
-        fields = read_config(model_dir)
-        fields["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": KEPT_FLOAT}
-        (work / "config.json").write_text(json.dumps(fields, indent=2))
-        for name in COPIED:
-            if (model_dir / name).is_file():
-                shutil.copyfile(model_dir / name, work / name)
+        source = _Source(checkpoint)
+        files, crcs = write_weights(work, plan, source.part)
+        write_config(model_dir, work, {"quant_method": "mxfp4", "modules_to_not_convert": KEPT_FLOAT})
         manifest = {
             "format": FORMAT,
             "source": str(model_dir.resolve()),
@@ -85,9 +63,31 @@ def convert_mxfp4(model_dir: Path, out: Path) -> ConvertStats:
         }
         (work / MANIFEST).write_text(json.dumps(manifest, indent=1))
     quantized = sum(p.part == "blocks" for p in plan)
-    return ConvertStats(
-        out, None, quantized, sum(p.part == "copy" for p in plan), read[0], sum(f["size"] for f in files.values())
-    )
+    copied, written = sum(p.part == "copy" for p in plan), sum(f["size"] for f in files.values())
+    return ConvertStats(out, None, quantized, copied, source.read_bytes, written)
+
+
+class _Source:
+    """The parts `_plan` names: each source tensor read once, copied, or its experts written as blocks and scales."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self.read_bytes = 0  # of the source tensors
+        self._made: dict[str, dict[str, torch.Tensor]] = {}
+
+    def part(self, p: Planned) -> torch.Tensor:
+        if p.source.name not in self._made:
+            ext = self.checkpoint.extent(p.source.name)
+            w = self.checkpoint.read(ext)
+            self.read_bytes += ext.nbytes
+            if p.part == "copy":
+                self._made = {p.source.name: {"copy": w}}
+            else:  # [experts, in, out] -> the published [experts, out, in] blocks, an expert at a time (the
+                # rounding's float32 temporaries are several times an expert's size)
+                parts = [quantize_mxfp4(w[e].t()) for e in range(w.shape[0])]
+                blocks, scales = (torch.stack(x) for x in zip(*parts, strict=True))
+                self._made = {p.source.name: {"blocks": blocks, "scales": scales}}
+        return self._made[p.source.name][p.part]
 
 
 def _plan(tensors: ModelTensors, checkpoint: Checkpoint, model_dir: Path) -> list[Planned]:

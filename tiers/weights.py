@@ -145,20 +145,19 @@ class WeightStore:
         """Read a group once into `tier` and keep it; tensors in another dtype are converted (charged to `tier`).
         With `fuse`, its weights become what `fuse` makes of them; with `prepack`, its matrices are packed for
         `kernels.linear`. Either way the tensors leave the read buffer, which goes."""
+        buf = None
         if load_buffer_bytes(layout, self.dtype) < layout.slot_bytes:  # converted a piece at a time
             out = self._load_converting(layout, tier)
-            fused = fuse(out) if fuse is not None else out
-            if fused.keys() != out.keys() or prepack and any(self._packable(n, t) for n, t in fused.items()):
-                return _rehomed(out, fused, None, tier, prepack and self._packable)
-            return out
-        buf = take(tier, layout.slot_bytes, "resident weights")
-        self._wait(read(self.backend, layout, buf))
-        out = convert(layout.views(buf), self.dtype, tier, keep=[])
-        base = buf.untyped_storage().data_ptr()
+        else:
+            buf = take(tier, layout.slot_bytes, "resident weights")
+            self._wait(read(self.backend, layout, buf))
+            out = convert(layout.views(buf), self.dtype, tier, keep=[])
         fused = fuse(out) if fuse is not None else out
-        if fused.keys() != out.keys() or prepack and any(self._packable(n, t) for n, t in fused.items()):
-            return _rehomed(out, fused, buf, tier, prepack and self._packable)
-        if all(t.untyped_storage().data_ptr() != base for t in out.values()):
+        packable = self._packable if prepack else None
+        if fused.keys() != out.keys() or packable and any(packable(n, t) for n, t in fused.items()):
+            return _rehomed(out, fused, buf, tier, packable)
+        base = None if buf is None else buf.untyped_storage().data_ptr()
+        if buf is not None and all(t.untyped_storage().data_ptr() != base for t in out.values()):
             tier.free(buf)  # every tensor was converted: the read buffer is garbage, and must not stay charged
         return out
 
@@ -283,10 +282,10 @@ def _rehomed(
     weights: Weights,
     buf: torch.Tensor | None,
     tier: MemoryTier,
-    prepack: Callable[[str, torch.Tensor], bool] | bool,
+    prepack: Callable[[str, torch.Tensor], bool] | None,
 ) -> Weights:
     """`weights` (what became of `loaded`, views of `buf` and converted copies charged on their own; no buf: all
-    converted) out of `buf`: the matrices `prepack` accepts packed by kernels.linear.pack_weight (False: none), the
+    converted) out of `buf`: the matrices `prepack` accepts packed by kernels.linear.pack_weight (None: none), the
     rest copied out of `buf`; charged to `tier` in place of `buf` and of the copies no longer kept."""
     base = buf.untyped_storage().data_ptr() if buf is not None else None
     out = {}

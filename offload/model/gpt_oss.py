@@ -19,15 +19,13 @@ so a layer streams whole or, with an expert cache, by expert like the other mixt
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn.functional as F
 
 from offload.common.model_config import ModelSpec
 from offload.kernels.mxfp4 import BLOCK, dequantize_mxfp4
-from offload.model.llama import LlamaFamily, project
-from offload.model.moe import experts_forward
+from offload.model.llama import LlamaFamily
+from offload.model.moe import routed_experts
 from offload.model.registry import LayerInput
 from offload.tiers.checkpoint import TensorSpec
 from offload.tiers.layout import Weights
@@ -60,15 +58,7 @@ class GptOssFamily(LlamaFamily):
         self, spec: ModelSpec, layer: int, w: Weights, x: torch.Tensor, inp: LayerInput, hidden: torch.Tensor
     ) -> torch.Tensor:
         names = MXFP4_TENSORS if spec.mxfp4_experts else EXPERT_TENSORS
-
-        def fetch(chosen: list[int], last: bool, rows: list[int]) -> Mapping[int, Weights]:
-            if inp.experts is None:
-                return {e: {name: w[f"expert{e}.{name}"] for name in names} for e in chosen}
-            return inp.experts.fetch(chosen, hidden if last else None, rows)
-
-        per_fetch = spec.num_experts if inp.experts is None else inp.experts.capacity
-        logits = project(spec, w, "router", x, "router_bias")
-        return experts_forward(spec, x, logits, fetch, x.dtype, per_fetch=per_fetch, expert=clamped_swiglu)
+        return routed_experts(spec, w, x, inp.experts, hidden, x.dtype, clamped_swiglu, names)
 
 
 def expert_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str | None]]:

@@ -84,25 +84,36 @@ def sparse_mlp(
     """The mixture's output for x [tokens, hidden] from one sparse layer's weights `w` -> [tokens, hidden]; its
     routed experts come from `experts` when given (the last fetch given `hidden`, the residual stream x is the
     norm of, to prefetch the next layer's experts by), else from `w`."""
-
-    def fetch(chosen: list[int], last: bool, rows: list[int]) -> Mapping[int, Weights]:
-        if experts is None:
-            return {e: sub_weights(w, f"expert{e}.") for e in chosen}
-        return experts.fetch(chosen, hidden if last else None, rows)
-
-    per_fetch = spec.num_experts if experts is None else experts.capacity
-    out = experts_forward(
-        spec,
-        x,
-        project(spec, w, "router", x, "router_bias"),
-        fetch,
-        routing_dtype=torch.float32 if spec.architecture in _FLOAT32_ROUTING else x.dtype,
-        per_fetch=per_fetch,
-    )
+    routing_dtype = torch.float32 if spec.architecture in _FLOAT32_ROUTING else x.dtype
+    out = routed_experts(spec, w, x, experts, hidden, routing_dtype)
     if spec.shared_expert_size:
         gate = torch.sigmoid(project(spec, w, "shared_gate", x, "shared_gate_bias"))  # [tokens, 1]
         out = out + gate * swiglu(spec, sub_weights(w, "shared."), x)
     return out
+
+
+def routed_experts(
+    spec: ModelSpec,
+    w: Weights,
+    x: torch.Tensor,
+    experts: ExpertSource | None,
+    hidden: torch.Tensor | None,
+    routing_dtype: torch.dtype,
+    expert: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor] = swiglu,
+    matrices: tuple[str, ...] = EXPERT_MATRICES,
+) -> torch.Tensor:
+    """The routed experts' part of a sparse layer (experts_forward) for x [tokens, hidden], the router being w's
+    "router" (and "router_bias"): each chosen expert's `matrices` from `experts` when given (the last fetch given
+    `hidden`, to prefetch the next layer's experts by), else from `w` ("expert{e}.<matrix>")."""
+
+    def fetch(chosen: list[int], last: bool, rows: list[int]) -> Mapping[int, Weights]:
+        if experts is None:
+            return {e: sub_weights(w, f"expert{e}.", matrices) for e in chosen}
+        return experts.fetch(chosen, hidden if last else None, rows)
+
+    per_fetch = spec.num_experts if experts is None else experts.capacity
+    logits = project(spec, w, "router", x, "router_bias")
+    return experts_forward(spec, x, logits, fetch, routing_dtype, per_fetch, expert)
 
 
 def experts_forward(
@@ -157,10 +168,11 @@ def experts_forward(
     return out
 
 
-def sub_weights(w: Weights, prefix: str) -> Weights:
-    """The SwiGLU matrices (and their scales) stored in `w` under `prefix`, by their bare names."""
+def sub_weights(w: Weights, prefix: str, matrices: tuple[str, ...] = EXPERT_MATRICES) -> Weights:
+    """`matrices` (the SwiGLU's by default; and their scales where quantized) stored in `w` under `prefix`, by their
+    bare names."""
     out = {}
-    for m in EXPERT_MATRICES:
+    for m in matrices:
         out[m] = w[prefix + m]
         scales = w.get(prefix + m + SCALES_SUFFIX)
         if scales is not None:

@@ -8,6 +8,7 @@ import os
 import torch
 
 MAX_HEAD_DIM = 256
+LATENT_MAX_DIM = 1024  # a latent cache's width: DeepSeek-V3's 512 + 64, padded to 1024 in the decode kernel
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -17,7 +18,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def check_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_operands(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_head_dim: int = MAX_HEAD_DIM
+) -> None:
     """Raise ValueError unless q [tokens, Hq, D] and the caches [num_blocks, block_size, Hkv, D] can be launched
     on: matching shapes, one float dtype, one device, the last dimension of each contiguous."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -27,8 +30,8 @@ def check_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError(f"shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q heads/dim {tuple(q.shape[1:])} do not match cache heads/dim {tuple(k_cache.shape[2:])}")
-    if q.shape[2] > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {q.shape[2]} is over {MAX_HEAD_DIM}")
+    if q.shape[2] > max_head_dim:
+        raise ValueError(f"head_dim {q.shape[2]} is over {max_head_dim}")
     if q.dtype not in FLOAT_DTYPES or not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(
             f"dtypes: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}; want one of {FLOAT_DTYPES}"

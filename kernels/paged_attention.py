@@ -77,7 +77,7 @@ def paged_attention_ref(
         k, v = _context(k_cache, v_cache, batch, s)
         mask = None
         if q1 - q0 < ctx or (window is not None and window < ctx):  # else plainly causal: is_causal, 15-20% faster
-            mask = _visible(ctx, q1 - q0, window, q.device)
+            mask = visible_slots(ctx, q1 - q0, window, q.device)
         # a batch dimension of one: 4-D inputs take torch's fused CPU kernel (5-7x faster than the 3-D path)
         o = F.scaled_dot_product_attention(
             q[q0:q1].transpose(0, 1)[None],
@@ -111,7 +111,7 @@ def _attend_with_sinks(
     for s in range(batch.num_seqs):
         q0, q1, ctx = batch.query_start[s], batch.query_start[s + 1], batch.context_lens[s]
         k, v = (t.repeat_interleave(group, dim=1) for t in _context(k_cache, v_cache, batch, s))  # [ctx, Hq, D]
-        mask = _visible(ctx, q1 - q0, window, q.device)
+        mask = visible_slots(ctx, q1 - q0, window, q.device)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k.float()) * scale
         scores.masked_fill_(~mask, float("-inf"))
         logits = torch.cat((scores, sink.expand(-1, q1 - q0, 1)), dim=-1)  # [Hq, q_len, ctx + 1]
@@ -129,7 +129,7 @@ def _context(
     return k_cache.index_select(0, blocks).flatten(0, 1)[:ctx], v_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
 
 
-def _visible(ctx: int, q_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+def visible_slots(ctx: int, q_len: int, window: int | None, device: torch.device) -> torch.Tensor:
     """[q_len, ctx] bool: the keys each of a sequence's last q_len positions attends to (causal, and the window)."""
     q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
     k_pos = torch.arange(ctx, device=device)[None, :]
@@ -151,7 +151,7 @@ class _DecodeGroup:
     run: int | None  # one sequence whose blocks are consecutive from this one: its K/V are a view, not a gather
 
 
-def _decode_groups(batch: PagedBatch, seqs: list[int], block_size: int, per_block: int) -> list[_DecodeGroup]:
+def decode_groups(batch: PagedBatch, seqs: list[int], block_size: int, per_block: int) -> list[_DecodeGroup]:
     """Sort by length and cut into groups whose padding stays under PADDING_SHARE of the slots gathered and
     whose K/V stay under GATHER_BYTES. The same for every layer of a step: built once, kept on the batch.
 
@@ -207,10 +207,10 @@ def _attend_single_queries(
 ) -> None:
     """Sequences with one query each (at position context_len - 1): each group's K/V gathered block by block, cut
     to its longest context, then one fused SDPA call per group; where a shorter context or a window masks slots,
-    the slots showing what no sequence wrote are zeroed first (see `_decode_groups`)."""
+    the slots showing what no sequence wrote are zeroed first (see `decode_groups`)."""
     _, block_size, kv_heads, head_dim = k_cache.shape
     per_block = 2 * block_size * kv_heads * head_dim * k_cache.element_size()  # K and V of one block as gathered, bytes
-    for g in _decode_groups(batch, seqs, block_size, per_block):
+    for g in decode_groups(batch, seqs, block_size, per_block):
         n, longest = len(g.lens), max(g.lens)
         # every sequence attends to all of the group's first `longest` slots when they are all that long and no
         # window cuts them: those slots hold only written positions, so neither zeroing nor a mask is needed
@@ -229,7 +229,7 @@ def _attend_single_queries(
         if masked:
             k.view(-1, kv_heads, head_dim).index_fill_(0, g.stale, 0)
             v.view(-1, kv_heads, head_dim).index_fill_(0, g.stale, 0)
-            mask = _valid(batch, g, longest, window)
+            mask = visible_to_group(batch, g, longest, window)
         # the query heads sharing a KV head act as that head's queries (all at one position, so one mask row
         # serves them): no GQA expansion of K/V, 10-15% less time than enable_gqa at 4 query heads per KV head
         o = F.scaled_dot_product_attention(
@@ -245,7 +245,7 @@ def _attend_single_queries(
             out[g.rows] = o
 
 
-def _valid(batch: PagedBatch, group: _DecodeGroup, slots: int, window: int | None) -> torch.Tensor:
+def visible_to_group(batch: PagedBatch, group: _DecodeGroup, slots: int, window: int | None) -> torch.Tensor:
     """[n, 1, 1, slots] bool: the key slots each query attends to (its context, or the last `window` of it)."""
     key = ("valid", id(group), window)
     if key not in batch.memo:

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 
 from offload.kernels.attention_checks import (
+    LATENT_MAX_DIM,
+    MAX_HEAD_DIM,
     check_device,
     check_index,
     check_operands,
@@ -45,7 +47,8 @@ def load_kv_tile(
     ctx,
     offs_n,  # [TILE] arange
     offs_d,  # [D_PAD] arange
-    d_mask,
+    d_mask,  # [D_PAD] the key's dims
+    v_mask,  # [D_PAD] the value's dims: the key's, or (a latent cache) its first V_DIM
     stride_kb,
     stride_kt,
     stride_vb,
@@ -60,9 +63,9 @@ def load_kv_tile(
     in_ctx = pos < ctx
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
     offset = pos % BLOCK_SIZE
-    kv_mask = in_ctx[:, None] & d_mask[None, :]
-    k = tl.load(k_head_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kt + offs_d[None, :], kv_mask, 0.0)
-    v = tl.load(v_head_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :], kv_mask, 0.0)
+    k_mask, v_mask = in_ctx[:, None] & d_mask[None, :], in_ctx[:, None] & v_mask[None, :]
+    k = tl.load(k_head_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kt + offs_d[None, :], k_mask, 0.0)
+    v = tl.load(v_head_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :], v_mask, 0.0)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -77,10 +80,10 @@ def _decode_kernel(
     tables_ptr,  # [S, W] block ids
     lens_ptr,  # [S] context lengths
     sinks_ptr,  # [Hq] attention sink logits, read when HAS_SINKS
-    out_ptr,  # [S, Hq, D], written when not SPLIT
+    out_ptr,  # [S, Hq, V_DIM], written when not SPLIT
     part_m_ptr,  # [S, Hq, P] float32 running max (base 2), written when SPLIT
     part_l_ptr,  # [S, Hq, P] float32 sum of exp2(score - max)
-    part_o_ptr,  # [S, Hq, P, D] float32 unnormalised output
+    part_o_ptr,  # [S, Hq, P, V_DIM] float32 unnormalised output
     scale_log2,  # softmax scale * log2(e)
     window,  # a query at p sees keys in (p - window, p]; read only when HAS_WINDOW
     stride_qs,
@@ -96,6 +99,7 @@ def _decode_kernel(
     stride_oh,
     num_parts,
     HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,  # the values' width: HEAD_DIM, or fewer (a latent cache's values are its keys' first dims)
     D_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two, at least 16
     GROUP: tl.constexpr,  # query heads per KV head
     G_PAD: tl.constexpr,  # GROUP rounded up to a power of two, at least 16 (the smallest dot tile)
@@ -125,6 +129,7 @@ def _decode_kernel(
     heads = kv_head * GROUP + offs_g  # [G_PAD] query heads of this KV head
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
+    v_mask = offs_d < V_DIM
 
     q = tl.load(
         q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
@@ -147,7 +152,7 @@ def _decode_kernel(
     # every tile in [first_tile, end_tile) holds a visible key, so m_i is finite after the first one
     for tile in range(first_tile, end_tile):
         pos, in_ctx, k, v = load_kv_tile(
-            k_head_ptr, v_head_ptr, table_row, tile, ctx, offs_n, offs_d, d_mask,
+            k_head_ptr, v_head_ptr, table_row, tile, ctx, offs_n, offs_d, d_mask, v_mask,
             stride_kb, stride_kt, stride_vb, stride_vt, TILE, BLOCK_SIZE, DOT_F32,
         )  # fmt: skip
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [G_PAD, TILE]
@@ -165,12 +170,12 @@ def _decode_kernel(
         # an empty partition (a short sequence, or keys before the window) writes m=-inf, l=0, acc=0
         tl.store(part_m_ptr + row * num_parts + part, m_i, mask=g_mask)
         tl.store(part_l_ptr + row * num_parts + part, l_i, mask=g_mask)
-        o_ptrs = part_o_ptr + ((row * num_parts + part) * HEAD_DIM)[:, None] + offs_d[None, :]
-        tl.store(o_ptrs, acc, mask=g_mask[:, None] & d_mask[None, :])
+        o_ptrs = part_o_ptr + ((row * num_parts + part) * V_DIM)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, acc, mask=g_mask[:, None] & v_mask[None, :])
     else:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & v_mask[None, :])
 
 
 @triton.jit
@@ -231,15 +236,18 @@ def paged_decode(
     *,
     max_context: int | None = None,
     sinks: torch.Tensor | None = None,
+    v_dim: int | None = None,
 ) -> torch.Tensor:
     """q [S, Hq, D], k_cache/v_cache [num_blocks, block_size, Hkv, D], block_tables [S, W] and context_lens [S]
-    (int32 or int64, each length at least 1: the query's own position is in the cache) -> [S, Hq, D] in q's dtype.
-    sinks [Hq]: a logit per query head joining each softmax over a value of zero (gpt-oss), or None.
+    (int32 or int64, each length at least 1: the query's own position is in the cache) -> [S, Hq, v_dim] in q's
+    dtype. sinks [Hq]: a logit per query head joining each softmax over a value of zero (gpt-oss), or None.
+    v_dim: the values' width, their first v_dim dims (None: D); multi-head latent attention's values are the first
+    kv_rank dims of its cached latents (k_cache and v_cache the same tensor; kernels/latent_attention.py).
 
     partition_size: context positions per program (a power of two, at least 16; PARTITION_SIZE by default); the
     partition count follows from the longest context, `max_context` when the caller knows it (else read from
     `context_lens`, one device sync)."""
-    check_operands(q, k_cache, v_cache)
+    check_operands(q, k_cache, v_cache, LATENT_MAX_DIM if v_dim is not None else MAX_HEAD_DIM)
     check_index("block_tables", block_tables, 2)
     check_index("context_lens", context_lens, 1)
     check_device(q.device, block_tables=block_tables, context_lens=context_lens)
@@ -254,7 +262,10 @@ def paged_decode(
     partition_size = PARTITION_SIZE if partition_size is None else partition_size
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two of at least 16, got {partition_size}")
-    out = torch.empty_like(q)
+    v_dim = head_dim if v_dim is None else v_dim
+    if not 0 < v_dim <= head_dim:
+        raise ValueError(f"v_dim {v_dim} must be between 1 and head_dim {head_dim}")
+    out = q.new_empty(num_seqs, q_heads, v_dim)
     if num_seqs == 0:
         return out
     if max_context is None:
@@ -273,7 +284,7 @@ def paged_decode(
     if split:
         part_m = torch.empty(num_seqs, q_heads, num_parts, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-        part_o = torch.empty(num_seqs, q_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(num_seqs, q_heads, num_parts, v_dim, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_o = out  # not read: SPLIT is off
     _decode_kernel[(num_seqs, kv_heads, num_parts)](
@@ -298,6 +309,7 @@ def paged_decode(
         out.stride(1),
         num_parts,
         HEAD_DIM=head_dim,
+        V_DIM=v_dim,
         D_PAD=d_pad,
         GROUP=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
@@ -319,7 +331,7 @@ def paged_decode(
             out.stride(0),
             out.stride(1),
             num_parts,
-            HEAD_DIM=head_dim,
+            HEAD_DIM=v_dim,
             D_PAD=d_pad,
             P_PAD=triton.next_power_of_2(num_parts),
         )

@@ -107,7 +107,7 @@ def _prefill_kernel(
         table_row = tables_ptr + seq.to(tl.int64) * stride_ts
         for tile in range(lo // TILE, tl.cdiv(hi, TILE)):
             pos, _, k, v = load_kv_tile(
-                k_head_ptr, v_head_ptr, table_row, tile, ctx, offs_n, offs_d, d_mask,
+                k_head_ptr, v_head_ptr, table_row, tile, ctx, offs_n, offs_d, d_mask, d_mask,
                 stride_kb, stride_kt, stride_vb, stride_vt, TILE, BLOCK_SIZE, DOT_F32,
             )  # fmt: skip
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, TILE]

@@ -225,7 +225,9 @@ def make_kv_cache(
     """The device part of the KV cache, charged to the device tier."""
     layers, block, heads, head_dim = spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim
     try:  # a format this model's shape or this torch cannot hold
-        per_block = KVCache.block_bytes(layers, block, heads, head_dim, dtype, config.kv_dtype, config.kv_group_size)
+        per_block = KVCache.block_bytes(
+            layers, block, heads, head_dim, dtype, config.kv_dtype, config.kv_group_size, spec.kv_parts
+        )
     except ValueError as exc:
         raise OffloadError(str(exc)) from None
     if config.kv_cache_bytes < per_block:
@@ -243,6 +245,7 @@ def make_kv_cache(
         device,
         config.kv_dtype,
         group_size=config.kv_group_size,
+        parts=spec.kv_parts,
     )
     if not device_tier.adopt(kv.storage):
         raise OffloadError(

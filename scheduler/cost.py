@@ -25,7 +25,7 @@ from offload.common.config import BLOCK_SIZE, KV_GROUP_SIZE, TIERS, Policy, embe
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
-from offload.common.model_config import PLANNING_ONLY, ModelSpec
+from offload.common.model_config import ModelSpec
 from offload.scheduler.attention_cost import attention_seconds, host_kv_attention
 from offload.scheduler.moe_cost import expert_params, expert_step, routed_params
 from offload.scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds, matmul_rate
@@ -400,8 +400,6 @@ def _unsupported(ctx: Context, cand: Candidate) -> tuple[str, ...]:
     missing = []  # 8- and 4-bit weights run from a checkpoint `offload convert` wrote
     if cand.kv_bits < 8 * ctx.dtype_bytes and cand.kv_bits not in (8, 4):
         missing.append(f"{cand.kv_bits}-bit KV cache")  # --kv-dtype int8 and int4 run
-    if ctx.shape.architecture in PLANNING_ONLY:
-        missing.append(f"an engine that runs {ctx.shape.architecture}")
     return tuple(missing)
 
 

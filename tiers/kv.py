@@ -22,20 +22,22 @@ DEQUANT_SLICE = 1 << 19
 class KVLayer:
     """One layer's keys and values: what the attention reads (`k`, `v`: [num_blocks, block_size, kv_heads, head_dim]
     in the compute dtype: the cache's own tensors, or `QuantizedKV`s that dequantize the blocks gathered) and where a
-    step's new tokens go (`write`)."""
+    step's new tokens go (`write`). A one-part cache (multi-head latent attention's latent) has `k` only."""
 
     k: torch.Tensor | QuantizedKV
-    v: torch.Tensor | QuantizedKV
+    v: torch.Tensor | QuantizedKV | None
 
     @property
     def device(self) -> torch.device:
         """Where the cache lives: attention runs there (on the CPU for a host-resident cache)."""
         return self.k.device
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Store the keys and values [tokens, kv_heads, head_dim] of new tokens at cache `slots` [tokens]
-        (block * block_size + offset)."""
-        for cache, new in ((self.k, k), (self.v, v)):
+        (block * block_size + offset); a one-part cache takes `k` alone."""
+        if (v is None) != (self.v is None):
+            raise ValueError("a one-part KV cache writes k alone, a two-part one k and v")
+        for cache, new in ((self.k, k), (self.v, v)) if v is not None else ((self.k, k),):
             if isinstance(cache, QuantizedKV):
                 cache.write(slots, new)
             else:
@@ -43,8 +45,9 @@ class KVLayer:
 
 
 class KVCache:
-    """K and V of every layer, [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], on one device; quantized,
-    [num_layers, 2, num_blocks, block_size, kv_heads, record_bytes] uint8 (one record per token and head).
+    """K and V of every layer, [num_layers, parts, num_blocks, block_size, kv_heads, head_dim], on one device
+    (parts: 2, K and V; 1, multi-head latent attention's latent alone); quantized, [num_layers, parts, num_blocks,
+    block_size, kv_heads, record_bytes] uint8 (one record per token and head).
 
     A block's bytes (every layer's K and V of its tokens) leave and enter the cache as one flat uint8 row
     (`read_blocks`, `write_blocks`): the form the host and NVMe tiers store, whatever the cache's format."""
@@ -61,14 +64,17 @@ class KVCache:
         kv_dtype: str = "auto",
         group_size: int = GROUP_SIZE,
         pin: bool = False,
+        parts: int = 2,
     ) -> None:
         """`dtype`: the compute dtype (what attention reads); `kv_dtype`: what the cache stores ("auto": `dtype`;
         int8, int4, fp8: quantized per `group_size` values along head_dim). `pin`: page-lock a CPU cache when CUDA is
-        present (the host part of the pool, which the copy engine reads)."""
+        present (the host part of the pool, which the copy engine reads). `parts`: 2 (K and V) or 1 (a latent)."""
+        if parts not in (1, 2):
+            raise ValueError(f"a KV cache holds 1 or 2 parts per layer, not {parts}")
         self.quant = _quant_format(kv_dtype, dtype, head_dim, group_size)  # None: the cache stores `dtype`
         width, stored = (head_dim, dtype) if self.quant is None else (self.quant.record_bytes, torch.uint8)
         # torch.empty: pages are committed only as blocks are first written
-        shape = (num_layers, 2, num_blocks, block_size, kv_heads, width)
+        shape = (num_layers, parts, num_blocks, block_size, kv_heads, width)
         pinned = pin and device.type == "cpu" and torch.cuda.is_available()
         self._data = torch.empty(shape, dtype=stored, device=device, pin_memory=pinned)
         self.dtype = dtype
@@ -87,11 +93,12 @@ class KVCache:
         dtype: torch.dtype,
         kv_dtype: str = "auto",
         group_size: int = GROUP_SIZE,
+        parts: int = 2,
     ) -> int:
-        """Bytes of one block: K and V of `block_size` tokens in every layer, scales included."""
+        """Bytes of one block: K and V (or the latent) of `block_size` tokens in every layer, scales included."""
         quant = _quant_format(kv_dtype, dtype, head_dim, group_size)
         per_head = head_dim * dtype.itemsize if quant is None else quant.record_bytes  # one token's K, one head
-        return 2 * num_layers * block_size * kv_heads * per_head
+        return parts * num_layers * block_size * kv_heads * per_head
 
     @property
     def storage(self) -> torch.Tensor:
@@ -103,10 +110,10 @@ class KVCache:
         return self._layers[layer]
 
     def _layer(self, layer: int) -> KVLayer:
-        k, v = self._data[layer, 0], self._data[layer, 1]
-        if self.quant is None:
-            return KVLayer(k, v)
-        return KVLayer(QuantizedKV(k, self.quant, self.dtype), QuantizedKV(v, self.quant, self.dtype))
+        parts = [self._data[layer, i] for i in range(self._data.shape[1])]
+        if self.quant is not None:
+            parts = [QuantizedKV(p, self.quant, self.dtype) for p in parts]
+        return KVLayer(parts[0], parts[1] if len(parts) == 2 else None)
 
     @property
     def nbytes(self) -> int:
@@ -117,7 +124,7 @@ class KVCache:
         return self.nbytes // self.num_blocks
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
-        """[len(blocks), bytes_per_block] uint8 on the CPU: each block's bytes, all layers, K then V."""
+        """[len(blocks), bytes_per_block] uint8 on the CPU: each block's bytes, all layers, K then V (or the latent)."""
         index = torch.tensor(blocks, dtype=torch.int64, device=self._data.device)
         rows = self._data.index_select(2, index).movedim(2, 0).contiguous()  # [n, layers, 2, block, heads, last]
         return rows.view(len(blocks), -1).view(torch.uint8).cpu()

@@ -65,6 +65,7 @@ def make_kv_pool(
                     config.kv_dtype,
                     pin=True,
                     group_size=config.kv_group_size,
+                    parts=spec.kv_parts,
                 )
         tiers = KVTiers(kv, host_kv, host, disk, prefetch=config.kv_prefetch)
     root = chain_root(key) if config.prefix_cache else None

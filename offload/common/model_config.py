@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from offload.common.config_fields import REQUIRED, eos, flag, integer, model_dtype
-from offload.common.deepseek import deepseek_fields
+from offload.common.deepseek import V2, V3, LatentAttention, Routing, deepseek_fields
 from offload.common.dtypes import DTYPES
 from offload.common.errors import OffloadError
 from offload.common.gpt_oss import gpt_oss_fields
@@ -34,9 +34,9 @@ LLAMA_LIKE = (
     "Qwen3MoeForCausalLM",
 )
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-PLANNING_ONLY = ("DeepseekV3ForCausalLM",)  # priced by `offload plan` (offload/common/deepseek.py), not run
+DEEPSEEK = (V2, V3)  # their shape read by offload/common/deepseek.py
 GPT_OSS = "GptOssForCausalLM"  # its shape read by offload/common/gpt_oss.py
-SUPPORTED = (*LLAMA_LIKE, GPT_OSS, "OPTForCausalLM", *PLANNING_ONLY)
+SUPPORTED = (*LLAMA_LIKE, *DEEPSEEK, GPT_OSS, "OPTForCausalLM")
 
 
 class ParamCounts(NamedTuple):
@@ -84,6 +84,10 @@ class ModelSpec:
     swiglu_limit: float | None = None  # gpt-oss's experts: gate clamped above, up on both sides, at this value
     swiglu_alpha: float = 1.702  # ... and gate * sigmoid(alpha * gate) as the activation
     mxfp4_experts: bool = False  # gpt-oss's routed experts stored in MXFP4 (kernels/mxfp4.py), as published
+    # DeepSeek's multi-head latent attention: the cache holds one latent per token and layer (one "KV head" of
+    # head_dim = mla.width values, and no V part); None: K and V per KV head
+    mla: LatentAttention | None = None
+    routing: Routing = Routing()  # how a mixture's router chooses and weighs experts
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     params: ParamCounts | None = None
@@ -145,9 +149,19 @@ class ModelSpec:
     def window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
+    @property
+    def kv_parts(self) -> int:
+        """Tensors the KV cache holds per layer: K and V, or multi-head latent attention's one latent."""
+        return 1 if self.mla else 2
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated width of a query or key head (MLA rotates only its decoupled part)."""
+        return self.mla.rope_dim if self.mla else self.head_dim
+
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
-        """K and V of one token across all layers (bytes)."""
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+        """K and V (or MLA's latent) of one token across all layers (bytes)."""
+        return self.kv_parts * self.num_layers * self.kv_size * dtype_bytes
 
 
 def read_config(model_dir: Path) -> dict:
@@ -174,10 +188,12 @@ def parse_model_config(config: dict, source: str, name: str = "") -> ModelSpec:
     arch = archs[0]
     if arch not in SUPPORTED:
         raise OffloadError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
-    if arch in PLANNING_ONLY:
+    if arch in DEEPSEEK:
         fields = deepseek_fields(config, source)
-        params, rope = ParamCounts(*fields.pop("params")), RopeSpec(theta=fields.pop("rope_theta"), kind="yarn")
-        return ModelSpec(architecture=arch, name=name, params=params, rope=rope, **fields)
+        params = ParamCounts(*fields.pop("params"))
+        spec = ModelSpec(architecture=arch, name=name, params=params, rope=parse_rope(config, source), **fields)
+        quant = parse_quant(config, source)
+        return spec if quant is None else dataclasses.replace(spec, quant=quant)
     if arch == GPT_OSS:
         fields = gpt_oss_fields(config, source)
         fields.pop("rope_theta")

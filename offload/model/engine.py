@@ -58,7 +58,7 @@ class Engine:
         self.spec, self.family, self.weights, self.kv = spec, family, weights, kv
         self.caches = {"device": kv} | ({"host": host_kv} if host_kv is not None else {})
         self.device, self.dtype = device, dtype
-        self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim).to(device)
+        self.inv_freq = inverse_frequencies(spec.rope, spec.rope_dim).to(device)
         self.rope_scale = attention_scale(spec.rope)
 
     @torch.inference_mode()

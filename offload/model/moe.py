@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 
 from offload.common.model_config import ModelSpec
 from offload.kernels.quant_linear import SCALES_SUFFIX
@@ -112,8 +113,11 @@ def routed_experts(
         return experts.fetch(chosen, hidden if last else None, rows)
 
     per_fetch = spec.num_experts if experts is None else experts.capacity
-    logits = project(spec, w, "router", x, "router_bias")
-    return experts_forward(spec, x, logits, fetch, routing_dtype, per_fetch, expert)
+    if spec.routing.scoring == "sigmoid":  # DeepSeek-V3: the router in float32, as transformers keeps it
+        logits = F.linear(x.float(), w["router"].float())
+    else:
+        logits = project(spec, w, "router", x, "router_bias")
+    return experts_forward(spec, x, logits, fetch, routing_dtype, per_fetch, expert, w.get("score_bias"))
 
 
 def experts_forward(
@@ -124,8 +128,9 @@ def experts_forward(
     routing_dtype: torch.dtype,
     per_fetch: int | None = None,
     expert: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor] = swiglu,
+    score_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """sum over each token's top-k experts of routing weight * expert(x), as x's dtype.
+    """sum over each token's top-k experts (`route`) of routing weight * expert(x), as x's dtype.
 
     x: [tokens, hidden]; router_logits: [tokens, experts]; fetch(experts, last, rows): each listed expert's
     "gate_proj", "up_proj", "down_proj" (and their scales when quantized), `last` telling the layer's last call,
@@ -139,10 +144,7 @@ def experts_forward(
     (a SwiGLU of "gate_proj", "up_proj", "down_proj"; gpt-oss's is its own).
     """
     k = spec.experts_per_token
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, chosen = torch.topk(probs, k, dim=-1)  # [tokens, k] each
-    if spec.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, chosen = route(spec, router_logits, score_bias)  # [tokens, k] each
     weights = weights.to(routing_dtype).flatten()  # [tokens * k]
     # the (token, slot) pairs sorted by expert: row r of the flattened [tokens, k] is token r // k
     order = torch.argsort(chosen.flatten(), stable=True)
@@ -166,6 +168,33 @@ def experts_forward(
                 out.index_add_(0, rows // k, ran.pop(batch[added]).to(out.dtype))  # rows // k: distinct tokens
                 added += 1
     return out
+
+
+def route(
+    spec: ModelSpec, router_logits: torch.Tensor, score_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and their weights, as spec.routing says: (weights [tokens, k] float32, chosen [tokens,
+    k]) for router_logits [tokens, experts]. Scores: a softmax over every expert, or each expert's sigmoid. The
+    choice: the top k of the scores (plus `score_bias` [experts], DeepSeek-V3's correction) among the experts of each
+    token's best `groups_kept` groups; the weights: the chosen scores (without the bias), renormalized where
+    norm_topk_prob, times the routing scale."""
+    r, k = spec.routing, spec.experts_per_token
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if r.scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if r.groups_kept < r.groups:
+        grouped = choice.view(len(choice), r.groups, -1)  # [tokens, groups, experts per group]
+        best = grouped.amax(-1) if r.group_score == "max" else grouped.topk(2, dim=-1)[0].sum(-1)
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(r.groups_kept, dim=-1)[1], True)
+        # DeepSeek-V2 zeroes the other groups' (positive) softmax scores, V3 rules its biased scores out
+        dropped = 0.0 if r.scoring == "softmax" else float("-inf")
+        choice = grouped.masked_fill(~kept[..., None], dropped).flatten(1)
+    chosen = torch.topk(choice, k, dim=-1)[1]
+    weights = scores.gather(1, chosen)
+    if spec.norm_topk_prob:
+        # DeepSeek-V3 adds 1e-20 to the sum of its sigmoid scores; softmax scores are never all zero
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if r.scoring == "sigmoid" else 0.0))
+    return (weights * r.scale if r.scale != 1.0 else weights), chosen
 
 
 def sub_weights(w: Weights, prefix: str, matrices: tuple[str, ...] = EXPERT_MATRICES) -> Weights:

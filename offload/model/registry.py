@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from offload.common.errors import OffloadError
-from offload.common.model_config import PLANNING_ONLY, ModelSpec
+from offload.common.model_config import ModelSpec
 from offload.common.quant import WeightQuant
 from offload.kernels.paged_batch import PagedBatch
 from offload.kernels.quant_linear import SCALES_SUFFIX
@@ -23,6 +23,8 @@ from offload.tiers.kv import KVLayer
 from offload.tiers.layout import Weights
 
 ARCHITECTURES: dict[str, str] = {
+    "DeepseekV2ForCausalLM": "offload.model.deepseek",
+    "DeepseekV3ForCausalLM": "offload.model.deepseek",
     "LlamaForCausalLM": "offload.model.llama",
     "MistralForCausalLM": "offload.model.llama",
     "GptOssForCausalLM": "offload.model.gpt_oss",
@@ -95,11 +97,6 @@ class Family(Protocol):
 
 def get_family(architecture: str, source: str = "config.json") -> Family:
     module = ARCHITECTURES.get(architecture)
-    if architecture in PLANNING_ONLY:
-        raise OffloadError(
-            f"{source}: {architecture} is priced by `offload plan` only; the engine does not run it yet "
-            f"(multi-head latent attention)"
-        )
     if module is None:
         known = ", ".join(sorted(ARCHITECTURES))
         raise OffloadError(f"{source}: unknown architecture {architecture!r} (supported: {known})")

@@ -156,7 +156,7 @@ def sized(
     blocks = -(-(workload.prompt_len + workload.gen_len) // config.block_size)
     try:
         geometry = (spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype))
-        per_block = KVCache.block_bytes(*geometry, config.kv_dtype, config.kv_group_size)
+        per_block = KVCache.block_bytes(*geometry, config.kv_dtype, config.kv_group_size, spec.kv_parts)
     except ValueError as exc:  # a KV format the model's head_dim does not take
         raise OffloadError(f"--kv-dtype {config.kv_dtype}: {exc}") from None
     step_tokens = cand.batch * workload.prompt_len  # every prompt of the batch in one pass over the weights

@@ -248,7 +248,7 @@ def test_launcher_rejects_context_beyond_block_table() -> None:
 def test_one_decode_sequence_on_consecutive_blocks_reads_the_cache_in_place(window) -> None:
     """A lone decode sequence whose blocks follow one another attends over a view of the cache (no gather), which
     it leaves as it was; a window that cuts its context takes the gathered, masked path. Either way: dense attention."""
-    from offload.kernels.paged_attention import _decode_groups
+    from offload.kernels.paged_attention import decode_groups
 
     case = make_case(((33, 1),), 16, 4, 2, 24, torch.float32)
     old = case.batch.block_tables[0, :3].tolist()
@@ -258,7 +258,7 @@ def test_one_decode_sequence_on_consecutive_blocks_reads_the_cache_in_place(wind
     batch = PagedBatch(case.batch.query_start, case.batch.context_lens, torch.tensor([[2, 3, 4]]), torch.tensor([66]))
     before = k_cache.clone(), v_cache.clone()
     out = paged_attention_ref(case.q, k_cache, v_cache, batch, 0.3, window)
-    assert _decode_groups(batch, [0], 16, 1)[0].run == 2
+    assert decode_groups(batch, [0], 16, 1)[0].run == 2
     torch.testing.assert_close(out, dense_attention(case, 0.3, window), atol=1e-5, rtol=1e-5)
     for now, then in zip((k_cache, v_cache), before, strict=True):
         assert torch.equal(now.nan_to_num(7.0), then.nan_to_num(7.0))

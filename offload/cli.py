@@ -150,7 +150,7 @@ def _summary(llm, completions) -> str:
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(Counter(c.finish_reason for c in completions).items()))
     kv_used = s.peak_kv_blocks * pl.block_size
     lines = [
-        f"model      {llm.model_dir}",
+        f"model      {llm.model_dir}" + _skipped_note(llm.spec),
         f"requests   {s.requests}: {s.prompt_tokens} prompt tokens, {s.generated_tokens} generated ({reasons})",
         f"time       {s.wall_seconds:.3f} s wall: prefill {s.prefill_seconds:.3f} s, decode {s.decode_seconds:.3f} s "
         f"in {s.steps} steps" + (f", {s.preemptions} preemptions" if s.preemptions else ""),
@@ -193,6 +193,12 @@ def _summary(llm, completions) -> str:
     if kernels := dispatch.summary():
         lines.append(f"kernels    {kernels}")
     return "\n".join(lines)
+
+
+def _skipped_note(spec) -> str:
+    if not spec.mtp_layers:
+        return ""
+    return f" ({spec.mtp_layers} multi-token-prediction layer(s) in the checkpoint not run: decoding needs none)"
 
 
 def _weights_format(llm) -> str:

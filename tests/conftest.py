@@ -128,6 +128,28 @@ def family_config(family: str, **overrides):
             sliding_window=7,
             layer_types=["sliding_attention", "full_attention"] * 2,
         )
+    mla = dict(kv_lora_rank=22, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=13, q_lora_rank=37)
+    deepseek = mla | dict(
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=2
+    )
+    if family == "deepseek_v3":  # MLA at odd ranks; layer 0 dense; sigmoid routing limited to 2 of 4 groups; YaRN
+        yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)
+        return tf.DeepseekV3Config(
+            **TINY | deepseek | dict(kv_lora_rank=27) | overrides,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            rope_parameters=yarn | dict(mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1),
+        )
+    if family == "deepseek_v2":  # MLA with q from one projection; softmax routing limited to the best groups
+        return tf.DeepseekV2Config(
+            **TINY | deepseek | dict(q_lora_rank=None) | overrides,
+            first_k_dense_replace=0,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+        )
     raise ValueError(family)
 
 
@@ -181,6 +203,9 @@ def make_checkpoint(
                 p.normal_(0.0, 0.02)
             else:
                 p.uniform_(0.8, 1.2)  # norm scales
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias, zero as initialized
+                b.normal_(0.0, 0.1)
     model = model.to(dtype).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)

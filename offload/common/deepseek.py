@@ -139,6 +139,7 @@ def deepseek_fields(config: dict, source: str) -> dict:
         dense_layers=tuple(range(n_dense)),
         mla=mla,
         routing=routing,
+        mtp_layers=config.get("num_nextn_predict_layers") or 0,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos(config),
         params=params,

@@ -88,6 +88,7 @@ class ModelSpec:
     # head_dim = mla.width values, and no V part); None: K and V per KV head
     mla: LatentAttention | None = None
     routing: Routing = Routing()  # how a mixture's router chooses and weighs experts
+    mtp_layers: int = 0  # DeepSeek's multi-token-prediction layers in the checkpoint: not run, decoding needs none
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     params: ParamCounts | None = None

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
 from offload.kernels.latent_attention import gather_context, latent_attention
-from offload.kernels.paged_attention import visible_slots
+from offload.kernels.paged_attention import PagedCache, visible_slots
+from offload.kernels.paged_batch import PagedBatch
 from offload.kernels.rotary import apply_rotary
 from offload.model.llama import ROPE_KINDS, LlamaFamily, project, rms_norm, swiglu
 from offload.model.moe import EXPERT_MATRICES, routed_experts, sub_weights
@@ -103,15 +104,10 @@ class DeepseekFamily(LlamaFamily):
             cache, batch = inp.staging.gather(cache, x.device), inp.staging.batch
         kv_b = w["kv_b"].view(heads, m.nope_dim + m.v_dim, m.kv_rank)
         scale = softmax_scale(spec)
-        if batch.query_start[-1] == batch.num_seqs:  # one query per sequence: absorbed, in the latent space
-            q_latent = torch.bmm(q_nope.transpose(0, 1), kv_b[:, : m.nope_dim])  # [heads, tokens, kv_rank]
-            q_abs = torch.cat((q_latent.transpose(0, 1), q_rope), dim=-1)  # [tokens, heads, width]
-            at = cache.device
-            o_latent = latent_attention(q_abs.to(at), cache, batch, scale, m.kv_rank).to(x.device)
-            out = torch.bmm(o_latent.transpose(0, 1), kv_b[:, m.nope_dim :].transpose(1, 2))  # [heads, tokens, v]
-            out = out.transpose(0, 1)
+        if batch.query_start[-1] == batch.num_seqs:  # one query per sequence: in the latent space
+            out = absorbed(spec, q_nope, q_rope, cache, batch, kv_b, scale)
         else:
-            out = _decompressed(spec, torch.cat((q_nope, q_rope), dim=-1), cache, batch, kv_b, scale)
+            out = decompressed(spec, torch.cat((q_nope, q_rope), dim=-1), cache, batch, kv_b, scale)
         return project(spec, w, "o_proj", out.reshape(tokens, heads * m.v_dim), "")
 
     def _mlp(
@@ -145,16 +141,36 @@ def _pairs_first(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def _decompressed(
+def absorbed(
+    spec: ModelSpec,
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor | PagedCache,
+    batch: PagedBatch,
+    kv_b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention in the latent space: q_nope [tokens, heads, nope] through kv_b's key part [heads, nope, kv_rank]
+    into the latent's width, beside q_rope [tokens, heads, rope]; attended over the cached vectors where the cache
+    lives; the latent outputs through kv_b's value part -> [tokens, heads, v_dim]."""
+    m = spec.mla
+    q_latent = torch.bmm(q_nope.transpose(0, 1), kv_b[:, : m.nope_dim])  # [heads, tokens, kv_rank]
+    q_abs = torch.cat((q_latent.transpose(0, 1), q_rope), dim=-1)  # [tokens, heads, width]
+    o_latent = latent_attention(q_abs.to(cache.device), cache, batch, scale, m.kv_rank).to(q_nope.device)
+    out = torch.bmm(o_latent.transpose(0, 1), kv_b[:, m.nope_dim :].transpose(1, 2))  # [heads, tokens, v_dim]
+    return out.transpose(0, 1)
+
+
+def decompressed(
     spec: ModelSpec,
     q: torch.Tensor,
-    cache: torch.Tensor,
-    batch,
+    cache: torch.Tensor | PagedCache,
+    batch: PagedBatch,
     kv_b: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Each sequence's queries q [tokens, heads, nope + rope] over its context's keys and values decompressed from
-    the cached latents -> [tokens, heads, v_dim]."""
+    the cached latents through kv_b [heads, nope + v_dim, kv_rank] -> [tokens, heads, v_dim]."""
     m, heads = spec.mla, spec.num_heads
     out = q.new_empty(q.shape[0], heads, m.v_dim)
     for s in range(batch.num_seqs):

@@ -27,7 +27,7 @@ from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.scheduler.attention_cost import attention_seconds, host_kv_attention
-from offload.scheduler.moe_cost import expert_params, expert_step, routed_params
+from offload.scheduler.moe_cost import average_routed_params, expert_params, expert_step
 from offload.scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds, matmul_rate
 
 # Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
@@ -158,7 +158,7 @@ class Context:
     def placed_params(self, cand: Candidate) -> int:
         """One decoder layer's parameters as the policy places them: without its routed experts when they stream
         through the expert cache."""
-        return self.shape.params.layer - (routed_params(self.shape) if cand.expert_cache else 0)
+        return self.shape.params.layer - (int(average_routed_params(self.shape)) if cand.expert_cache else 0)
 
     def expert_slots(self, cand: Candidate) -> int | None:
         """Experts the candidate's expert cache holds; None without one."""

@@ -46,6 +46,12 @@ def routed_params(s: ModelSpec) -> int:
     return s.num_experts * expert_params(s)
 
 
+def average_routed_params(s: ModelSpec) -> float:
+    """The routed experts' parameters in the average decoder layer, as ParamCounts counts layers (DeepSeek's leading
+    dense layers hold none)."""
+    return routed_params(s) * sparse_layers(s) / s.num_layers
+
+
 def sparse_layers(s: ModelSpec) -> int:
     return sum(s.sparse(i) for i in range(s.num_layers))
 

@@ -25,7 +25,7 @@ from offload.scheduler.cost import (
     predict,
     tier_memory,
 )
-from offload.scheduler.moe_cost import expert_params, routed_params
+from offload.scheduler.moe_cost import average_routed_params, expert_params
 
 KV_TIERS = ("device", "host")
 WHOLE_MACHINE = Budgets()  # no budget: every tier as big as the hardware profile says (frozen, safe to share)
@@ -110,7 +110,7 @@ def _auto_expert_cache(ctx: Context, bare: Candidate, workload: Workload, device
     """Bytes of device budget left for the expert cache once every layer's dense part is resident beside the
     KV cache and activations of `bare` (no layer placed, no cache); at least one token's experts."""
     s = ctx.shape
-    dense = ctx.weight_bytes(s.params.layer - routed_params(s), bare.weight_bits) * s.num_layers
+    dense = ctx.weight_bytes(s.params.layer - average_routed_params(s), bare.weight_bits) * s.num_layers
     room = device_cap - tier_memory(ctx, bare, workload)["device"] - dense
     one_token = s.experts_per_token * ctx.weight_bytes(expert_params(s), bare.weight_bits)
     return int(max(room, one_token))

@@ -192,3 +192,17 @@ def test_a_folder_of_profiles_a_disk_class_and_a_planning_only_card(capsys, tmp_
 def test_bad_prices_and_disks_are_one_line(capsys, extra, message) -> None:
     assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "t4-16gb,l4-24gb", *extra]) != 0
     assert message in capsys.readouterr().err
+
+
+def test_deepseek_v3_on_one_24gb_card_and_256gb_of_ram_runs_here(capsys) -> None:
+    """The plan docs/benchmarks.md sets beside KTransformers: 671B parameters, 4-bit, on a 24 GB card with 256 GB of
+    host RAM (less than the model); every row the engine runs, with a command, and a positive device budget in each
+    (the routed experts of the average layer, not of a sparse one, leave the placed layers: its 3 dense layers hold
+    none)."""
+    argv = ["plan", "--model", "deepseek-v3", "--hardware", "rtx4090-24gb", "--host-memory", "256GB", "--quantize"]
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["best"]
+    assert rows and all(r["fits"] and not r["unsupported"] and r["command"] for r in rows)
+    for r in rows:
+        words = r["command"].split()
+        assert int(words[words.index("--device-memory") + 1]) > 0

@@ -74,8 +74,8 @@ def machine(work_dir: Path) -> dict[str, str | int | None]:
 
 
 def ensure_checkpoint(model_dir: Path, shape: Mapping[str, int], family: str = "llama") -> Path:
-    """A random-weight bf16 Llama (or, `family` "mixtral", Mixtral) in Hugging Face layout (safetensors) at
-    `model_dir`, written once and reused.
+    """A random-weight bf16 Llama (or, by `family`, Mixtral, DeepSeek-V3, gpt-oss) in Hugging Face layout
+    (safetensors) at `model_dir`, written once and reused.
 
     `shape` holds the config's fields (hidden_size, num_hidden_layers, vocab_size, ...); the weights are seeded,
     the head is untied, bos and eos are ids 1 and 2. The directory's name must change with the shape.
@@ -85,7 +85,7 @@ def ensure_checkpoint(model_dir: Path, shape: Mapping[str, int], family: str = "
     import torch
     import transformers
 
-    name = {"llama": "Llama", "mixtral": "Mixtral"}[family]
+    name = {"llama": "Llama", "mixtral": "Mixtral", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss"}[family]
     config_class, model_class = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
     config = config_class(**shape, dtype="bfloat16", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)

@@ -1,10 +1,12 @@
 """Mixture-of-experts streaming: by expert (with the expert cache) against by whole layer against Accelerate.
 
-    python benchmarks/moe.py [--work-dir ~/.cache/offload/bench] [--batches 1,8] [--new-tokens 32] [--repeats 4]
-                             [--quick]
+    python benchmarks/moe.py [--family mixtral|deepseek_v3|gpt_oss] [--work-dir ~/.cache/offload/bench]
+                             [--batches 1,8] [--new-tokens 32] [--repeats 4] [--quick]
 
-The checkpoint is benchmarks/moe_checkpoint.py's synthetic Mixtral (random bf16 weights, 8 experts, top-2, about
-3 GB); the weight budget is a quarter of its bytes (the KV cache comes on top). Each engine runs greedy generation
+The checkpoint is one of benchmarks/moe_checkpoint.py's synthetic ones (random bf16 weights): by default a Mixtral
+(8 experts, top-2, about 3 GB), or DeepSeek-V3 (256 fine-grained experts, 8 a token, a shared expert, multi-head
+latent attention, 1.95 GB) or gpt-oss (32 experts, 4 a token, 1.8 GB) scaled down with their expert counts kept; the
+weight budget is a quarter of its bytes (the KV cache comes on top). Each engine runs greedy generation
 of --new-tokens tokens for prompts of 32 random token ids, at each batch of --batches, in its own process after the
 page cache is dropped (Accelerate's checkpoint and offload folder are evicted before every forward pass, that
 eviction's time left out of its wall time, as in benchmarks/offload_vs_peers.py):
@@ -27,8 +29,10 @@ count, with the min and max beside it (four rounds by default: of two, the lower
 round of the disk with it). Reported per engine and batch: tokens/s, bytes read from storage
 per generated token (/proc/self/io), and the physical limit of the run: its own bytes at the best read rate
 measured (see best_read_rate), or (for this engine's runs) its time with every weight resident, whichever is
-larger. Prints a table and the goals and writes
-benchmarks/results/moe.json with the machine it ran on.
+larger. Beside this engine's rows, the planner's prediction (`offload plan`'s cost model on this machine's profile,
+its compute and disk rates measured again at the start of the run) for the same budget, expert cache and workload:
+tokens/s, and the bytes read per token of expert streaming. Prints a table and the goals and writes
+benchmarks/results/moe.json (moe-<family>.json for the others) with the machine it ran on.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench_common import machine, timestamp, write_report
-from moe_checkpoint import QUICK_SHAPE, SHAPE, ensure_mixtral
+from moe_checkpoint import FAMILIES, ensure_moe
 from offload_vs_peers import raw_bandwidth
 from peer_engines import (
     EngineResult,
@@ -58,7 +62,13 @@ ENGINES = ("experts", "experts-frequency", "layers", "accelerate")
 # on CUDA only (--engines): "experts" with every cold expert copied to the device, or run on the CPU, instead of the
 # cost model's choice per expert (--cold-experts auto); on a CPU device there is nothing to choose
 COLD = {"experts-cold-device": "device", "experts-cold-cpu": "cpu"}
-GOALS = {"bytes_fraction": 0.40, "speedup_vs_layers": 2.0, "speedup_vs_accelerate": 6.0}  # at batch 1
+# at batch 1, per family; "planner_error": the planner's tokens/s against the measured, for every engine of ours
+GOALS = {
+    "mixtral": {"bytes_fraction": 0.40, "speedup_vs_layers": 2.0, "speedup_vs_accelerate": 6.0},
+    "deepseek_v3": {"speedup_vs_layers": 5.0, "planner_error": 0.25},
+    "gpt_oss": {"planner_error": 0.25},
+}
+PROMPT_TOKENS = 32
 MARGIN = 16  # a 16th of the budget (at most 16 MiB) is left beside the resident dense parts and the expert cache
 
 
@@ -104,7 +114,7 @@ def run_worker(name: str, model_dir: Path, args: argparse.Namespace, batch: int,
     """Drop the page cache, run one engine in a fresh interpreter, read back its result."""
     out = args.work_dir / f"result-moe-{name}.json"
     method = drop_page_cache(files_under(model_dir, args.work_dir / "accelerate_offload"))
-    workload = Workload(prompts=batch, prompt_tokens=32, new_tokens=args.new_tokens)
+    workload = Workload(prompts=batch, prompt_tokens=PROMPT_TOKENS, new_tokens=args.new_tokens)
     cmd = [sys.executable, __file__, "--worker", name, "--model", str(model_dir), "--result", str(out)]
     cmd += ["--work-dir", str(args.work_dir), "--workload", json.dumps(asdict(workload))]
     cmd += ["--budget-bytes", str(budget)] if budget is not None else []
@@ -182,33 +192,73 @@ def predicted_bytes_per_token(model_dir: Path, cache_bytes: int, batch: int, pro
 
 
 def table(rows: dict[str, dict[int, dict]]) -> str:
-    head = f"{'engine':<14} {'batch':>5} {'tok/s':>8} {'min-max':>11} {'MB read/token':>13} {'(predicted)':>11} "
-    head += f"{'limit tok/s':>11} {'x limit':>7} {'binds':>7}"
+    head = f"{'engine':<18} {'batch':>5} {'tok/s':>8} {'min-max':>11} {'planned':>8} {'MB read/token':>13} "
+    head += f"{'(predicted)':>11} {'limit tok/s':>11} {'x limit':>7} {'binds':>7}"
     lines = [head, "-" * len(head)]
     for name, by_batch in rows.items():
         for batch, r in by_batch.items():
             if r["status"] != "ok":
-                lines.append(f"{name:<14} {batch:>5} {r['status']}")
+                lines.append(f"{name:<18} {batch:>5} {r['status']}")
                 continue
             lim = r["generated_tokens"] / r["limit_seconds"] if r["limit_seconds"] else float("nan")
             per_round = r["rounds_tokens_per_second"]
             spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
+            planned = r.get("planned_tokens_per_second")
+            planned = f"{planned:>8.2f}" if planned is not None else " " * 8
             predicted = r.get("predicted_bytes_per_token")
-            predicted = f"{predicted / 1e6:>11.0f}" if predicted is not None else " " * 11
+            predicted = f"{predicted / 1e6:>11.1f}" if predicted is not None else " " * 11
             lines.append(
-                f"{name:<14} {batch:>5} {r['tokens_per_second']:>8.2f} {spread:>11} "
-                f"{r['bytes_per_token'] / 1e6:>13.0f} {predicted} "
+                f"{name:<18} {batch:>5} {r['tokens_per_second']:>8.2f} {spread:>11} {planned} "
+                f"{r['bytes_per_token'] / 1e6:>13.1f} {predicted} "
                 f"{lim:>11.2f} {r['x_limit']:>6.2f}x {r['limit_binds']:>7}"
             )
     return "\n".join(lines)
 
 
+def this_machine(work_dir: Path):
+    """This machine's hardware profile (the saved `offload probe` one, or measured), its compute and disk rates
+    measured again now: a shared VM's speed drifts by a fifth within minutes. The disk: the median of three reads of
+    the full probe's file in the work dir."""
+    import dataclasses
+
+    from offload.planner.probe import ProbeSizes, local_profile, remeasure
+
+    sizes = dataclasses.replace(ProbeSizes.quick(), disk_bytes=ProbeSizes().disk_bytes)
+    return remeasure(local_profile(), sizes=sizes, disk_dir=work_dir, disk_reads=3)
+
+
+def planned_tokens_per_second(model_dir: Path, hw, batch: int, new_tokens: int, budget: int, cache: int) -> float:
+    """The planner's tokens/s for this engine at `batch` under the device budget the run had (`budget` plus the KV
+    cache), its experts streamed through a cache of `cache` bytes (0: with their layers)."""
+    from offload.planner.models import load_model_spec
+    from offload.scheduler.cost import Budgets
+    from offload.scheduler.cost import Workload as PlanWorkload
+    from offload.scheduler.search import search
+
+    config = ours_config(model_dir, budget, Workload(prompts=batch, prompt_tokens=PROMPT_TOKENS, new_tokens=new_tokens))
+    spec = load_model_spec(str(model_dir))
+    preds = search(
+        spec,
+        hw,
+        PlanWorkload(PROMPT_TOKENS, new_tokens, batch),
+        dtype="bfloat16",
+        budgets=Budgets(device=config.device_memory, host=0),
+        batches=[batch],
+        micro_batches=[1],
+        kv_tiers=("device",),
+        expert_caches=[cache],
+    )
+    fit = next((p for p in preds if p.fits and not p.unsupported), None)
+    return float("nan") if fit is None else fit.tokens_per_second
+
+
 def main_run(args: argparse.Namespace) -> dict:
-    shape = QUICK_SHAPE if args.quick else SHAPE
-    model_dir = ensure_mixtral(args.work_dir, shape)
+    model_dir = ensure_moe(args.work_dir, args.family, args.quick)
+    shape = FAMILIES[args.family][1 if args.quick else 0]
     files = sorted(model_dir.glob("*.safetensors"))
     total = sum(p.stat().st_size for p in files)
     budget = total // (2 if args.quick else 4)  # a tiny model's embedding and head alone take a quarter
+    hw = this_machine(args.work_dir)
     raw = raw_bandwidth(files)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     engines = [e for e in (*ENGINES, *COLD) if e in args.engines.split(",")]
@@ -227,49 +277,67 @@ def main_run(args: argparse.Namespace) -> dict:
         name: {b: row(rs, best_gbps, resident[b] if name != "accelerate" else None) for b, rs in by_batch.items()}
         for name, by_batch in runs.items()
     }
-    for name, by_batch in rows.items():  # what the cost model (offload plan) expects expert streaming to read
+    for name, by_batch in rows.items():  # what the cost model (offload plan) expects of this engine's runs
         for b, r in by_batch.items():
-            if name.startswith("experts") and r["status"] == "ok":
-                pred = predicted_bytes_per_token(model_dir, r["expert_cache_memory"], b, 32, args.new_tokens)
-                r["predicted_bytes_per_token"] = pred
+            if name == "accelerate" or r["status"] != "ok":
+                continue
+            cache = r["expert_cache_memory"] or 0
+            r["planned_tokens_per_second"] = planned_tokens_per_second(model_dir, hw, b, args.new_tokens, budget, cache)
+            r["planner_error"] = r["planned_tokens_per_second"] / r["tokens_per_second"] - 1
+            if name.startswith("experts"):
+                r["predicted_bytes_per_token"] = predicted_bytes_per_token(
+                    model_dir, cache, b, PROMPT_TOKENS, args.new_tokens
+                )
     print()
     print(table(rows))
     print()
-    goal_rows = []
-    one = {name: rows[name].get(1, {}) for name in engines}
-    if {"experts", "layers"} <= set(engines) and all(r.get("status") == "ok" for r in one.values()):
-        ex, la, ac = (one.get(n, {}) for n in ("experts", "layers", "accelerate"))
-        measured = {
-            "bytes_fraction": ex["bytes_per_token"] / la["bytes_per_token"],
-            "speedup_vs_layers": ex["tokens_per_second"] / la["tokens_per_second"],
-            "speedup_vs_accelerate": ex["tokens_per_second"] / ac["tokens_per_second"] if ac else None,
-        }
-        for goal, target in GOALS.items():
-            value = measured[goal]
-            if value is None:
-                continue
-            met = value <= target if goal == "bytes_fraction" else value >= target
-            verdict = "met" if met else "not met"
-            goal_rows.append({"goal": goal, "target": target, "measured": value, "verdict": verdict})
-            print(f"{'met' if met else 'NOT MET':<7} {goal} at batch 1: {value:.2f} (target {target})")
+    goal_rows = goals(rows, args.family, engines)
+    for g in goal_rows:
+        print(f"{'met' if g['verdict'] == 'met' else 'NOT MET':<7} {g['goal']} at batch 1: {g['measured']:.2f} "
+              f"(target {g['target']})")  # fmt: skip
     for r in (x for by_batch in rows.values() for x in by_batch.values()):
         if r.get("x_limit") is not None and r["x_limit"] < 1:
             print("a run was faster than its physical limit: the limit is wrong")
     report = {
         "benchmark": "moe",
+        "family": args.family,
         "date": timestamp(),
         "machine": machine(args.work_dir),
         "checkpoint": {"dir": str(model_dir), **shape, "bytes": total},
         "budget_bytes": budget,
         "raw_read": raw,
         "limit_read_gbps": best_gbps,
+        "planner_profile": {"disk_read_gbps": hw.disk_read / 1e9, "read_by_backend": hw.disk_read_by_backend},
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "results": {name: {str(b): r for b, r in by_batch.items()} for name, by_batch in rows.items()},
         "goals": goal_rows,
     }
-    write_report(args.out, report)
+    out = args.out or (RESULTS if args.family == "mixtral" else RESULTS.with_name(f"moe-{args.family}.json"))
+    write_report(out, report)
     return report
+
+
+def goals(rows: dict[str, dict[int, dict]], family: str, engines: list[str]) -> list[dict]:
+    """The family's goals (GOALS) at batch 1, where the rows they compare ran."""
+    one = {name: rows[name].get(1, {}) for name in engines}
+    if not {"experts", "layers"} <= set(engines) or not all(r.get("status") == "ok" for r in one.values()):
+        return []
+    ex, la, ac = (one.get(n, {}) for n in ("experts", "layers", "accelerate"))
+    measured = {
+        "bytes_fraction": ex["bytes_per_token"] / la["bytes_per_token"],
+        "speedup_vs_layers": ex["tokens_per_second"] / la["tokens_per_second"],
+        "speedup_vs_accelerate": ex["tokens_per_second"] / ac["tokens_per_second"] if ac else None,
+        "planner_error": max(abs(r["planner_error"]) for n, r in one.items() if "planner_error" in r),
+    }
+    out = []
+    for goal, target in GOALS[family].items():
+        value = measured[goal]
+        if value is None:
+            continue
+        met = value <= target if goal in ("bytes_fraction", "planner_error") else value >= target
+        out.append({"goal": goal, "target": target, "measured": value, "verdict": "met" if met else "not met"})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -281,8 +349,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     )
     parser.add_argument("--repeats", type=int, default=4, help="rounds of every engine (each row: the median round)")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--quick", action="store_true", help="a tiny Mixtral (a smoke test)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="mixtral", help="which synthetic checkpoint")
+    parser.add_argument("--out", type=Path, help="the results file (default: benchmarks/results/moe[-<family>].json)")
+    parser.add_argument("--quick", action="store_true", help="a tiny checkpoint of the family (a smoke test)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)

@@ -207,7 +207,8 @@ def ours_config(model_dir: Path, budget: int | None, workload: Workload) -> Engi
     spec, _ = load_spec(model_dir)
     block = 16
     blocks = workload.prompts * -(-workload.max_tokens // block)
-    kv_bytes = blocks * KVCache.block_bytes(spec.num_layers, block, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
+    geometry = (spec.num_layers, block, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
+    kv_bytes = blocks * KVCache.block_bytes(*geometry, parts=spec.kv_parts)
     return EngineConfig(
         device_memory=None if budget is None else budget + kv_bytes,
         kv_cache_bytes=kv_bytes,

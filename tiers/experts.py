@@ -110,6 +110,9 @@ class ExpertCache:
         self._scratch = [take(tier, convert_bytes, what, flag) if convert_bytes else None for _ in range(self.slots)]
         self._free = list(range(self.slots - 1, -1, -1))  # slot indices; pop() takes the lowest
         self._entries: dict[Key, _Entry] = {}
+        # the cached experts by selection count, then layer: where `_slot` looks for the lowest-ranked one without
+        # scanning every entry (a fine-grained mixture caches thousands; DeepSeek-V3 misses ~8 a layer per token)
+        self._by_count: dict[int, dict[int, set[int]]] = {}
         self._starts = 0  # entries whose reads were started, over the whole run
         self._experts: dict[int, list[int]] = {}  # layer -> its experts, ascending
         for layer, e in sorted(layouts):
@@ -146,7 +149,13 @@ class ExpertCache:
         self._pinned = set(keys)
         self._layer = layer
         self._ahead = {k for k in self._ahead if k[0] != layer}  # this layer's guesses are settled now
-        self.selections.update([*keys, *((layer, e) for e in on_device)])
+        selected = [*keys, *((layer, e) for e in on_device)]
+        cached = [k for k in selected if k in self._entries]
+        for k in cached:
+            self._unindex(k)
+        self.selections.update(selected)
+        for k in cached:
+            self._index(k)
         self._stats["hits"] += len(on_device)
         self._stats["device_hits"] += len(on_device)
         for k in keys:
@@ -240,20 +249,18 @@ class ExpertCache:
 
     def _slot(self, keep: set[Key], below: int | None) -> int | None:
         """A free slot, else the slot of the least frequently selected expert outside `keep` (of those, the one whose
-        layer comes back last), evicted; with `below` (a prefetch), only one selected fewer than `below` times and
-        not guessed ahead. Without `below` (a miss), a guessed expert goes only when nothing else can. None when
-        there is none."""
+        layer comes back last: the lowest `rank`), evicted; with `below` (a prefetch), only one selected fewer than
+        `below` times and not guessed ahead. Without `below` (a miss), a guessed expert goes only when nothing else
+        can. None when there is none."""
         if self._free:
             return self._free.pop()
-        candidates = [k for k in self._entries if k not in keep and k not in self._ahead]
-        if not candidates and below is None:
-            candidates = [k for k in self._entries if k not in keep]
-        if not candidates:
-            return None
-        victim = min(candidates, key=self.rank)
-        if below is not None and self.selections[victim] >= below:
+        victim = self._lowest(keep | self._ahead, below)
+        if victim is None and below is None:
+            victim = self._lowest(keep, None)
+        if victim is None:
             return None
         self._ahead.discard(victim)
+        self._unindex(victim)
         entry = self._entries.pop(victim)
         for r in entry.requests:  # a prefetch still landing in the buffer
             r.wait()
@@ -261,9 +268,35 @@ class ExpertCache:
             entry.copied.synchronize()
         return entry.slot
 
+    def _lowest(self, excluded: set[Key], below: int | None) -> Key | None:
+        """The cached expert of lowest `rank` outside `excluded` (selected fewer than `below` times, if given)."""
+        for count in sorted(self._by_count):
+            if below is not None and count >= below:
+                return None
+            layers = self._by_count[count]
+            for back in range(self._cycle):  # the current layer's experts come back last, then the one before it
+                layer = (self._layer - back) % self._cycle
+                free = [e for e in layers.get(layer, ()) if (layer, e) not in excluded]
+                if free:
+                    return layer, min(free)
+        return None
+
+    def _index(self, key: Key) -> None:
+        self._by_count.setdefault(self.selections[key], {}).setdefault(key[0], set()).add(key[1])
+
+    def _unindex(self, key: Key) -> None:
+        count = self.selections[key]
+        layers = self._by_count[count]
+        layers[key[0]].discard(key[1])
+        if not layers[key[0]]:
+            del layers[key[0]]
+            if not layers:
+                del self._by_count[count]
+
     def _start(self, key: Key, slot: int, prefetched: bool) -> None:
         layout = self.layouts[key]
         self._entries[key] = _Entry(slot, read(self.backend, layout, self._bufs[slot]), None, prefetched, self._starts)
+        self._index(key)
         self._starts += 1
         self._stats["bytes_read"] += layout.read_bytes
 

@@ -179,3 +179,31 @@ def test_a_fetch_hands_landed_experts_first_then_by_when_their_reads_started(mak
     _check(cache, 0, got)  # each looked up lands its reads
     with pytest.raises(KeyError):
         got[0]  # in the cache, but not asked for by this fetch
+
+
+def test_the_indexed_victim_is_the_lowest_ranked_expert(make_cache, monkeypatch):
+    """Eviction looks the victim up by selection count and layer instead of ranking every cached expert: over a
+    random run of fetches, frequency prefetches and guesses, each lookup returns what the full ranking would."""
+    cache = make_cache(3)
+    lowest = ExpertCache._lowest
+    looked = []
+
+    def checked(self, excluded, below):
+        got = lowest(self, excluded, below)
+        candidates = [k for k in self._entries if k not in excluded]
+        want = min(candidates, key=self.rank) if candidates else None
+        if want is not None and below is not None and self.selections[want] >= below:
+            want = None
+        assert got == want
+        looked.append(got)
+        return got
+
+    monkeypatch.setattr(ExpertCache, "_lowest", checked)
+    g = torch.Generator().manual_seed(0)
+    for step in range(60):
+        layer = step % LAYERS
+        experts = sorted(set(torch.randint(0, EXPERTS, (2,), generator=g).tolist()))
+        cache.fetch(layer, experts)
+        nxt = (layer + 1) % LAYERS
+        cache.prefetch(nxt, torch.randint(0, EXPERTS, (1,), generator=g).tolist(), guess=bool(step % 3))
+    assert len(looked) > 30 and any(v is None for v in looked) and any(v is not None for v in looked)

@@ -27,7 +27,7 @@ from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.scheduler.attention_cost import attention_seconds, host_kv_attention
-from offload.scheduler.moe_cost import average_routed_params, expert_params, expert_step
+from offload.scheduler.moe_cost import average_routed_params, expert_params, expert_read_rate, expert_step
 from offload.scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds, matmul_rate
 
 # Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
@@ -223,7 +223,8 @@ def _layer_step(
         packed_ex = packed and not cand.expert_cache  # streamed experts are not packed
         ex = expert_step(s, hw.device, ctx.dtype, expert_bytes, rows_per_mb, micro_batches, slots, packed_ex, *cuda)
         compute += ex.compute_seconds
-        busy["serial"] = ex.read_bytes / hw.disk_read  # waits on the router: not overlapped with compute
+        # waits on the router: not overlapped with compute; read in requests of one expert's size
+        busy["serial"] = ex.read_bytes / expert_read_rate(hw, expert_bytes)
         busy["serial_link"] = ex.cold_seconds  # so do the misses' copies (or CPU runs) on CUDA
     if attn_unit is hw.host and not ctx.on_cpu:  # host KV: the CPU attends, or the blocks go to the device, as the
         # engine chooses (offload/model/host_attention.py)

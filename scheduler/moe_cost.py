@@ -23,9 +23,15 @@ import math
 from typing import NamedTuple
 
 from offload.common.dtypes import DTYPE_BYTES
-from offload.common.hardware import ComputeUnit
+from offload.common.hardware import LARGE_READ_BYTES, SMALL_READ_BYTES, ComputeUnit, HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.scheduler.rates import gemm_seconds
+
+# the engine's Python cost around each routed expert it runs (seconds): finding its weights (the expert cache's
+# lookup, a miss's read submitted), three products dispatched, the weighting and the add into the output. Profiled at
+# 0.2-0.4 ms on a 2-core EPYC VM (the synthetic DeepSeek-V3 of benchmarks/moe.py, 128 experts a decode step), where
+# a decode step's experts cost more in these calls than in their GEMMs
+EXPERT_OVERHEAD = 250e-6
 
 
 class ExpertStep(NamedTuple):
@@ -93,7 +99,7 @@ def expert_step(
     touched = distinct_experts(s, rows_per_mb)
     rows = max(math.ceil(rows_per_mb * s.experts_per_token / max(touched, 1e-9)), 1)
     per_expert = gemm_seconds(unit, dtype, expert_params(s), expert_bytes, rows, packed)
-    compute = touched * per_expert * micro_batches
+    compute = touched * (per_expert + EXPERT_OVERHEAD) * micro_batches
     if slots is None:
         return ExpertStep(compute, 0.0)
     missed = read_bytes(s, rows_per_mb * micro_batches, slots, expert_bytes)
@@ -102,6 +108,18 @@ def expert_step(
     cpu = cold_expert_seconds(s, host, dtype, expert_bytes, rows, link)
     copied = copied_expert_seconds(s, unit, dtype, expert_bytes, rows, link) - per_expert  # its compute: counted
     return ExpertStep(compute, missed, missed / expert_bytes * min(cpu - per_expert, copied))
+
+
+def expert_read_rate(hw: HardwareProfile, expert_bytes: float) -> float:
+    """Bytes/s a miss of `expert_bytes` reads at: the probe's small-read rate up to its request size, the large-extent
+    rate from the probe's extent up, log-linear between; disk_read where the profile has no small-read rate."""
+    small = hw.disk_read_small
+    if small is None or expert_bytes >= LARGE_READ_BYTES:
+        return hw.disk_read
+    if expert_bytes <= SMALL_READ_BYTES:
+        return small
+    t = math.log(expert_bytes / SMALL_READ_BYTES) / math.log(LARGE_READ_BYTES / SMALL_READ_BYTES)
+    return small * (hw.disk_read / small) ** t
 
 
 def cold_expert_seconds(

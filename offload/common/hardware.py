@@ -57,6 +57,11 @@ class ServedStep:
     request: float  # each request once, before its first token: the HTTP request, its checks, joining the batch
 
 
+# the probe's disk reads: large extents (disk_read) and small scattered requests (disk_read_small), bytes
+LARGE_READ_BYTES = 64 << 20
+SMALL_READ_BYTES = 512 << 10
+
+
 @dataclass(frozen=True, slots=True)
 class HardwareProfile:
     name: str
@@ -73,6 +78,9 @@ class HardwareProfile:
     # read backend ("pread", "aio") -> bytes/s, cold reads of the same file through each, as `offload probe`
     # measured them; empty for published profiles and older probes (io_backend="auto" then uses its default rule)
     disk_read_by_backend: dict[str, float] = field(default_factory=dict)
+    # bytes/s, cold reads of SMALL_READ_BYTES at scattered offsets, 8 in flight: what expert streaming's misses read
+    # at (a fine-grained mixture's experts are that small); None for published profiles and older probes (disk_read)
+    disk_read_small: float | None = None
     price_per_hour: float | None = None  # USD an hour of this machine costs (rent, or a purchase spread), if stated
     not_run: str | None = None  # why this engine has not run on such a machine (a profile for planning only)
     # the served engine's own cost per step, stream and request on this machine; None for published profiles (a

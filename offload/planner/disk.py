@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from offload.common.errors import OffloadError
+from offload.common.hardware import SMALL_READ_BYTES
 from offload.common.sizes import format_size
 from offload.tiers.io.aio import aio_built
 from offload.tiers.io.backends import make_backend
@@ -27,6 +28,11 @@ from offload.tiers.memory import MemoryTier
 
 MiB = 1 << 20
 DISK_HEADROOM = 64 * MiB  # bytes the disk test leaves free beyond its own file
+# the small-read test: requests of an expert's size at scattered offsets, as expert streaming reads its misses
+# (a fine-grained mixture's experts are a few hundred KB to a few MB), many in flight, over at most SMALL_SPAN bytes
+SMALL_READ = SMALL_READ_BYTES
+SMALL_DEPTH = 8  # the engine's pread pool (tiers/io/backends.make_backend)
+SMALL_SPAN = 256 * MiB
 
 
 class DiskSpeed(NamedTuple):
@@ -35,6 +41,7 @@ class DiskSpeed(NamedTuple):
     direct: bool  # whether the reads bypassed the page cache (O_DIRECT was accepted)
     by_backend: dict[str, float]  # backend -> bytes/s, the same reads through each backend measured
     missing: str  # why a backend was not measured; "" when each was
+    small_read: float  # bytes/s, cold SMALL_READ-byte requests at scattered offsets through the pread backend
 
 
 def measure_disk(directory: str | Path, nbytes: int, extent: int = 64 * MiB, depth: int = 4) -> DiskSpeed:
@@ -61,6 +68,8 @@ def measure_disk(directory: str | Path, nbytes: int, extent: int = 64 * MiB, dep
         evict_page_cache(path)
         read_seconds, direct = _read_test_file(path, nbytes, extent, depth, "pread")
         by_backend, missing = {"pread": nbytes / read_seconds}, ""
+        evict_page_cache(path)
+        small_read = _read_scattered(path, min(nbytes, SMALL_SPAN))
         evict_page_cache(path)  # same file, same requests: only the backend differs
         if not aio_built():  # a probe never waits minutes for DeepSpeed's JIT build (`make aio-op` does it)
             missing = "aio not measured: its op is not built here (make aio-op)"
@@ -73,7 +82,28 @@ def measure_disk(directory: str | Path, nbytes: int, extent: int = 64 * MiB, dep
         raise OffloadError(f"{directory}: disk test failed ({exc.strerror})") from None
     finally:
         path.unlink(missing_ok=True)
-    return DiskSpeed(max(by_backend.values()), nbytes / write_seconds, direct, by_backend, missing)
+    return DiskSpeed(max(by_backend.values()), nbytes / write_seconds, direct, by_backend, missing, small_read)
+
+
+def _read_scattered(path: Path, span: int) -> float:
+    """Bytes/s of cold SMALL_READ-byte reads of the first `span` bytes of `path` in a shuffled order (a fixed seed),
+    SMALL_DEPTH in flight through the pread backend, into page-aligned buffers."""
+    backend = make_backend("pread", threads=SMALL_DEPTH)
+    bufs = [aligned_buffer(SMALL_READ) for _ in range(SMALL_DEPTH)]
+    offsets = list(range(0, span - SMALL_READ + 1, SMALL_READ))
+    order = torch.randperm(len(offsets), generator=torch.Generator().manual_seed(0)).tolist()
+    try:
+        in_flight: deque = deque()
+        start = time.perf_counter()
+        for i, j in enumerate(order):
+            if len(in_flight) == SMALL_DEPTH:
+                in_flight.popleft().wait()
+            in_flight.append(backend.submit(path, offsets[j], SMALL_READ, bufs[i % SMALL_DEPTH]))
+        while in_flight:
+            in_flight.popleft().wait()
+        return len(offsets) * SMALL_READ / (time.perf_counter() - start)
+    finally:
+        backend.close()
 
 
 def _write_test_file(path: Path, nbytes: int, extent: int) -> float:

@@ -38,7 +38,7 @@ from offload.common.errors import OffloadError
 from offload.common.hardware import CURVES, ComputeUnit, HardwareProfile
 from offload.common.paths import cache_dir
 from offload.common.sizes import format_size, parse_size
-from offload.planner.disk import measure_disk
+from offload.planner.disk import SMALL_DEPTH, SMALL_READ, SMALL_SPAN, measure_disk
 from offload.planner.profile_text import format_profile
 from offload.planner.profiles import load_profile, local_profile_path, save_profile
 from offload.planner.rates import (
@@ -135,7 +135,9 @@ def probe(
         f"disk: a {format_size(sizes.disk_bytes)} file in {directory} written with O_DIRECT + fsync, read back cold "
         f"through {' and '.join(disk.by_backend)} in {format_size(sizes.extent_bytes)} requests, "
         f"{sizes.depth} in flight, the fastest's rate as read_gbps{f' ({disk.missing})' if disk.missing else ''}"
-        + ("" if disk.direct else " (buffered: the filesystem refused O_DIRECT; pages evicted first)"),
+        + ("" if disk.direct else " (buffered: the filesystem refused O_DIRECT; pages evicted first)")
+        + f"; small_read_gbps: {format_size(SMALL_READ)} reads of its first {format_size(SMALL_SPAN)} shuffled, "
+        f"{SMALL_DEPTH} in flight",
         f"memory: a {format_size(sizes.copy_bytes)} tensor copy, bytes read + written per second",
         f"matmul: offload.kernels.linear on [rows, {sizes.k}] x [{sizes.k}, {sizes.n}], median of >= {MIN_REPEATS} "
         f"runs after a warm-up, weights cycled through {format_size(sizes.weight_pool_bytes)} of copies, matmul_tflops "
@@ -181,6 +183,7 @@ def probe(
         disk_write=disk.write,
         source=f"offload probe {time.strftime('%Y-%m-%d %H:%M %Z')}; " + "; ".join(what),
         disk_read_by_backend=disk.by_backend,
+        disk_read_small=disk.small_read,
         served_step=served,
     )
 
@@ -241,7 +244,11 @@ def remeasure(
         tests = (measure_disk(disk_dir, sizes.disk_bytes, sizes.extent_bytes, sizes.depth) for _ in range(disk_reads))
         disk = sorted(tests, key=lambda d: d.read)[disk_reads // 2]
         profile = dataclasses.replace(
-            profile, disk_read=disk.read, disk_write=disk.write, disk_read_by_backend=disk.by_backend
+            profile,
+            disk_read=disk.read,
+            disk_write=disk.write,
+            disk_read_by_backend=disk.by_backend,
+            disk_read_small=disk.small_read,
         )
     if served:
         step = measure_served_step(dtypes[0], sizes.served_tokens or ProbeSizes.served_tokens, sizes.min_seconds)

@@ -78,7 +78,7 @@ def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile
     if kind not in DEVICE_KINDS:
         raise OffloadError(f"{where}: device.kind: unknown kind {kind!r} (known: {', '.join(DEVICE_KINDS)})")
     links = _fields(top["links"], where, "links", ("host_to_device_gbps", "device_to_host_gbps"))
-    disk = _fields(top["disk"], where, "disk", ("read_gbps", "write_gbps"), ("read_gbps_by_backend",))
+    disk = _fields(top["disk"], where, "disk", ("read_gbps", "write_gbps"), ("read_gbps_by_backend", "small_read_gbps"))
     # a cuda device reaches host memory only over the link; a cpu "device" is host RAM itself (links 0)
     link_min = 0.0 if kind == "cpu" else None
     return HardwareProfile(
@@ -92,6 +92,7 @@ def parse_profile(data: Any, where: str = "hardware profile") -> HardwareProfile
         disk_write=_number(disk, where, "disk", "write_gbps") * GB,
         source=top["source"],
         disk_read_by_backend=_by_backend(disk, where),
+        disk_read_small=_number(disk, where, "disk", "small_read_gbps") * GB if "small_read_gbps" in disk else None,
         price_per_hour=_price(top.get("price"), where),
         not_run=_text(top, where, "not_run"),
         served_step=_served_step(top.get("serving"), where),
@@ -140,6 +141,7 @@ def profile_to_json(p: HardwareProfile) -> dict:
             "read_gbps": _human(p.disk_read / GB),
             "write_gbps": _human(p.disk_write / GB),
             **({"read_gbps_by_backend": {b: _human(r / GB) for b, r in by_backend.items()}} if by_backend else {}),
+            **({"small_read_gbps": _human(p.disk_read_small / GB)} if p.disk_read_small else {}),
         },
         **({"price": {"usd_per_hour": p.price_per_hour}} if p.price_per_hour is not None else {}),
         **({"not_run": p.not_run} if p.not_run else {}),

@@ -28,3 +28,18 @@ def test_a_small_run_reads_fewer_bytes_by_expert_than_by_layer(tmp_path):
     assert experts["predicted_bytes_per_token"] > 0 and "predicted_bytes_per_token" not in layers
     assert all(r["limit_seconds"] > 0 and r["limit_binds"] in ("disk", "compute") for r in (experts, layers))
     assert {g["goal"] for g in report["goals"]} == {"bytes_fraction", "speedup_vs_layers", "speedup_vs_accelerate"}
+
+
+@pytest.mark.slow
+def test_a_small_deepseek_run_prints_the_planners_tokens_per_second_beside_ours(tmp_path):
+    out = tmp_path / "moe-deepseek.json"
+    with benchmark_module("moe") as bench:
+        argv = ["--family", "deepseek_v3", "--quick", "--batches", "1", "--new-tokens", "4", "--repeats", "1"]
+        argv += ["--engines", "experts,layers", "--work-dir", str(tmp_path), "--out", str(out)]
+        report = bench.main(argv)
+    assert report["family"] == "deepseek_v3" and report["checkpoint"]["n_routed_experts"] == 32
+    experts, layers = (report["results"][name]["1"] for name in ("experts", "layers"))
+    assert experts["status"] == layers["status"] == "ok" and experts["token_ids"] == layers["token_ids"]
+    assert experts["planned_tokens_per_second"] > 0 and layers["planned_tokens_per_second"] > 0
+    assert experts["planner_error"] == experts["planned_tokens_per_second"] / experts["tokens_per_second"] - 1
+    assert {g["goal"] for g in report["goals"]} == {"speedup_vs_layers", "planner_error"}

@@ -161,11 +161,12 @@ def test_remeasure_replaces_rates_and_keeps_disk_and_other_dtypes(tiny_profile, 
 
     def disk_test(*args):
         read = next(rates)
-        return disk_mod.DiskSpeed(read, read / 2, True, {"pread": read}, "")
+        return disk_mod.DiskSpeed(read, read / 2, True, {"pread": read}, "", read / 4)
 
     monkeypatch.setattr(probe_mod, "measure_disk", disk_test)
     median = probe_mod.remeasure(p, ("bfloat16",), TINY, disk_dir=tmp_path, disk_reads=3)
     assert (median.disk_read, median.disk_write, median.disk_read_by_backend) == (2e9, 1e9, {"pread": 2e9})
+    assert median.disk_read_small == 0.5e9
 
 
 def test_remeasure_refuses_a_cuda_profile(tiny_profile):
@@ -203,6 +204,7 @@ def test_disk_reads_the_same_file_through_each_backend(tmp_path, monkeypatch):
     assert speed.read == 4 * MiB / 0.5 and speed.missing == ""  # the fastest
     assert [r[1:] for r in reads] == [(4 * MiB, MiB, 2, "pread"), (4 * MiB, MiB, 2, "aio")]
     assert reads[0][0] == reads[1][0]  # one test file, written once
+    assert speed.small_read > 0  # 512 KiB requests of the same file, shuffled: measured for real
     assert list(tmp_path.iterdir()) == []
 
 
@@ -211,7 +213,9 @@ def test_disk_test_never_builds_the_aio_op(tmp_path, monkeypatch):
         raise AssertionError("the probe must not load (and so build) DeepSpeed's op")
 
     monkeypatch.setattr(disk_mod, "aio_built", lambda: False)
-    monkeypatch.setattr(disk_mod, "make_backend", lambda name: no_build() if name == "aio" else make_backend(name))
+    monkeypatch.setattr(
+        disk_mod, "make_backend", lambda name, threads=8: no_build() if name == "aio" else make_backend(name, threads)
+    )
     speed = measure_disk(tmp_path, 4 * MiB, 1 * MiB, 2)
     assert list(speed.by_backend) == ["pread"]
     assert speed.missing == "aio not measured: its op is not built here (make aio-op)"
@@ -250,8 +254,8 @@ def test_disk_test_reads_aio_into_buffers_the_op_locked_as_the_engines_ring_does
         pytest.skip("the aio op is not built here (make aio-op)")
     made = []
 
-    def recorded(name):
-        made.append(make_backend(name))
+    def recorded(name, threads=8):
+        made.append(make_backend(name, threads))
         return made[-1]
 
     monkeypatch.setattr(disk_mod, "make_backend", recorded)

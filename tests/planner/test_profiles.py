@@ -232,6 +232,15 @@ def test_read_rates_by_backend_round_trip_and_are_optional(tmp_path):
     assert load_profile("t4-16gb").disk_read_by_backend == {}
 
 
+def test_the_small_read_rate_round_trips_and_is_optional():
+    p = tiny_profile(disk_read_small=0.5e9)
+    data = profile_to_json(p)
+    assert data["disk"]["small_read_gbps"] == 0.5 and parse_profile(data) == p
+    del data["disk"]["small_read_gbps"]
+    assert parse_profile(data).disk_read_small is None
+    assert "small_read_gbps" not in profile_to_json(tiny_profile())["disk"]
+
+
 def test_with_overrides_replaces_facts_and_says_so():
     p = load_profile("a100-80gb")
     q = with_overrides(p, host_memory=64_000_000_000, disk_read=3e9, host_to_device=20e9)

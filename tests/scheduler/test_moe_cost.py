@@ -122,3 +122,29 @@ def test_the_plan_names_the_expert_cache_flag_and_what_a_step_touches():
     assert "+E" in text and f"--expert-cache-memory {winner.candidate.expert_cache / 1e6:.0f}MB" in text
     assert "a decode step touches per layer (uniform routing) batch 1: 2.0, batch 8: 7.2" in text
     assert "a chosen expert is cached with chance" in text and "experts with their layers" in text
+
+
+def test_misses_read_at_the_small_read_rate_up_to_its_size_and_the_large_rate_from_the_extent():
+    from offload.common.hardware import LARGE_READ_BYTES, SMALL_READ_BYTES
+    from offload.scheduler.moe_cost import expert_read_rate
+
+    hw = dataclasses.replace(cpu_machine(), disk_read=2e9, disk_read_small=0.5e9)
+    assert expert_read_rate(hw, 100_000) == expert_read_rate(hw, SMALL_READ_BYTES) == 0.5e9
+    assert expert_read_rate(hw, LARGE_READ_BYTES) == expert_read_rate(hw, 1 << 30) == 2e9
+    middle = (SMALL_READ_BYTES * LARGE_READ_BYTES) ** 0.5  # halfway in log size: halfway in log rate
+    assert expert_read_rate(hw, middle) == pytest.approx(1e9)
+    assert expert_read_rate(dataclasses.replace(hw, disk_read_small=None), 100_000) == 2e9  # an older profile
+
+
+def test_the_placed_layers_lose_the_average_layers_routed_experts():
+    """DeepSeek-V3's leading dense layers hold no experts: the average layer (which ParamCounts counts) has fewer
+    routed parameters than a sparse one, and expert streaming takes out only those."""
+    from offload.planner.models import load_model_spec
+    from offload.scheduler.cost import make_context
+    from offload.scheduler.moe_cost import average_routed_params
+
+    spec = load_model_spec("deepseek-v3")
+    assert average_routed_params(spec) == routed_params(spec) * 58 / 61
+    ctx = make_context(spec, cpu_machine(), "bfloat16", 16)
+    streamed = Candidate(1, 1, Policy(("device",) * 61), expert_cache=1 << 30)
+    assert ctx.placed_params(streamed) == spec.params.layer - int(routed_params(spec) * 58 / 61) > 0

@@ -307,7 +307,11 @@ def main_run(args: argparse.Namespace) -> dict:
         "budget_bytes": budget,
         "raw_read": raw,
         "limit_read_gbps": best_gbps,
-        "planner_profile": {"disk_read_gbps": hw.disk_read / 1e9, "read_by_backend": hw.disk_read_by_backend},
+        "planner_profile": {
+            "disk_read_gbps": hw.disk_read / 1e9,
+            "small_read_gbps": (hw.disk_read_small or 0) / 1e9,
+            "read_by_backend": hw.disk_read_by_backend,
+        },
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "results": {name: {str(b): r for b, r in by_batch.items()} for name, by_batch in rows.items()},

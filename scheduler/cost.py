@@ -27,7 +27,13 @@ from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.scheduler.attention_cost import attention_seconds, host_kv_attention
-from offload.scheduler.moe_cost import average_routed_params, expert_params, expert_read_rate, expert_step
+from offload.scheduler.moe_cost import (
+    average_routed_params,
+    expert_params,
+    expert_read_rate,
+    expert_step,
+    expert_wait,
+)
 from offload.scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds, matmul_rate
 
 # Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
@@ -223,8 +229,10 @@ def _layer_step(
         packed_ex = packed and not cand.expert_cache  # streamed experts are not packed
         ex = expert_step(s, hw.device, ctx.dtype, expert_bytes, rows_per_mb, micro_batches, slots, packed_ex, *cuda)
         compute += ex.compute_seconds
-        # waits on the router: not overlapped with compute; read in requests of one expert's size
-        busy["serial"] = ex.read_bytes / expert_read_rate(hw, expert_bytes)
+        # waits on the router, overlaps the experts' compute (moe_cost.expert_wait); read an expert a request
+        rate = expert_read_rate(hw, expert_bytes)
+        busy["serial"] = expert_wait(ex, ex.read_bytes / rate, expert_bytes / rate)
+        busy["reads"] = ex.read_bytes / rate  # the disk's busy time, hidden behind the experts' compute or not
         busy["serial_link"] = ex.cold_seconds  # so do the misses' copies (or CPU runs) on CUDA
     if attn_unit is hw.host and not ctx.on_cpu:  # host KV: the CPU attends, or the blocks go to the device, as the
         # engine chooses (offload/model/host_attention.py)
@@ -270,8 +278,10 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
             continue
         busy = _layer_step(ctx, cand, tier, micro_batches, seqs, context, prefill)
         serial = {"disk": busy.pop("serial", 0.0), "link": busy.pop("serial_link", 0.0)}
+        reads = busy.pop("reads", 0.0)
         for k, v in busy.items():
             total[k] += count * (v + serial.get(k, 0.0))
+        total["disk"] += count * max(reads - serial["disk"], 0.0)  # expert reads the compute hid: busy, not waited
         total["wall"] += count * (max(busy.values()) + sum(serial.values()))
     if cand.policy.embed_tier == "nvme":  # the step's token rows, read before the first layer (whole 4 KiB blocks)
         tokens = cand.batch * (prompt_len if prefill else 1)

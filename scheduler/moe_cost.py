@@ -12,7 +12,10 @@ routers favour some experts, which touches fewer: D is an upper bound.
 With expert streaming (EngineConfig.expert_cache_memory) the experts leave their layers: a cache of S experts of
 the L * E routed ones holds a chosen expert with probability min(1, S / (L * E)) (a cache holding a uniform
 sample; selection-frequency eviction does better where routing is skewed), and each miss is read from disk after
-the router has chosen it. Those reads wait on the router, so the cost model does not overlap them with compute.
+the router has chosen it. Those reads wait on the router, so they do not overlap the layer's other work; the engine
+issues a fetch's reads together and runs each expert as soon as it is there (cached ones first), so they overlap the
+experts' own compute: the experts take max(reads + one expert's compute, their compute + one expert's read), a
+two-stage pipeline's bound (`expert_wait`).
 
 Plain numbers in, plain numbers out, like scheduler/cost.py.
 """
@@ -40,6 +43,7 @@ class ExpertStep(NamedTuple):
     # on CUDA, the misses' way onto the device: each copied over the link and run there, or run on the CPU from
     # host RAM, whichever is priced faster (EngineConfig.cold_experts "auto"); waits on the router like the reads
     cold_seconds: float = 0.0
+    one_seconds: float = 0.0  # one expert's compute (its GEMMs and EXPERT_OVERHEAD)
 
 
 def expert_params(s: ModelSpec) -> int:
@@ -101,13 +105,22 @@ def expert_step(
     per_expert = gemm_seconds(unit, dtype, expert_params(s), expert_bytes, rows, packed)
     compute = touched * (per_expert + EXPERT_OVERHEAD) * micro_batches
     if slots is None:
-        return ExpertStep(compute, 0.0)
+        return ExpertStep(compute, 0.0, one_seconds=per_expert + EXPERT_OVERHEAD)
     missed = read_bytes(s, rows_per_mb * micro_batches, slots, expert_bytes)
     if host is None:
-        return ExpertStep(compute, missed)
+        return ExpertStep(compute, missed, one_seconds=per_expert + EXPERT_OVERHEAD)
     cpu = cold_expert_seconds(s, host, dtype, expert_bytes, rows, link)
     copied = copied_expert_seconds(s, unit, dtype, expert_bytes, rows, link) - per_expert  # its compute: counted
-    return ExpertStep(compute, missed, missed / expert_bytes * min(cpu - per_expert, copied))
+    cold = missed / expert_bytes * min(cpu - per_expert, copied)
+    return ExpertStep(compute, missed, cold, per_expert + EXPERT_OVERHEAD)
+
+
+def expert_wait(step: ExpertStep, read_seconds: float, one_read_seconds: float) -> float:
+    """Seconds a layer's experts take beyond their compute (step.compute_seconds, counted as compute) for reads of
+    `read_seconds` in all, `one_read_seconds` each: the reads and the compute pipelined (module docstring)."""
+    if step.read_bytes <= 0:
+        return 0.0
+    return max(read_seconds + step.one_seconds - step.compute_seconds, min(one_read_seconds, read_seconds))
 
 
 def expert_read_rate(hw: HardwareProfile, expert_bytes: float) -> float:

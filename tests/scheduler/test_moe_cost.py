@@ -58,7 +58,13 @@ def test_expert_streaming_reads_the_misses_of_the_touched_experts_and_waits_for_
     # every step (prefill of one token, then 4 decode steps) touches 2 experts in each of 4 layers, 3/4 not cached
     reads = 5 * 4 * 2 * (1 - 8 / 32) * EXPERT_BYTES
     assert p.resources["disk"] == pytest.approx(reads / 1e6)
-    assert p.round_seconds == pytest.approx(p.resources["disk"] + p.resources["compute"])  # not overlapped
+    # the reads overlap no other work, and the experts' compute only as a pipeline would: of each layer's two
+    # experts, one computes while the other is read (20 layer steps)
+    from offload.scheduler.moe_cost import EXPERT_OVERHEAD
+    from offload.scheduler.rates import gemm_seconds
+
+    one = gemm_seconds(hw.device, "bfloat16", expert_params(MIXTRAL), EXPERT_BYTES, 1) + EXPERT_OVERHEAD
+    assert p.round_seconds == pytest.approx(p.resources["disk"] + p.resources["compute"] - 20 * one)
     assert p.memory["device"] >= 8 * EXPERT_BYTES
     whole = predict(MIXTRAL, hw, work, Candidate(1, 1, Policy.from_counts(4, 0, 0)))
     assert whole.resources["disk"] == 0.0  # every expert resident with its layer
@@ -148,3 +154,12 @@ def test_the_placed_layers_lose_the_average_layers_routed_experts():
     ctx = make_context(spec, cpu_machine(), "bfloat16", 16)
     streamed = Candidate(1, 1, Policy(("device",) * 61), expert_cache=1 << 30)
     assert ctx.placed_params(streamed) == spec.params.layer - int(routed_params(spec) * 58 / 61) > 0
+
+
+def test_expert_reads_pipeline_with_the_experts_compute():
+    from offload.scheduler.moe_cost import ExpertStep, expert_wait
+
+    step = ExpertStep(compute_seconds=8.0, read_bytes=1.0, one_seconds=1.0)  # 8 experts of 1 s each
+    assert expert_wait(step, 4.0, 0.5) == 0.5  # reads hidden but the first one's
+    assert expert_wait(step, 20.0, 2.5) == 20.0 + 1.0 - 8.0  # compute hidden but the last expert's
+    assert expert_wait(ExpertStep(8.0, 0.0, one_seconds=1.0), 0.0, 0.0) == 0.0  # every expert cached

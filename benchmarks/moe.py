@@ -5,7 +5,7 @@
 
 The checkpoint is one of benchmarks/moe_checkpoint.py's synthetic ones (random bf16 weights): by default a Mixtral
 (8 experts, top-2, about 3 GB), or DeepSeek-V3 (256 fine-grained experts, 8 a token, a shared expert, multi-head
-latent attention, 1.95 GB) or gpt-oss (32 experts, 4 a token, 1.8 GB) scaled down with their expert counts kept; the
+latent attention, 1.95 GB) or gpt-oss (32 experts, 4 a token, 1.35 GB) scaled down with their expert counts kept; the
 weight budget is a quarter of its bytes (the KV cache comes on top). Each engine runs greedy generation
 of --new-tokens tokens for prompts of 32 random token ids, at each batch of --batches, in its own process after the
 page cache is dropped (Accelerate's checkpoint and offload folder are evicted before every forward pass, that

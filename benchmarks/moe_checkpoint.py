@@ -1,5 +1,5 @@
 """The synthetic checkpoints of the MoE benchmarks: random bf16 weights, a Mixtral (8 experts, top-2, about 3 GB),
-and DeepSeek-V3 and gpt-oss scaled down with their expert counts kept (about 1.95 and 1.8 GB).
+and DeepSeek-V3 and gpt-oss scaled down with their expert counts kept (about 1.95 and 1.35 GB).
 
     python benchmarks/moe_checkpoint.py [--work-dir ~/.cache/offload/bench]
 
@@ -57,15 +57,16 @@ DEEPSEEK_SHAPE = {
 }
 DEEPSEEK_QUICK = DEEPSEEK_SHAPE | {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64}
 DEEPSEEK_QUICK |= {"n_routed_experts": 32, "num_hidden_layers": 6, "vocab_size": 1000}
-# gpt-oss-20b scaled down, its counts kept (32 experts, 4 a token, sliding and full layers alternating, 64 query heads
-# over 8 KV heads of 64): 8 layers of 32 experts of 3 x 1024 x 1024 (6.3 MB each in bf16), 1.6 GB of experts
+# gpt-oss-20b scaled down, its counts kept (32 experts as wide as the hidden size, 4 a token, sliding and full layers
+# alternating, heads of 64 with 5 query heads a KV head): 16 layers of 32 experts of 3 x 640 x 640 (2.5 MB each in
+# bf16, 79 MB a layer: whole-layer streaming's two buffers fit a quarter of the model), 1.26 GB of experts, 1.35 GB
 GPT_OSS_SHAPE = {
-    "hidden_size": 1024,
-    "intermediate_size": 1024,
+    "hidden_size": 640,
+    "intermediate_size": 640,
     "num_local_experts": 32,
     "num_experts_per_tok": 4,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 10,
     "num_key_value_heads": 2,
     "head_dim": 64,
     "sliding_window": 128,

@@ -216,14 +216,16 @@ def table(rows: dict[str, dict[int, dict]]) -> str:
     return "\n".join(lines)
 
 
-def this_machine(work_dir: Path):
+def this_machine(work_dir: Path, quick: bool = False):
     """This machine's hardware profile (the saved `offload probe` one, or measured), its compute and disk rates
     measured again now: a shared VM's speed drifts by a fifth within minutes. The disk: the median of three reads of
-    the full probe's file in the work dir."""
+    the full probe's file in the work dir (`quick`: one read of the quick probe's)."""
     import dataclasses
 
     from offload.planner.probe import ProbeSizes, local_profile, remeasure
 
+    if quick:
+        return remeasure(local_profile(), sizes=ProbeSizes.quick(), disk_dir=work_dir)
     sizes = dataclasses.replace(ProbeSizes.quick(), disk_bytes=ProbeSizes().disk_bytes)
     return remeasure(local_profile(), sizes=sizes, disk_dir=work_dir, disk_reads=3)
 
@@ -259,7 +261,7 @@ def main_run(args: argparse.Namespace) -> dict:
     files = sorted(model_dir.glob("*.safetensors"))
     total = sum(p.stat().st_size for p in files)
     budget = total // (2 if args.quick else 4)  # a tiny model's embedding and head alone take a quarter
-    hw = this_machine(args.work_dir)
+    hw = this_machine(args.work_dir, args.quick)
     raw = raw_bandwidth(files)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     engines = [e for e in (*ENGINES, *COLD) if e in args.engines.split(",")]

@@ -9,6 +9,13 @@ import pytest
 from conftest import benchmark_module
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """The planner's profile of this machine, which the benchmark measures and saves, goes to a cache folder of the
+    test's own: a saved profile changes what later tests' engines choose (io_backend "auto")."""
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+
+
 @pytest.mark.slow
 def test_a_small_run_reads_fewer_bytes_by_expert_than_by_layer(tmp_path):
     out = tmp_path / "moe.json"

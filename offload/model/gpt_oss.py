@@ -14,16 +14,17 @@ so a layer streams whole or, with an expert cache, by expert like the other mixt
   hidden], input-major;
 - MXFP4, as the published checkpoints store them (config.json's quantization_config says "mxfp4"):
   `*_blocks` [experts, out, in / 32, 16] and `*_scales` [experts, out, in / 32], 4.25 bits a weight, read and held
-  as stored, each chosen expert's matrices dequantized (kernels/mxfp4.py) just before its product.
+  as stored, each chosen expert's products run on its codes (kernels/mxfp4_linear.py: on CUDA a Triton kernel that
+  decodes them in registers; elsewhere each matrix dequantized just before its product).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from offload.common.model_config import ModelSpec
-from offload.kernels.mxfp4 import BLOCK, dequantize_mxfp4
+from offload.kernels.mxfp4 import BLOCK
+from offload.kernels.mxfp4_linear import mxfp4_linear
 from offload.model.llama import LlamaFamily
 from offload.model.moe import routed_experts
 from offload.model.registry import LayerInput
@@ -79,18 +80,17 @@ def expert_shapes(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str | Non
 
 def clamped_swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     """One gpt-oss expert over x [tokens, hidden] (module docstring): its matrices, input-major or in MXFP4 (output-
-    major, dequantized here), and their biases."""
-    if "gate_up_proj_blocks" in w:
-        up_w = dequantize_mxfp4(w["gate_up_proj_blocks"], w["gate_up_proj_scales"], x.dtype)  # [2 x intermediate, h]
-        gate_up = F.linear(x, up_w, w["gate_up_proj_bias"])
+    major: kernels/mxfp4_linear.py, the Triton kernel reading the codes on CUDA, each dequantized whole elsewhere),
+    and their biases."""
+    if "gate_up_proj_blocks" in w:  # [tokens, 2 x intermediate]
+        gate_up = mxfp4_linear(x, w["gate_up_proj_blocks"], w["gate_up_proj_scales"], w["gate_up_proj_bias"])
     else:
         gate_up = torch.addmm(w["gate_up_proj_bias"], x, w["gate_up_proj"])  # [tokens, 2 x intermediate]
     limit = spec.swiglu_limit
     gate, up = gate_up[:, ::2].clamp(max=limit), gate_up[:, 1::2].clamp(min=-limit, max=limit)
     glu = (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
     if "down_proj_blocks" in w:
-        down_w = dequantize_mxfp4(w["down_proj_blocks"], w["down_proj_scales"], x.dtype)  # [h, intermediate]
-        return F.linear(glu, down_w, w["down_proj_bias"])
+        return mxfp4_linear(glu, w["down_proj_blocks"], w["down_proj_scales"], w["down_proj_bias"])
     return torch.addmm(w["down_proj_bias"], glu, w["down_proj"])
 
 

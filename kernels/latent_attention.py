@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from offload.kernels.dispatch import use_triton
-from offload.kernels.paged_attention import PagedCache, decode_groups, visible_slots, visible_to_group
+from offload.kernels.paged_attention import (
+    PagedCache,
+    attend_contiguous,
+    decode_groups,
+    visible_slots,
+    visible_to_group,
+)
 from offload.kernels.paged_batch import PagedBatch
 
 
@@ -45,16 +51,9 @@ def latent_attention_ref(
         q0, q1, ctx = batch.query_start[s], batch.query_start[s + 1], batch.context_lens[s]
         if q1 - q0 == 1:
             continue
-        c = gather_context(cache, batch, s)[None, None, :, 0]  # [1, 1, ctx, W]
-        o = F.scaled_dot_product_attention(
-            q[q0:q1].transpose(0, 1)[None],  # [1, H, q_len, W]
-            c,
-            c[..., :v_dim],
-            attn_mask=visible_slots(ctx, q1 - q0, None, q.device),
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[q0:q1] = o[0].transpose(0, 1)
+        c = gather_context(cache, batch, s)  # [ctx, 1, W]
+        mask = visible_slots(ctx, q1 - q0, None, q.device)
+        out[q0:q1] = attend_contiguous(q[q0:q1], c, c[..., :v_dim], scale, mask)
     return out
 
 

@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
 from offload.kernels.latent_attention import gather_context, latent_attention
-from offload.kernels.paged_attention import PagedCache, visible_slots
+from offload.kernels.paged_attention import PagedCache, attend_contiguous, visible_slots
 from offload.kernels.paged_batch import PagedBatch
 from offload.kernels.rotary import apply_rotary
-from offload.model.llama import ROPE_KINDS, LlamaFamily, project, rms_norm, swiglu
+from offload.model.llama import LlamaFamily, project, rms_norm, swiglu
 from offload.model.moe import EXPERT_MATRICES, routed_experts, sub_weights
 from offload.model.registry import LayerInput
 from offload.tiers.checkpoint import TensorSpec
@@ -52,8 +52,6 @@ class DeepseekFamily(LlamaFamily):
         super().check(spec, source)
         if spec.mla is None:
             raise OffloadError(f"{source}: {spec.architecture} needs its latent attention widths (kv_lora_rank)")
-        if spec.rope.kind not in ROPE_KINDS:
-            raise OffloadError(f"{source}: rope_type {spec.rope.kind!r} is not supported")
 
     def layer_tensors(self, spec: ModelSpec, layer: int) -> dict[str, TensorSpec]:
         p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
@@ -180,15 +178,7 @@ def decompressed(
         k_nope, v = kv.split((m.nope_dim, m.v_dim), dim=-1)
         k = torch.cat((k_nope, c[:, None, m.kv_rank :].expand(ctx, heads, m.rope_dim)), dim=-1)
         mask = None if q1 - q0 == ctx else visible_slots(ctx, q1 - q0, None, q.device)
-        o = F.scaled_dot_product_attention(
-            q[q0:q1].transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-        )  # [1, heads, q_len, v_dim]
-        out[q0:q1] = o[0].transpose(0, 1)
+        out[q0:q1] = attend_contiguous(q[q0:q1], k, v, scale, mask)
     return out
 
 

@@ -25,7 +25,7 @@ from offload.common.config import BLOCK_SIZE, KV_GROUP_SIZE, TIERS, Policy, embe
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
-from offload.common.model_config import ModelSpec
+from offload.common.model_config import GPT_OSS, ModelSpec
 from offload.scheduler.attention_cost import attention_seconds, host_kv_attention
 from offload.scheduler.moe_cost import (
     average_routed_params,
@@ -39,6 +39,7 @@ from offload.scheduler.rates import curve_rate, elementwise_bytes, gemm_seconds,
 # Python cost of the engine's loop around one decoder layer for one micro-batch (seconds): fetching its weights,
 # the call; what the layer itself costs at the least is the profile's measured layer_floor, where it has one.
 LAYER_OVERHEAD = 150e-6
+MXFP4_BITS = 4.25  # gpt-oss's published experts: a 4-bit value and a block of 32 values' 8-bit exponent
 QUANT_GROUP = 64  # weights per scale and zero point when weights are quantized (FlexGen's group size)
 
 
@@ -166,11 +167,26 @@ class Context:
         through the expert cache."""
         return self.shape.params.layer - (int(average_routed_params(self.shape)) if cand.expert_cache else 0)
 
+    def placed_bytes(self, cand: Candidate) -> float:
+        """One decoder layer's bytes as the policy places them: placed_params at the candidate's width, and MXFP4
+        experts (gpt-oss as published) that stay in the layer at 4.25 bits a weight."""
+        params = self.placed_params(cand)
+        if not self.shape.mxfp4_experts or cand.expert_cache:
+            return self.weight_bytes(params, cand.weight_bits)
+        routed = average_routed_params(self.shape)
+        return self.weight_bytes(int(params - routed), cand.weight_bits) + routed * MXFP4_BITS / 8
+
+    def expert_bytes(self, weight_bits: int) -> float:
+        """One routed expert's bytes at a candidate's width; MXFP4 experts at 4.25 bits a weight, as stored."""
+        if self.shape.mxfp4_experts:
+            return expert_params(self.shape) * MXFP4_BITS / 8
+        return self.weight_bytes(expert_params(self.shape), weight_bits)
+
     def expert_slots(self, cand: Candidate) -> int | None:
         """Experts the candidate's expert cache holds; None without one."""
         if not cand.expert_cache:
             return None
-        return int(cand.expert_cache // self.weight_bytes(expert_params(self.shape), cand.weight_bits))
+        return int(cand.expert_cache // self.expert_bytes(cand.weight_bits))
 
     def weight_bytes(self, params: int, bits: int) -> float:
         if bits >= 8 * self.dtype_bytes:
@@ -201,7 +217,7 @@ def _layer_step(
     counts the floor for both)."""
     s, hw = ctx.shape, ctx.hw
     rows_per_mb = seqs_per_mb * (context if prefill else 1)
-    w_bytes = ctx.weight_bytes(ctx.placed_params(cand), cand.weight_bits)
+    w_bytes = ctx.placed_bytes(cand)
     active = s.params.active_layer - s.experts_per_token * expert_params(s)  # routed experts: priced below
     active_bytes = ctx.weight_bytes(active, cand.weight_bits)
     busy = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0}
@@ -224,7 +240,7 @@ def _layer_step(
     compute *= micro_batches
     attention *= micro_batches
     if s.num_experts:  # the touched experts; with expert streaming the misses are read after the router chose them
-        expert_bytes = ctx.weight_bytes(expert_params(s), cand.weight_bits)
+        expert_bytes = ctx.expert_bytes(cand.weight_bits)
         slots, cuda = ctx.expert_slots(cand), (hw.host, hw.host_to_device) if not ctx.on_cpu else ()
         packed_ex = packed and not cand.expert_cache  # streamed experts are not packed
         ex = expert_step(s, hw.device, ctx.dtype, expert_bytes, rows_per_mb, micro_batches, slots, packed_ex, *cuda)
@@ -302,7 +318,7 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     s = ctx.shape
     n_dev, n_host, n_disk = cand.policy.counts
     ring = cand.policy.ring_slots
-    w = ctx.weight_bytes(ctx.placed_params(cand), cand.weight_bits)
+    w = ctx.placed_bytes(cand)
     kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
     rows = cand.micro_batch * workload.prompt_len  # the prefill micro-batch sets the activation peak
     # live in a layer: input, q/k/v, attention output, gate and up (and their product), all in compute dtype,
@@ -411,6 +427,8 @@ def _unsupported(ctx: Context, cand: Candidate) -> tuple[str, ...]:
     missing = []  # 8- and 4-bit weights run from a checkpoint `offload convert` wrote
     if cand.kv_bits < 8 * ctx.dtype_bytes and cand.kv_bits not in (8, 4):
         missing.append(f"{cand.kv_bits}-bit KV cache")  # --kv-dtype int8 and int4 run
+    if ctx.shape.architecture == GPT_OSS and cand.weight_bits < 8 * ctx.dtype_bytes:
+        missing.append("int4/int8 weights for gpt-oss (offload convert --quant mxfp4 writes its experts' format)")
     return tuple(missing)
 
 

@@ -25,7 +25,7 @@ from offload.scheduler.cost import (
     predict,
     tier_memory,
 )
-from offload.scheduler.moe_cost import average_routed_params, expert_params
+from offload.scheduler.moe_cost import average_routed_params
 
 KV_TIERS = ("device", "host")
 WHOLE_MACHINE = Budgets()  # no budget: every tier as big as the hardware profile says (frozen, safe to share)
@@ -67,7 +67,7 @@ def place_layers(
     def candidate(policy: Policy) -> Candidate:
         return Candidate(batch, micro_batches, policy, kv_tier, weight_bits, kv_bits, expert_cache)
 
-    w = ctx.weight_bytes(ctx.placed_params(candidate(Policy(()))), weight_bits)
+    w = ctx.placed_bytes(candidate(Policy(())))
 
     def fill(device_room: float, host_room: float) -> Policy:
         # in whole layers of w bytes: floor division is exact where subtracting float bytes layer by layer is not
@@ -112,7 +112,7 @@ def _auto_expert_cache(ctx: Context, bare: Candidate, workload: Workload, device
     s = ctx.shape
     dense = ctx.weight_bytes(s.params.layer - average_routed_params(s), bare.weight_bits) * s.num_layers
     room = device_cap - tier_memory(ctx, bare, workload)["device"] - dense
-    one_token = s.experts_per_token * ctx.weight_bytes(expert_params(s), bare.weight_bits)
+    one_token = s.experts_per_token * ctx.expert_bytes(bare.weight_bits)
     return int(max(room, one_token))
 
 

@@ -267,11 +267,11 @@ def _experts_lines(
 ) -> list[str]:
     """What a step touches of a mixture's experts, and what the best policy's expert cache holds."""
     from offload.scheduler.cost import make_context
-    from offload.scheduler.moe_cost import distinct_experts, expert_params, hit_rate, sparse_layers
+    from offload.scheduler.moe_cost import distinct_experts, hit_rate, sparse_layers
 
     c = winner.candidate
     ctx = make_context(shape, hw, dtype, BLOCK_SIZE)
-    one = ctx.weight_bytes(expert_params(shape), c.weight_bits)
+    one = ctx.expert_bytes(c.weight_bits)
     touched = ", ".join(f"batch {b}: {distinct_experts(shape, b):.1f}" for b in (1, 8, 64) if b <= max(c.batch, 8))
     lines = [
         f"experts   {shape.num_experts} routed per layer in {sparse_layers(shape)} layers, top "

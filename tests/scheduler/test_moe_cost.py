@@ -163,3 +163,25 @@ def test_expert_reads_pipeline_with_the_experts_compute():
     assert expert_wait(step, 4.0, 0.5) == 0.5  # reads hidden but the first one's
     assert expert_wait(step, 20.0, 2.5) == 20.0 + 1.0 - 8.0  # compute hidden but the last expert's
     assert expert_wait(ExpertStep(8.0, 0.0, one_seconds=1.0), 0.0, 0.0) == 0.0  # every expert cached
+
+
+def test_gpt_oss_s_published_mxfp4_experts_are_priced_at_4_25_bits_and_only_they_run():
+    """configs/models/gpt-oss-120b.json is the published config, its quantization_config MXFP4: the experts stay in
+    their layers or stream by expert at 4.25 bits a weight, the rest at the compute dtype's width; 8- and 4-bit
+    candidates would need a conversion that refuses gpt-oss."""
+    from offload.planner.models import load_model_spec
+    from offload.scheduler.cost import make_context
+    from offload.scheduler.moe_cost import average_routed_params
+
+    spec = load_model_spec("gpt-oss-120b")
+    assert spec.mxfp4_experts
+    ctx = make_context(spec, cpu_machine(), "bfloat16", 16)
+    assert ctx.expert_bytes(16) == ctx.expert_bytes(4) == expert_params(spec) * 4.25 / 8
+    whole = Candidate(1, 1, Policy(("device",) * spec.num_layers))
+    routed = average_routed_params(spec)
+    assert ctx.placed_bytes(whole) == pytest.approx((spec.params.layer - routed) * 2 + routed * 4.25 / 8, rel=1e-9)
+    streamed = dataclasses.replace(whole, expert_cache=1 << 30)
+    assert ctx.placed_bytes(streamed) == ctx.weight_bytes(ctx.placed_params(streamed), 16)
+    work = Workload(prompt_len=16, gen_len=4)
+    assert predict(spec, cpu_machine(ram=400_000 * MB), work, dataclasses.replace(whole, weight_bits=4)).unsupported
+    assert not predict(spec, cpu_machine(ram=400_000 * MB), work, whole).unsupported

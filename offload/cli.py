@@ -161,7 +161,8 @@ def _summary(llm, completions) -> str:
         f"memory     device peak {format_size(pl.device_peak)}"
         + (f" of a {format_size(pl.device_budget)} budget" if pl.device_budget is not None else " (no budget)")
         + f", host peak {format_size(pl.host_peak)}",
-        f"kv cache   {format_size(pl.kv_bytes)} {p.kv.cache.format} on {pl.device}: {pl.kv_blocks} blocks of "
+        f"kv cache   {format_size(pl.kv_bytes)} {p.kv.cache.format}{_latent_note(llm.spec)} on {pl.device}: "
+        f"{pl.kv_blocks} blocks of "
         f"{pl.block_size} tokens, peak {s.peak_kv_blocks} blocks ({kv_used} token slots)",
         f"prefix     {_prefix_line(llm, s)}",
     ]
@@ -193,6 +194,12 @@ def _summary(llm, completions) -> str:
     if kernels := dispatch.summary():
         lines.append(f"kernels    {kernels}")
     return "\n".join(lines)
+
+
+def _latent_note(spec) -> str:
+    if spec.mla is None:
+        return ""
+    return f" (multi-head latent attention: {spec.mla.width} values a token and layer)"
 
 
 def _skipped_note(spec) -> str:

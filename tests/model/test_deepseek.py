@@ -182,3 +182,5 @@ def test_summary_says_the_multi_token_prediction_layer_is_not_run(deepseek):
     layers = model.config.to_dict().get("num_nextn_predict_layers") or 0  # DeepseekV3Config writes 1, V2 none
     assert llm.spec.mtp_layers == layers
     assert ("1 multi-token-prediction layer(s) in the checkpoint not run" in summary) == (layers == 1)
+    width = llm.spec.mla.kv_rank + llm.spec.mla.rope_dim
+    assert f"(multi-head latent attention: {width} values a token and layer)" in summary

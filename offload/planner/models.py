@@ -20,7 +20,7 @@ MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 class SizeEstimate:
     """Weight bytes of a model stored in one dtype, as `accelerate estimate-memory` reports them."""
 
-    dtype: str  # "float32", "float16", "bfloat16", "int8" or "int4"
+    dtype: str  # "float32", "float16", "bfloat16", "int8", "int4", or "mxfp4 experts" (gpt-oss as published)
     total_bytes: int
     largest_layer_bytes: int  # the largest unit the engine streams: embeddings, one decoder layer or the head
     largest_layer_name: str  # "embeddings", "decoder layer" or "head"
@@ -32,13 +32,27 @@ _SIZE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8, "int4": 4
 
 
 def estimate_sizes(spec: ModelSpec) -> list[SizeEstimate]:
-    """One row per dtype in float32, float16, bfloat16, int8, int4 order; bytes rounded up to whole bytes."""
+    """One row per dtype in float32, float16, bfloat16, int8, int4 order; bytes rounded up to whole bytes. A model
+    whose routed experts are stored in MXFP4 (gpt-oss as published) gets one more row, as stored: the experts at
+    4.25 bits a weight, the rest in bfloat16."""
     parts = {"embeddings": spec.params.embed, "decoder layer": spec.params.layer, "head": spec.params.head}
     largest = max(parts, key=parts.__getitem__)  # ties go to the first in the dict's order
-    return [
+    rows = [
         SizeEstimate(dtype, _bytes(spec.total_params, bits), _bytes(parts[largest], bits), largest)
         for dtype, bits in _SIZE_BITS.items()
     ]
+    if spec.mxfp4_experts:
+        experts = spec.num_experts * 3 * spec.hidden_size * spec.expert_size  # one layer's routed experts
+        layer = _bytes(spec.params.layer - experts, 16) + -(-experts * 17 // 32)  # 17/32 of a byte: 4.25 bits
+        stored = {
+            "embeddings": _bytes(spec.params.embed, 16),
+            "decoder layer": layer,
+            "head": _bytes(spec.params.head, 16),
+        }
+        name = max(stored, key=stored.__getitem__)
+        total = stored["embeddings"] + spec.num_layers * layer + stored["head"]
+        rows.append(SizeEstimate("mxfp4 experts", total, stored[name], name))
+    return rows
 
 
 def _bytes(params: int, bits: int) -> int:

@@ -368,3 +368,15 @@ def test_kimi_k2_is_deepseek_v3_with_more_experts():
     active = kimi.num_layers * kimi.params.active_layer + kimi.params.embed + kimi.params.head
     assert round(active / 1e9) == 33  # "32 billion activated", which leaves out the input embedding
     assert kimi.kv_bytes_per_token(2) == deepseek.kv_bytes_per_token(2)  # the same latent per token and layer
+
+
+def test_gpt_oss_as_published_weighs_its_experts_at_4_25_bits():
+    """One more size row for gpt-oss's published checkpoints: the routed experts in MXFP4, the rest in bfloat16
+    (65.2 GB for gpt-oss-120b, where bfloat16 throughout is 234 GB); other models get none."""
+    spec = load_model_spec("gpt-oss-120b")
+    rows = {row.dtype: row for row in estimate_sizes(spec)}
+    experts = spec.num_layers * spec.num_experts * 3 * spec.hidden_size * spec.expert_size
+    assert rows["mxfp4 experts"].total_bytes == pytest.approx((spec.total_params - experts) * 2 + experts * 4.25 / 8)
+    assert round(rows["mxfp4 experts"].total_bytes / 1e9, 1) == 65.2
+    assert round(rows["bfloat16"].total_bytes / 1e9) == 234
+    assert "mxfp4 experts" not in {row.dtype for row in estimate_sizes(load_model_spec("deepseek-v3"))}

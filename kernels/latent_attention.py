@@ -21,6 +21,7 @@ from offload.kernels.paged_attention import (
     PagedCache,
     attend_contiguous,
     decode_groups,
+    triton_split,
     visible_slots,
     visible_to_group,
 )
@@ -76,9 +77,17 @@ def latent_attention(
     from offload.kernels.paged_decode import paged_decode  # imports triton, which only this path needs
 
     _check(q, cache, batch, v_dim)
-    tables = batch.block_tables.to(q.device, torch.int32).contiguous()
-    lens = torch.tensor(batch.context_lens, dtype=torch.int32, device=q.device)
-    return paged_decode(q, cache, cache, tables, lens, scale, max_context=max(batch.context_lens), v_dim=v_dim)
+    split = triton_split(batch, q.device)  # built once a step, kept on the batch for every layer
+    return paged_decode(
+        q,
+        cache,
+        cache,
+        split.decode_tables,
+        split.decode_lens,
+        scale,
+        max_context=split.max_decode_context,
+        v_dim=v_dim,
+    )
 
 
 def _check(q: torch.Tensor, cache: torch.Tensor | PagedCache, batch: PagedBatch, v_dim: int) -> None:

@@ -290,7 +290,7 @@ def _check(
     batch.memo[key] = True
 
 
-class _TritonSplit(NamedTuple):
+class TritonSplit(NamedTuple):
     """The batch split between the Triton kernels, built once per batch and device and kept in `batch.memo`."""
 
     decode_rows: torch.Tensor | None  # [n] int64 rows of the one-query sequences in q; None when that is every row
@@ -300,13 +300,13 @@ class _TritonSplit(NamedTuple):
     prefill_seqs: tuple[int, ...]  # the sequences with any other number of queries
 
 
-def _triton_split(batch: PagedBatch, device: torch.device) -> _TritonSplit:
+def triton_split(batch: PagedBatch, device: torch.device) -> TritonSplit:
     key = ("triton_split", device)
     if key not in batch.memo:
         starts = batch.query_start
         decode = [s for s in range(batch.num_seqs) if starts[s + 1] - starts[s] == 1]
         rows = torch.tensor([starts[s] for s in decode], dtype=torch.int64, device=device)
-        batch.memo[key] = _TritonSplit(
+        batch.memo[key] = TritonSplit(
             decode_rows=None if len(decode) == starts[-1] else rows,
             decode_tables=batch.block_tables[decode].to(device, torch.int32).contiguous(),
             decode_lens=torch.tensor([batch.context_lens[s] for s in decode], dtype=torch.int32, device=device),
@@ -339,7 +339,7 @@ def paged_attention(
     from offload.kernels.paged_prefill import paged_prefill
 
     _check(q, k_cache, v_cache, batch)
-    split = _triton_split(batch, q.device)
+    split = triton_split(batch, q.device)
     rows = split.decode_rows
     out = None if rows is None else torch.empty_like(q)
     if len(split.decode_lens):

@@ -94,7 +94,10 @@ def convert(model_dir: Path, out: Path, quant: WeightQuant, method: str = "rtn")
     store_dtype = getattr(torch, spec.dtype)  # scales and float tensors keep the model's declared dtype
     plan = _plan(tensors, quant, CODES[store_dtype])
     with BufferedReader() as reader, staged(out) as work:
-        source = _Source(Checkpoint(model_dir, reader), quant, store_dtype, method)
+        source = Source(
+            Checkpoint(model_dir, reader),
+            lambda w, p: _make(w, quant, store_dtype, method, quantized=p.part != "copy"),
+        )
         for p in plan:
             source.checkpoint.check(p.source.name, p.source.shape)
         files, crcs = write_weights(work, plan, source.part)
@@ -144,12 +147,15 @@ def staged(out: Path) -> Iterator[Path]:
         raise
 
 
-class _Source:
-    """The parts `_plan` names, made from a float checkpoint: each source tensor read and quantized once (its codes
-    and scales come from one read)."""
+class Source:
+    """The parts a conversion's plan names, made from a float checkpoint: each source tensor read once, and `make`
+    (the tensor read, the planned part asked for first) turning it into every part written from it (its copy, or its
+    codes and scales)."""
 
-    def __init__(self, checkpoint: Checkpoint, quant: WeightQuant, store_dtype: torch.dtype, method: str) -> None:
-        self.checkpoint, self.quant, self.store_dtype, self.method = checkpoint, quant, store_dtype, method
+    def __init__(
+        self, checkpoint: Checkpoint, make: Callable[[torch.Tensor, Planned], dict[str, torch.Tensor]]
+    ) -> None:
+        self.checkpoint, self.make = checkpoint, make
         self.read_bytes = 0  # of the source tensors
         self._made: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -158,8 +164,7 @@ class _Source:
             ext = self.checkpoint.extent(p.source.name)
             w = self.checkpoint.read(ext)
             self.read_bytes += ext.nbytes
-            made = _make(w, self.quant, self.store_dtype, self.method, quantized=p.part != "copy")
-            self._made = {p.source.name: made}
+            self._made = {p.source.name: self.make(w, p)}
         return self._made[p.source.name][p.part]
 
 

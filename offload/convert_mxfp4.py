@@ -23,6 +23,7 @@ from offload.convert import (
     MANIFEST,
     ConvertStats,
     Planned,
+    Source,
     check_new,
     staged,
     write_config,
@@ -50,7 +51,7 @@ def convert_mxfp4(model_dir: Path, out: Path) -> ConvertStats:
     with BufferedReader() as reader, staged(out) as work:
         checkpoint = Checkpoint(model_dir, reader)
         plan = _plan(model_tensors(family, spec), checkpoint, model_dir)
-        source = _Source(checkpoint)
+        source = Source(checkpoint, _made)
         files, crcs = write_weights(work, plan, source.part)
         write_config(model_dir, work, {"quant_method": "mxfp4", "modules_to_not_convert": KEPT_FLOAT})
         manifest = {
@@ -67,27 +68,15 @@ def convert_mxfp4(model_dir: Path, out: Path) -> ConvertStats:
     return ConvertStats(out, None, quantized, copied, source.read_bytes, written)
 
 
-class _Source:
-    """The parts `_plan` names: each source tensor read once, copied, or its experts written as blocks and scales."""
-
-    def __init__(self, checkpoint: Checkpoint) -> None:
-        self.checkpoint = checkpoint
-        self.read_bytes = 0  # of the source tensors
-        self._made: dict[str, dict[str, torch.Tensor]] = {}
-
-    def part(self, p: Planned) -> torch.Tensor:
-        if p.source.name not in self._made:
-            ext = self.checkpoint.extent(p.source.name)
-            w = self.checkpoint.read(ext)
-            self.read_bytes += ext.nbytes
-            if p.part == "copy":
-                self._made = {p.source.name: {"copy": w}}
-            else:  # [experts, in, out] -> the published [experts, out, in] blocks, an expert at a time (the
-                # rounding's float32 temporaries are several times an expert's size)
-                parts = [quantize_mxfp4(w[e].t()) for e in range(w.shape[0])]
-                blocks, scales = (torch.stack(x) for x in zip(*parts, strict=True))
-                self._made = {p.source.name: {"blocks": blocks, "scales": scales}}
-        return self._made[p.source.name][p.part]
+def _made(w: torch.Tensor, p: Planned) -> dict[str, torch.Tensor]:
+    """A source tensor's parts: copied as stored, or its stacked experts [experts, in, out] as the published
+    [experts, out, in] blocks and scales, an expert at a time (the rounding's float32 temporaries are several times an
+    expert's size)."""
+    if p.part == "copy":
+        return {"copy": w}
+    parts = [quantize_mxfp4(w[e].t()) for e in range(w.shape[0])]
+    blocks, scales = (torch.stack(x) for x in zip(*parts, strict=True))
+    return {"blocks": blocks, "scales": scales}
 
 
 def _plan(tensors: ModelTensors, checkpoint: Checkpoint, model_dir: Path) -> list[Planned]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec, parse_model_config, read_config
+from offload.scheduler.moe_cost import routed_params
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -42,7 +43,7 @@ def estimate_sizes(spec: ModelSpec) -> list[SizeEstimate]:
         for dtype, bits in _SIZE_BITS.items()
     ]
     if spec.mxfp4_experts:
-        experts = spec.num_experts * 3 * spec.hidden_size * spec.expert_size  # one layer's routed experts
+        experts = routed_params(spec)  # one layer's routed experts
         layer = _bytes(spec.params.layer - experts, 16) + -(-experts * 17 // 32)  # 17/32 of a byte: 4.25 bits
         stored = {
             "embeddings": _bytes(spec.params.embed, 16),

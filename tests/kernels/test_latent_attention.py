@@ -88,3 +88,17 @@ def test_checks_name_the_bad_operand():
     bad = PagedBatch((0, 2), case.batch.context_lens, case.batch.block_tables, case.batch.slot_mapping)
     with pytest.raises(ValueError, match="does not cover 1 query tokens"):
         latent_attention(case.q, case.k_cache, bad, 1.0, 4)
+
+
+@interpreted
+def test_the_dispatcher_s_triton_path_equals_the_reference(monkeypatch):
+    """latent_attention as it runs on CUDA (the Triton decode kernel over the batch's memoized tables), here in the
+    interpreter, against the reference."""
+    pytest.importorskip("triton")
+    import offload.kernels.latent_attention as latent
+
+    case = latent_case(DECODES, 4, 4, 33, torch.float32, seed=2)
+    want = latent_attention_ref(case.q, case.k_cache, case.batch, 0.3, 27)
+    monkeypatch.setattr(latent, "use_triton", lambda name, device: True)
+    got = latent.latent_attention(case.q, case.k_cache, case.batch, 0.3, 27)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -24,7 +24,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
 
+FLOATS = {T.F32: "F32", T.F16: "F16", T.BF16: "BF16"}  # the float types, by safetensors code
 GROUP = 32  # values per engine group: every kept block type's (sub-)block
 INT4_EXACT = (T.Q4_0, T.Q4_1, T.Q4_K)
 INT8_EXACT = (T.Q8_0,)
@@ -103,3 +105,13 @@ def engine_int4(g: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
 def engine_int8(q: np.ndarray, scale: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """int8_groups' output -> (codes int8 [N, K], scales float32 [K / 32, N])."""
     return torch.from_numpy(q).contiguous(), torch.from_numpy(scale).t().contiguous()
+
+
+def float_tensor(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> tuple[torch.Tensor, str]:
+    """raw uint8 bytes of a tensor of `shape` as float, and its safetensors code: float types as stored, quantized
+    ones as gguf dequantizes them (float32)."""
+    if qtype == T.BF16:
+        return torch.from_numpy(raw.copy().view(np.int16)).view(torch.bfloat16).reshape(shape), "BF16"
+    if qtype in FLOATS:
+        return torch.from_numpy(raw.copy().view("<f4" if qtype == T.F32 else "<f2")).reshape(shape), FLOATS[qtype]
+    return torch.from_numpy(gguf_quants.dequantize(raw, qtype)).reshape(shape), "F32"

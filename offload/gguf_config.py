@@ -2,13 +2,16 @@
 name, and the row order llama.cpp's converter gave the Llama family's q and k projections.
 
 The decoder architectures the engine runs under llama.cpp's tensor names are read: llama (Llama, Mistral and the
-like; Mixtral where the file has experts), qwen2, qwen3, qwen2moe and qwen3moe. A mixture's routed experts are stored
-stacked, one [experts, rows, columns] tensor per matrix and layer (ffn_gate_exps, ...): each expert is read as its
-slice (`gguf_source`). llama.cpp permutes the rows of Llama's q and k projections for its interleaved
-rotary layout (each head's rows, Hugging Face's two halves [2, head_dim / 2], stored interleaved as
-[head_dim / 2, 2]); transformers' GGUF loader undoes it and so does `rotary_row_order`. Qwen2 and Qwen3 keep
-Hugging Face's order (llama.cpp's NEOX rotary). Rotary scaling: none, linear, or Llama 3's, which llama.cpp stores
-as per-frequency divisors (rope_freqs.weight), read back into rope_parameters where it matches Llama 3.1's band.
+like; Mixtral where the file has experts), qwen2, qwen3, qwen2moe and qwen3moe; deepseek2 (DeepSeek-V2, V3, Kimi-K2)
+and gpt-oss, whose metadata and the tensors llama.cpp's converter split or repacked offload/gguf_families.py reads.
+A mixture's routed experts are stored stacked, one [experts, rows, columns] tensor per matrix and layer
+(ffn_gate_exps, ...): each expert is read as its slice (`gguf_source`). llama.cpp permutes the rows of Llama's q and
+k projections for its interleaved rotary layout (each head's rows, Hugging Face's two halves [2, head_dim / 2],
+stored interleaved as [head_dim / 2, 2]); transformers' GGUF loader undoes it and so does `rotary_row_order`. Qwen2,
+Qwen3 and gpt-oss keep Hugging Face's order (llama.cpp's NEOX rotary), and so does deepseek2, whose rotated pairs
+llama.cpp takes interleaved as DeepSeek's own code does. Rotary scaling: none, linear, or Llama 3's, which llama.cpp
+stores as per-frequency divisors (rope_freqs.weight), read back into rope_parameters where it matches Llama 3.1's
+band; deepseek2's and gpt-oss's YaRN is read with the rest of their metadata.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from offload.common.errors import OffloadError
+from offload.gguf_families import FAMILIES, family_config
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -47,17 +51,31 @@ LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    # DeepSeek's latent attention
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",  # newer files split it: offload/gguf_families.py joins attn_k_b and attn_v_b
 }
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-# a mixture's layer: the router, the shared expert (Qwen2-MoE) and its gate, under Qwen's and Mixtral's names
+# a mixture's layer: the router, the shared expert (Qwen2-MoE, DeepSeek) and its gate, under each family's names
 MOE_NAMES = {
     "mlp.gate": "ffn_gate_inp",
     "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.router": "ffn_gate_inp",  # gpt-oss's, with a bias
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
+# a layer's tensors whose checkpoint names end in neither .weight nor .bias: DeepSeek-V3's routing bias, gpt-oss's sinks
+WHOLE_NAMES = {"mlp.gate.e_score_correction_bias": "exp_probs_b.bias", "self_attn.sinks": "attn_sinks.weight"}
+WHOLE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # routed expert e's matrices: llama.cpp stacks each over the experts, [experts, rows, columns], as ffn_*_exps
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -97,10 +115,9 @@ def field(reader: GGUFReader, key: str, path: Path, default: object = _REQUIRED)
 
 def architecture(reader: GGUFReader, path: Path) -> str:
     arch = field(reader, "general.architecture", path)
-    if arch not in ARCHITECTURES:
-        raise OffloadError(
-            f"{path}: general.architecture {arch!r} is not imported (supported: {', '.join(ARCHITECTURES)})"
-        )
+    if arch not in ARCHITECTURES and arch not in FAMILIES:
+        supported = ", ".join((*ARCHITECTURES, *FAMILIES))
+        raise OffloadError(f"{path}: general.architecture {arch!r} is not imported (supported: {supported})")
     return arch
 
 
@@ -112,12 +129,14 @@ def hf_config(reader: GGUFReader, path: Path, dtype: str) -> dict:
     def meta(key: str, default: object = _REQUIRED):
         return field(reader, f"{arch}.{key}", path, default)
 
+    if "token_embd.weight" not in tensors:
+        raise OffloadError(f"{path}: no tensor 'token_embd.weight'")
+    if arch in FAMILIES:
+        return family_config(arch, meta, tensors, path) | {"dtype": dtype} | special_tokens(reader, path)
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     head_dim = meta("attention.key_length", hidden // heads)
     if meta("attention.value_length", head_dim) != head_dim or meta("rope.dimension_count", head_dim) != head_dim:
         raise OffloadError(f"{path}: {arch}.rope.dimension_count or value_length differs from the head size {head_dim}")
-    if "token_embd.weight" not in tensors:
-        raise OffloadError(f"{path}: no tensor 'token_embd.weight'")
     config = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
@@ -221,11 +240,16 @@ def gguf_source(hf_name: str, tensors: dict) -> tuple[str, int | None]:
             stacked = f"blk.{layer}.ffn_{EXPERT_NAMES[matrix]}_exps.weight"
             alone = f"blk.{layer}.ffn_{EXPERT_NAMES[matrix]}.{expert}.weight"
             return (alone, None) if stacked not in tensors and alone in tensors else (stacked, int(expert))
-    return gguf_name(hf_name), None
+    name = gguf_name(hf_name)
+    if name not in tensors and ".ffn_norm." in name:  # gpt-oss's files call it post_attention_norm
+        name = name.replace(".ffn_norm.", ".post_attention_norm.")
+    return name, None
 
 
 def gguf_name(hf_name: str) -> str:
     """The GGUF name of a checkpoint tensor ("model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight")."""
+    if (m := WHOLE.match(hf_name)) and m[2] in WHOLE_NAMES:
+        return f"blk.{m[1]}.{WHOLE_NAMES[m[2]]}"
     if m := LAYER.match(hf_name):
         layer, module, kind = m.groups()
         if module in LAYER_NAMES:

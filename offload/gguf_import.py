@@ -10,7 +10,9 @@ types as stored. Where no layer matrix is 4-bit, the triton layout takes int8 in
 requantized); the cpu layout's int8 has one scale per output channel, which holds neither, so there they stay
 float. Embeddings, norms and the LM head are float as the engine reads them: quantized ones dequantized to float32.
 A mixture's routed experts, stacked in the file, are written one matrix per expert (offload/gguf_config.py's
-`gguf_source` names each one's slice), so the engine reads and streams them by expert.
+`gguf_source` names each one's slice), so the engine reads and streams them by expert. What llama.cpp's converter
+split or repacked is joined back (offload/gguf_families.py): deepseek2's kv_b_proj, and gpt-oss's experts, MXFP4
+as published (config.json's quantization_config "mxfp4", every other tensor float).
 
 The output is written as `offload convert`'s is (offload/convert.py): aligned safetensors, MANIFEST with checksums
 and, per tensor, what was kept and what it cost, a temporary folder renamed into place. `resolve_model` lets every
@@ -38,7 +40,17 @@ from offload.common.model_config import parse_model_config
 from offload.common.paths import cache_dir
 from offload.common.quant import QUANT_METHOD, WeightQuant
 from offload.convert import FORMAT, MANIFEST, Planned, check_new, file_sha256, staged, write_weights
-from offload.gguf_codes import GROUP, INT4_EXACT, INT8_EXACT, engine_int4, engine_int8, int4_groups, int8_groups
+from offload.gguf_codes import (
+    FLOATS,
+    GROUP,
+    INT4_EXACT,
+    INT8_EXACT,
+    engine_int4,
+    engine_int8,
+    float_tensor,
+    int4_groups,
+    int8_groups,
+)
 from offload.gguf_config import (
     ROPE_FACTORS,
     architecture,
@@ -47,17 +59,18 @@ from offload.gguf_config import (
     hf_config,
     open_gguf,
     rotary_row_order,
-    special_tokens,
 )
+from offload.gguf_families import Joined, joined_tensors
+from offload.gguf_kept import ImportStats, Kept
+from offload.gguf_tokenizer import write_tokenizer
 from offload.kernels.quant_linear import SCALES_SUFFIX, cpu_pack_probe, to_cpu_layout
 from offload.model.registry import get_family, model_tensors
 from offload.tiers.checkpoint import ModelTensors, TensorSpec
 
-FLOATS = {T.F32: "F32", T.F16: "F16", T.BF16: "BF16"}
 REQUANT_INT8 = (T.Q6_K,)  # more than 5 bits: int8 is the nearest engine format
 # 5 bits or less: int4 groups of 32 are the nearest
 REQUANT_INT4 = (
-    *(T.Q5_0, T.Q5_1, T.Q5_K, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.TQ1_0, T.TQ2_0),
+    *(T.Q5_0, T.Q5_1, T.Q5_K, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.TQ1_0, T.TQ2_0, T.MXFP4),
     *(T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S),
 )
 READ = (*FLOATS, *INT4_EXACT, *INT8_EXACT, *REQUANT_INT8, *REQUANT_INT4)
@@ -65,50 +78,6 @@ KEY_HEAD_BYTES = 8 << 20  # source_key digests this much of the file's start (me
 KEY_SAMPLES = 16  # ... and this many 4 KiB extents spread over the rest
 QUANTIZED_COMPUTE_DTYPE = "bfloat16"  # config.json's dtype for a quantized file: the default compute dtype (--dtype)
 IMPORT_VERSION = 2  # part of the cache key: a change in what an import writes imports again
-
-
-@dataclass(frozen=True, slots=True)
-class Kept:
-    """What became of one GGUF tensor."""
-
-    gguf: str
-    qtype: str  # its GGUF type, e.g. "Q4_1"
-    stored: str  # "int4-g32", "int8-g32", or the float code written ("F32", "F16", "BF16")
-    exact: bool  # every value the engine reads equals gguf.quants.dequantize's
-    rel_rms: float = 0.0  # requantized: ||w - w'|| / ||w|| over the tensor
-    max_abs: float = 0.0  # requantized: max |w - w'|
-    inexact_groups: int = 0  # int4 groups whose zero float32 rounds (gguf_codes.Int4Groups.inexact)
-
-    @property
-    def how(self) -> str:
-        if self.exact:
-            return "exact"
-        return "codes kept, zero points rounded" if self.inexact_groups else "requantized"
-
-
-@dataclass(frozen=True, slots=True)
-class ImportStats:
-    out: Path
-    quant: WeightQuant | None
-    kept: dict[str, Kept]  # by checkpoint tensor name (the weight's, for codes and scales)
-    source_bytes: int  # the GGUF file's size
-    bytes_written: int  # the output's weight files
-
-    def summary(self) -> str:
-        """One line per (GGUF type -> stored form): how many tensors, and the requantized ones' worst error."""
-        kinds: dict[tuple[str, str, str], list[Kept]] = {}
-        for k in self.kept.values():
-            kinds.setdefault((k.qtype, k.stored, k.how), []).append(k)
-        lines = []
-        for (qtype, stored, how), kept in sorted(kinds.items()):
-            line = f"{len(kept):>5} {qtype:<6} -> {stored:<8} {how}"
-            if how != "exact":
-                line += (
-                    f": relative RMS error up to {max(k.rel_rms for k in kept):.2e}, "
-                    f"max abs {max(k.max_abs for k in kept):.2e}"
-                )
-            lines.append(line)
-        return "\n".join(lines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +89,7 @@ class _Model:
     quant: WeightQuant | None  # the checkpoint's weight format (None: every matrix float)
     plan: list[Planned]  # the output tensors, each with the GGUF tensor it is made from
     experts: dict[str, int]  # weight name -> the expert it is of its GGUF tensor's stack (absent: the whole tensor)
+    joined: dict[str, Joined]  # checkpoint tensors made from several GGUF tensors or repacked (gguf_families.py)
 
 
 def import_gguf(path: Path, out: Path, layout: str) -> ImportStats:
@@ -131,7 +101,7 @@ def import_gguf(path: Path, out: Path, layout: str) -> ImportStats:
     with staged(out) as work:
         files, crcs = write_weights(work, model.plan, source.part)
         (work / "config.json").write_text(json.dumps(model.config, indent=2))
-        _write_tokenizer(path, work, reader)
+        write_tokenizer(path, work, reader)
         manifest = {
             "format": FORMAT,
             "source": str(path.resolve()),
@@ -155,20 +125,24 @@ def _model(reader: GGUFReader, path: Path, layout: str) -> _Model:
     spec = parse_model_config(config, str(path), name=path.stem)
     family = get_family(config["architectures"][0], str(path))
     family.check(spec, str(path))
+    joined = joined_tensors(arch, tensors, spec, path)
     layers = model_tensors(family, spec).layers
     # the projections `offload convert` would quantize: short names "*_proj" (Mixtral's experts' among them)
-    matrices = {t.name: _gguf(tensors, t.name, path)[0] for g in layers for s, t in g.items() if s.endswith("_proj")}
-    quant = _format({n: T(g.tensor_type) for n, g in matrices.items()}, layout)
+    proj = [t.name for g in layers for s, t in g.items() if s.endswith("_proj") and t.name not in joined]
+    matrices = {name: _gguf(tensors, name, path)[0] for name in proj}
+    # one weight format: gpt-oss's MXFP4 experts (quantization_config "mxfp4") leave the rest float
+    quant = None if spec.mxfp4_experts else _format({n: T(g.tensor_type) for n, g in matrices.items()}, layout)
     if quant is not None:
         config["quantization_config"] = _quant_config(quant)
         spec = dataclasses.replace(spec, quant=quant)
-    plan, experts = _plan(model_tensors(family, spec), tensors, path, config["dtype"])
+    plan, experts = _plan(model_tensors(family, spec), tensors, joined, path, config["dtype"])
     if quantized:  # stored exactly, in float32; run by default in bfloat16, where torch's int4 CPU matmul is fast
         config["dtype"] = QUANTIZED_COMPUTE_DTYPE
-    unused = sorted(set(tensors) - {p.source.name for p in plan} - {ROPE_FACTORS})  # the last read into config
+    read = {p.source.name for p in plan} | {s for j in joined.values() for s in j.sources} | {ROPE_FACTORS}
+    unused = sorted(set(tensors) - read)  # ROPE_FACTORS is read into config.json
     if unused:
         raise OffloadError(f"{path}: tensor {unused[0]!r} is not read by the engine's {arch} ({len(unused)} unread)")
-    return _Model(arch, config, quant, plan, experts)
+    return _Model(arch, config, quant, plan, experts, joined)
 
 
 def _gguf(tensors: dict[str, ReaderTensor], hf_name: str, path: Path) -> tuple[ReaderTensor, int | None]:
@@ -224,14 +198,20 @@ def _quant_config(quant: WeightQuant) -> dict:
 
 
 def _plan(
-    read: ModelTensors, tensors: dict[str, ReaderTensor], path: Path, dtype: str
+    read: ModelTensors, tensors: dict[str, ReaderTensor], joined: dict[str, Joined], path: Path, dtype: str
 ) -> tuple[list[Planned], dict[str, int]]:
     """Every tensor the engine reads, in its order, with the GGUF tensor it is made from; and each routed expert's
-    weight name with its place in that tensor's stack."""
+    weight name with its place in that tensor's stack. A joined tensor is planned once (gpt-oss's experts are rows
+    of one)."""
     float_code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[dtype]
-    plan, experts = [], {}
+    plan, experts, planned = [], {}, set()
     for group in (read.embed, *read.layers, read.head):
         for short, t in group.items():
+            if t.name in joined:
+                if t.name not in planned:
+                    plan.append(joined[t.name].planned)
+                    planned.add(t.name)
+                continue
             weight = _weight_name(t.name)
             g, expert = _gguf(tensors, weight, path)
             qtype = T(g.tensor_type)
@@ -270,11 +250,15 @@ class _Source:
 
     def __init__(self, tensors: dict[str, ReaderTensor], model: _Model) -> None:
         self.tensors, self.arch, self.config, self.quant = tensors, model.arch, model.config, model.quant
-        self.experts = model.experts
+        self.experts, self.joined = model.experts, model.joined
         self.kept: dict[str, Kept] = {}
         self._made: dict[str, dict[str, torch.Tensor]] = {}
 
     def part(self, p: Planned) -> torch.Tensor:
+        if p.part == "joined":
+            j = self.joined[p.name]
+            self.kept[j.weight] = j.kept
+            return j.make(self.tensors)
         weight = _weight_name(p.name)  # its codes and scales come from one decoding
         if weight not in self._made:
             self._made = {weight: self._make(p)}
@@ -292,7 +276,7 @@ class _Source:
         order = rotary_row_order(self.arch, g.name, rows, self.config)
         raw = raw if order is None else raw[order]
         if p.part == "copy":
-            w, stored = _float(raw, qtype, p.source.shape)
+            w, stored = float_tensor(raw, qtype, p.source.shape)
             self.kept[weight] = Kept(g.name, qtype.name, stored, True)
             return {"copy": w}
         codes, scales, kept = _quantized(raw, qtype, p.source.shape, self.quant)
@@ -300,15 +284,6 @@ class _Source:
         if self.quant.layout == "cpu":
             codes = to_cpu_layout(codes, self.quant.bits)
         return {"codes": codes, "scales": scales}
-
-
-def _float(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> tuple[torch.Tensor, str]:
-    """A tensor as float: float types as stored, quantized ones as gguf dequantizes them (float32)."""
-    if qtype == T.BF16:
-        return torch.from_numpy(raw.copy().view(np.int16)).view(torch.bfloat16).reshape(shape), "BF16"
-    if qtype in FLOATS:
-        return torch.from_numpy(raw.copy().view("<f4" if qtype == T.F32 else "<f2")).reshape(shape), FLOATS[qtype]
-    return torch.from_numpy(gguf_quants.dequantize(raw, qtype)).reshape(shape), "F32"
 
 
 def _quantized(
@@ -339,20 +314,6 @@ def _error(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int
 
     err = dequantize(codes, scales, bits) - w
     return float(err.norm() / w.norm().clamp(min=1e-30)), float(err.abs().max())
-
-
-def _write_tokenizer(path: Path, work: Path, reader: GGUFReader) -> None:
-    """The tokenizer (with the chat template) as transformers converts a GGUF one, and generation_config.json."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (OSError, ValueError, KeyError, NotImplementedError) as exc:
-        model = reader.fields.get("tokenizer.ggml.model")
-        kind = model.contents() if model is not None else "none"
-        raise OffloadError(f"{path}: transformers cannot convert its tokenizer ({kind}): {exc}") from None
-    tokenizer.save_pretrained(work)
-    (work / "generation_config.json").write_text(json.dumps(special_tokens(reader, path), indent=2))
 
 
 def source_key(path: Path, layout: str) -> str:

@@ -53,7 +53,8 @@ def use_triton(name: str, device: torch.device) -> bool:
 
 
 def record(name: str, impl: str) -> None:
-    """Say that kernel `name` ran on `impl` ("torch") where no Triton choice applies (e.g. a CPU-only layout)."""
+    """Say that kernel `name` ran on `impl` ("torch", or "native": kernels/native.py) where no Triton choice applies
+    (e.g. a CPU-only layout)."""
     _picked[name] = impl
 
 

@@ -20,7 +20,8 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from offload.kernels.dispatch import use_triton
+from offload.kernels import native
+from offload.kernels.dispatch import record, use_triton
 from offload.kernels.paged_batch import PagedBatch
 
 GATHER_BYTES = 64 << 20  # bytes of K/V gathered at once for single-query (decode) sequences
@@ -68,7 +69,10 @@ def paged_attention_ref(
     # against 157 for the general path's GQA call with a mask, for 160 positions of SmolLM2's heads)
     singles = [s for s in range(batch.num_seqs) if batch.query_start[s + 1] - batch.query_start[s] == 1]
     batched = set(singles)
-    if batched:
+    if batched and native.decode_attention_fits(q, k_cache, v_cache):  # kernels/native.py's, the cache read in place
+        record("paged_attention", "native")
+        _attend_single_queries_native(q, k_cache, v_cache, batch, scale, window, out)
+    elif batched:
         _attend_single_queries(q, k_cache, v_cache, batch, singles, scale, window, out)
     for s in range(batch.num_seqs):
         if s in batched:
@@ -80,6 +84,40 @@ def paged_attention_ref(
             mask = visible_slots(ctx, q1 - q0, window, q.device)
         out[q0:q1] = attend_contiguous(q[q0:q1], k, v, scale, mask)
     return out
+
+
+def _attend_single_queries_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """The one-query sequences through kernels/native.py's decode attention: their queries, block tables and
+    context lengths as `triton_split` keeps them for the step, the first position each attends (its window's)
+    computed once per window."""
+    split = triton_split(batch, q.device)
+    key = ("native_starts", window)
+    if key not in batch.memo:
+        lens = split.decode_lens
+        batch.memo[key] = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+    rows = split.decode_rows
+    o = native.decode_attention(
+        q if rows is None else q[rows],
+        k_cache,
+        v_cache,
+        split.decode_tables,
+        split.decode_lens,
+        batch.memo[key],
+        scale,
+        split.max_decode_context,
+    )
+    if rows is None:
+        out.copy_(o)
+    else:
+        out[rows] = o
 
 
 def attend_contiguous(

@@ -5,7 +5,8 @@ The codes and scales follow kernels/quant_matmul.py: int4 is asymmetric per grou
 [K / group, N]). Two layouts of the same codes, so that no pass repacks a weight:
 
 - "cpu": what torch's own CPU kernels consume. int4 codes packed by `_convert_weight_to_int4pack_for_cpu`
-  (multiplied by `_weight_int4pack_mm_for_cpu`, which reads the packed codes and dequantizes in registers; from
+  (multiplied by kernels/native.py's `int4_mm` in bfloat16 where this CPU and a C compiler allow, else by
+  `_weight_int4pack_mm_for_cpu`; both read the packed codes and dequantize in registers; from
   INT4_DENSE_MIN_ROWS rows, a prefill's, the codes are unpacked and dequantized a slice at a time for the dense GEMM,
   which is faster there); int8 per output channel only, the one scale per row `_weight_int8pack_mm` takes.
 - "triton": int4 two codes a byte, even input features in the low nibble ([N, K / 2] uint8); int8 [N, K]. Read by
@@ -23,6 +24,7 @@ import hashlib
 import torch
 
 from offload.common.quant import WeightQuant
+from offload.kernels import native
 from offload.kernels.dispatch import record
 from offload.kernels.linear import linear
 
@@ -55,6 +57,9 @@ def quant_linear(
             group = codes.shape[1] * 2 // scales.shape[0]
             if x.shape[0] >= INT4_DENSE_MIN_ROWS and codes.shape[0] % CPU_INT4_BLOCK == 0 and _unpacks_cpu_int4():
                 y = _dense_int4(x, codes, scales, group)
+            elif native.int4_mm_fits(x, codes, scales, group) and _unpacks_cpu_int4():
+                record("quant_matmul", "native")
+                y = native.int4_mm(x, codes, scales, group)
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, group, scales)
         elif x.shape[0] >= INT8_DENSE_MIN_ROWS:  # one scale per row factors out of the sum: scale the product

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import offload.tiers.kv as kv_module
+from offload.kernels import native
 from offload.kernels.kv_quant import KVQuantFormat, dequantize_kv, quantize_kv
 from offload.kernels.paged_attention import PagedBatch, paged_attention_ref
 from offload.tiers.kv import QuantizedKV
@@ -299,7 +300,9 @@ def test_paged_attention_reads_a_quantized_cache_as_its_dequantized_tensor(
     owns; and each read dequantizes only the blocks it gathers."""
     q, k, v, batch, owned = paged_case(kind, dtype)
     dense_k, dense_v = (dequantize_kv(c.records, c.fmt, dtype) for c in (k, v))
-    expected = paged_attention_ref(q, dense_k, dense_v, batch, 0.2, None)
+    with monkeypatch.context() as torch_path:  # the path a quantized cache takes: not the native decode kernel's
+        torch_path.setattr(native, "decode_attention_fits", lambda *a: False)
+        expected = paged_attention_ref(q, dense_k, dense_v, batch, 0.2, None)
 
     gathered = []
 

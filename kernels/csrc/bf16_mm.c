@@ -1,0 +1,48 @@
+/* y = x @ W.T for bfloat16 x [M, K] and a dense row-major bfloat16 W [N, K] (an LM head, a streamed layer's matrix),
+ * bfloat16 y [M, N], for the few rows of a decode step. See kernels/native.py for why and when it runs.
+ *
+ * The weight is read in place, tiles of 16 output features at a time (16 rows of W, in L1 while every row of x
+ * passes over them): 32 inputs of a feature's row are 16 bfloat16 pairs, multiplied with the same 32 inputs of x
+ * by AVX-512 BF16's dot product into 16 float32 partial sums, which add up once per feature at the end of its row.
+ * Exact products summed in float32, rounded to bfloat16 once, as torch's bfloat16 GEMM does.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define TILE 16 /* output features a task computes */
+
+/* the sums of 16 vectors' lanes, in one vector (lane f: the sum of a[f]): a transposing tree of adds, 3 instructions a
+ * vector where reducing each alone takes 8 */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: a[2i] and a[2i+1], halved */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane's sums of a[4i] .. a[4i+3] */
+        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, 0x88), _mm512_shuffle_f32x4(f01, f23, 0xDD));
+}
+
+/* x: [m, k] bf16; w: [n, k] bf16; y: [m, n] bf16. n % 16 == 0, k % 32 == 0. */
+void bf16_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t chunks = k / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < n / TILE; t++) {
+        const uint16_t *wt = w + t * TILE * k;
+        for (int64_t r = 0; r < m; r++) {
+            const uint16_t *xr = x + r * k;
+            __m512 acc[TILE];
+            for (int f = 0; f < TILE; f++) acc[f] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks; c++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + c * 32);
+                for (int f = 0; f < TILE; f++)
+                    acc[f] = _mm512_dpbf16_ps(acc[f], (__m512bh)_mm512_loadu_si512(wt + f * k + c * 32), xv);
+            }
+            _mm256_storeu_si256((__m256i *)(y + r * n + t * TILE), (__m256i)_mm512_cvtneps_pbh(sum16(acc)));
+        }
+    }
+}

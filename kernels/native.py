@@ -1,0 +1,261 @@
+"""Native CPU kernels: C sources in kernels/csrc/, compiled once per machine with the system's C compiler and called
+through ctypes, for the products torch's CPU operators leave slow.
+
+`int4_mm`: x @ W.T for bfloat16 rows and W as int4 codes in torch's CPU packing (the "cpu" layout of
+kernels/quant_linear.py), fewer than INT4_DENSE_MIN_ROWS rows. The time of torch's own kernel
+(`_weight_int4pack_mm_for_cpu`) grows almost as the rows do (576 -> 3072: 57 us at 1 row, 347 at 16), so at a
+batch's decode step it is slower than the bfloat16 GEMM over the dense weight, four times the bytes.
+kernels/csrc/int4_mm.c decodes each code once into bfloat16 (q - 8 is exact there) and multiplies it with every row
+by AVX-512 BF16's dot product, exact products summed in float32, each group's scale and zero applied once per row;
+the output is rounded to bfloat16 once, as torch's is. Weights read from memory, 2 threads of a Zen 4 EPYC
+(benchmarks/results/native_cpu.json): 1.1-1.2x torch's kernel at 8 rows, 1.3-1.5x at 16, 1.6-1.9x at 64 to 256;
+below INT4_MIN_ROWS torch's kernel, bound by memory there, is as fast and runs.
+
+`bf16_mm`: x @ W.T for up to BF16_MAX_ROWS bfloat16 rows and a dense bfloat16 W (an LM head tied to its embedding,
+a streamed layer's matrix: weights not packed for oneDNN), read in place; 1.1-1.6x F.linear there, 1.3-1.5x on
+SmolLM2's 49152-row head.
+
+They run where the CPU has AVX-512 BF16 and VBMI, a C compiler with OpenMP is on the PATH ($CC, else cc) and
+OFFLOAD_KERNELS is not "torch"; anywhere else, or when the build fails (said once on stderr), torch's kernels run.
+Each library is built into cache_dir()/native, named by a digest of its source, the compiler, the flags and the
+CPU (-march=native: a cache folder shared with another CPU builds its own), written to a temporary name and renamed
+into place, so concurrent first runs never load half a file; the engine builds them as it loads a model (`prepare`),
+not in a step. Its OpenMP threads are torch's own (the same
+libgomp, by soname), as many as torch.get_num_threads().
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from offload.common.paths import cache_dir
+
+SOURCES = Path(__file__).parent / "csrc"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+CPU_FEATURES = ("avx512bw", "avx512_bf16", "avx512vbmi")  # /proc/cpuinfo's names of what the C sources use
+CPU_KEYS = ("model name", "flags")  # what names the CPU a library is built for
+INT4_CHUNK = 32  # inputs the kernel decodes at a time: a group must be a multiple
+INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing
+# rows from which int4_mm beats torch's int4 kernel, weights read from memory (benchmarks/native_cpu.py: 2 threads
+# of a Zen 4 EPYC, 576 -> 3072: 8 rows 145 us against 180, 16 rows 233 against 347; 1 row 61 against 57, 4 even)
+INT4_MIN_ROWS = 8
+BF16_TILE = 16  # output features bf16_mm.c computes at a time
+BF16_CHUNK = 32  # inputs its dot products take at a time
+# rows up to which bf16_mm beats torch's bfloat16 GEMM over a dense weight (benchmarks/native_cpu.py, the same CPU:
+# 576 -> 49152, an LM head: 2.1 ms against 3.2 at 1 row, 4.8 against 6.6 at 16; 576 -> 3072: 1.1x at 16)
+BF16_MAX_ROWS = 16
+
+
+def cpu_missing() -> str | None:
+    """Why this CPU cannot run the native kernels, or None when it can."""
+    if os.environ.get("OFFLOAD_KERNELS", "").lower() == "torch":
+        return "OFFLOAD_KERNELS=torch"
+    flags = _cpu("flags").split()
+    if not flags:
+        return "no CPU flags in /proc/cpuinfo"
+    missing = [f for f in CPU_FEATURES if f not in flags]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+@functools.cache
+def _cpu(key: str) -> str:
+    """The first value of `key` in /proc/cpuinfo ("model name", "flags"), or "" where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")
+
+
+@functools.cache
+def library(name: str) -> ctypes.CDLL | None:
+    """kernels/csrc/`name`.c built for this machine (once, cached on disk), or None where it cannot be. A built
+    library is found without running anything: its name digests the source, the flags, the CPU and the compiler's
+    path, size and modification time."""
+    if cpu_missing() is not None:
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None
+    source = SOURCES / f"{name}.c"
+    stat = os.stat(compiler)
+    built_for = "\n".join((compiler, str(stat.st_size), str(stat.st_mtime_ns), " ".join(FLAGS), *map(_cpu, CPU_KEYS)))
+    digest = hashlib.sha256(source.read_bytes() + built_for.encode()).hexdigest()[:16]
+    out = cache_dir() / "native" / f"{name}-{digest}.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as work:
+            built = Path(work) / out.name
+            try:
+                run = subprocess.run(
+                    [compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True, timeout=300
+                )
+            except (OSError, subprocess.SubprocessError) as exc:
+                run = subprocess.CompletedProcess([], 1, "", str(exc))
+            if run.returncode != 0:
+                print(f"offload: building {source} failed; torch's kernels run instead:\n{run.stderr}", file=sys.stderr)
+                return None
+            os.replace(built, out)
+    return ctypes.CDLL(str(out))
+
+
+def prepare() -> None:
+    """Build (once per machine) and load every native kernel now, where it can run, so that no step pays for it: the
+    engine calls this as it loads a model for the CPU."""
+    _int4_mm(), _bf16_mm(), _decode_attention()
+
+
+@functools.cache
+def _bf16_mm() -> ctypes._CFuncPtr | None:
+    lib = library("bf16_mm")
+    if lib is None:
+        return None
+    fn = lib.bf16_mm
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `bf16_mm` multiplies these: a few bfloat16 rows on the CPU by a dense bfloat16 weight of whole tiles."""
+    return (
+        x.dtype == torch.bfloat16
+        and w.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and w.device.type == "cpu"
+        and x.dim() == 2
+        and w.dim() == 2
+        and x.shape[0] <= BF16_MAX_ROWS
+        and w.shape[0] % BF16_TILE == 0
+        and w.shape[1] % BF16_CHUNK == 0
+        and w.is_contiguous()
+        and not w.is_mkldnn
+        and _bf16_mm() is not None
+    )
+
+
+def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w.T -> [M, N], all bfloat16, w [N, K] dense; `bf16_mm_fits` must hold."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    _bf16_mm()(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], x.shape[1], torch.get_num_threads())
+    return y
+
+
+@functools.cache
+def _decode_attention() -> ctypes._CFuncPtr | None:
+    lib = library("decode_attention")
+    if lib is None:
+        return None
+    fn = lib.decode_attention_bf16
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+    fn.argtypes += [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def decode_attention_fits(q: torch.Tensor, k_cache: object, v_cache: object) -> bool:
+    """Whether `decode_attention` attends these: bfloat16 queries and plain bfloat16 caches on the CPU, heads of a
+    multiple of 32 up to 256, at most 16 query heads per KV head."""
+    if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+        return False  # a quantized cache (kv_quant.QuantizedKV) dequantizes its blocks elsewhere
+    d, hq, hkv = q.shape[-1], q.shape[1], k_cache.shape[2]
+    return (
+        q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+        and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and v_cache.shape == k_cache.shape
+        and d % 32 == 0
+        and d <= 256
+        and hq % hkv == 0
+        and hq // hkv <= 16
+        and _decode_attention() is not None
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float,
+    max_len: int,
+) -> torch.Tensor:
+    """One query per sequence, q [n, Hq, D], over caches [blocks, block_size, Hkv, D] read through `tables` [n, width]
+    (int32 block ids): keys `starts[i]` to `lens[i]` - 1 (int32) of sequence i, `max_len` the longest -> [n, Hq, D]
+    bfloat16; `decode_attention_fits` must hold."""
+    q = q.contiguous()
+    n, hq, d = q.shape
+    blocks, block_size, hkv, _ = k_cache.shape
+    out = torch.empty_like(q)
+    scores = torch.empty(n * hq * max(max_len, 1), dtype=torch.float32)
+    tables = tables.to(torch.int32).contiguous()
+    _decode_attention()(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+        lens.data_ptr(), starts.data_ptr(), out.data_ptr(), n, hq, hkv, d, block_size, scale, scores.data_ptr(),
+        max(max_len, 1), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _int4_mm() -> ctypes._CFuncPtr | None:
+    lib = library("int4_mm")
+    if lib is None:
+        return None
+    fn = lib.int4_mm_bf16
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def int4_mm_fits(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> bool:
+    """Whether `int4_mm` multiplies these: bfloat16 on the CPU, whole packing blocks, groups of 32s, a built kernel."""
+    return (
+        x.shape[0] >= INT4_MIN_ROWS
+        and x.dtype == torch.bfloat16
+        and scales.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and codes.shape[0] % INT4_BLOCK == 0
+        and group % INT4_CHUNK == 0
+        and x.shape[1] % group == 0
+        and scales.is_contiguous()
+        and codes.is_contiguous()
+        and _int4_mm() is not None
+    )
+
+
+def int4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] bfloat16 @ W.T -> [M, N] bfloat16, W [N, K] as int4 `codes` in torch's CPU packing ([N, K / 2]
+    uint8) with `scales` [K / group, N, 2] (scale, zero) in bfloat16; `int4_mm_fits` must hold."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = codes.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    xsum = torch.empty(m * (k // group), dtype=torch.float32)
+    _int4_mm()(
+        x.data_ptr(),
+        codes.data_ptr(),
+        scales.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        group,
+        xsum.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return y

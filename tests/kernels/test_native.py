@@ -1,0 +1,184 @@
+"""kernels/native.py: the C kernels against torch's own products, their dispatch, and the fallback where they cannot
+be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.common.quant import WeightQuant
+from offload.kernels import dispatch, native
+from offload.kernels.linear import linear
+from offload.kernels.quant_linear import dequantize_cpu_int4, quant_linear
+
+needs_native = pytest.mark.skipif(
+    native.cpu_missing() is not None or native._int4_mm() is None or native._bf16_mm() is None,
+    reason=f"the native kernels cannot run here ({native.cpu_missing() or 'no C compiler with OpenMP'})",
+)
+
+
+def _int4(n: int, k: int, group: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+    codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales = torch.randn(k // group, n, 2, generator=gen).mul(0.02).to(torch.bfloat16)
+    return codes, scales
+
+
+def _close_to_bf16(got: torch.Tensor, exact: torch.Tensor) -> None:
+    """got (bfloat16) is `exact` (float32, the same sum in float64's order) rounded once: within one bfloat16 step of
+    it, plus float32 summation's own error."""
+    assert got.dtype == torch.bfloat16
+    step = exact.abs().clamp(min=1e-3) * 2.0**-7
+    assert ((got.float() - exact).abs() <= step + 1e-4).all(), (got.float() - exact).abs().max()
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "k", "group"), [(192, 576, 32), (576, 1536, 32), (128, 512, 64), (64, 1024, 128)])
+@pytest.mark.parametrize("rows", [8, 16, 65, 130])
+def test_int4_mm_is_the_dequantized_product_rounded_once(n: int, k: int, group: int, rows: int):
+    gen = torch.Generator().manual_seed(rows * n + k)
+    codes, scales = _int4(n, k, group, gen)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = dequantize_cpu_int4(codes, scales, group).double()  # the values torch's kernel multiplies, bit for bit
+    exact = (x.double() @ w.t()).float()
+    got = native.int4_mm(x, codes, scales, group)
+    _close_to_bf16(got, exact)
+    torch_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, group, scales)
+    assert (got.float() - torch_kernel.float()).abs().max() <= (exact.abs().max() * 2.0**-7)  # as close as torch's
+
+
+@needs_native
+def test_int4_mm_gives_each_row_the_same_bits_in_any_batch():
+    """A sequence's output does not depend on its batch: each output feature's sum runs in one order."""
+    gen = torch.Generator().manual_seed(1)
+    codes, scales = _int4(576, 576, 32, gen)
+    x = torch.randn(40, 576, generator=gen).to(torch.bfloat16)
+    whole = native.int4_mm(x, codes, scales, 32)
+    assert torch.equal(whole[8:16], native.int4_mm(x[8:16], codes, scales, 32))
+    assert torch.equal(whole[:33], native.int4_mm(x[:33], codes, scales, 32))
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "k"), [(49152 // 16, 576), (1024, 64), (16, 2048)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_bf16_mm_is_the_product_rounded_once(n: int, k: int, rows: int):
+    gen = torch.Generator().manual_seed(n + rows)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    _close_to_bf16(native.bf16_mm(x, w), (x.double() @ w.double().t()).float())
+
+
+@needs_native
+def test_products_dispatch_to_the_native_kernels_where_they_fit(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    fmt = WeightQuant(4, 32, "cpu")
+    codes, scales = _int4(192, 576, 32, gen)
+    calls = []
+    monkeypatch.setattr(native, "int4_mm", lambda *a: calls.append("int4") or torch.zeros(a[0].shape[0], 192))
+    monkeypatch.setattr(native, "bf16_mm", lambda x, w: calls.append("bf16") or torch.zeros(x.shape[0], w.shape[0]))
+    quant_linear(torch.randn(16, 576).to(torch.bfloat16), codes, scales, fmt)
+    assert calls == ["int4"] and dispatch.picked()["quant_matmul"] == "native"
+    quant_linear(torch.randn(1, 576).to(torch.bfloat16), codes, scales, fmt)  # one row: torch's kernel, as fast
+    quant_linear(torch.randn(16, 576), codes, scales.float(), fmt)  # float32: torch's kernel
+    assert calls == ["int4"] and dispatch.picked()["quant_matmul"] == "torch"
+    w = torch.randn(64, 576).to(torch.bfloat16)
+    linear(torch.randn(2, 576).to(torch.bfloat16), w)
+    assert calls == ["int4", "bf16"] and dispatch.picked()["linear"] == "native"
+    linear(torch.randn(native.BF16_MAX_ROWS + 1, 576).to(torch.bfloat16), w)  # more rows: torch's GEMM
+    linear(torch.randn(2, 500).to(torch.bfloat16), w[:, :500].contiguous())  # inputs not a multiple of 32
+    assert calls == ["int4", "bf16"]
+
+
+def test_a_failed_build_falls_back_to_torch_and_says_so(monkeypatch, tmp_path, capsys):
+    """A compiler that fails: the kernels are None (torch's run), one message on stderr, nothing left in the cache."""
+    if native.cpu_missing() is not None:
+        pytest.skip(native.cpu_missing())
+    compiler = tmp_path / "cc"
+    compiler.write_text("#!/bin/sh\necho 'cc: no' >&2\ncase \"$1\" in --version) exit 0;; esac\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    native.library.cache_clear()
+    try:
+        assert native.library("int4_mm") is None
+        assert "building" in capsys.readouterr().err
+        assert list((tmp_path / "cache" / "native").iterdir()) == []
+    finally:
+        native.library.cache_clear()
+
+
+def test_offload_kernels_torch_turns_them_off(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_KERNELS", "torch")
+    native.library.cache_clear()
+    try:
+        assert native.cpu_missing() == "OFFLOAD_KERNELS=torch" and native.library("int4_mm") is None
+    finally:
+        native.library.cache_clear()
+
+
+def _paged(lens: list[int], block_size: int, gen: torch.Generator, hkv: int = 3, d: int = 64):
+    """Caches of shuffled blocks holding `lens` tokens each, and their batch: one query per sequence."""
+    from offload.kernels.paged_batch import PagedBatch
+
+    blocks = sum(-(-n // block_size) for n in lens) + 3
+    k, v = (torch.randn(blocks, block_size, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    order, used = torch.randperm(blocks, generator=gen), 0
+    tables = torch.zeros(len(lens), max(-(-n // block_size) for n in lens), dtype=torch.int64)
+    for i, n in enumerate(lens):
+        tables[i, : -(-n // block_size)] = order[used : used + -(-n // block_size)]
+        used += -(-n // block_size)
+    batch = PagedBatch(tuple(range(len(lens) + 1)), tuple(lens), tables, torch.zeros(len(lens), dtype=torch.int64))
+    return k, v, batch
+
+
+def _dense_attention(q, k, v, batch, scale: float, window: int | None) -> torch.Tensor:
+    """Each sequence's one query over its visible keys, in float64 from the cache's values."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    block_size, hkv = k.shape[1], k.shape[2]
+    for i, n in enumerate(batch.context_lens):
+        pos = torch.arange(n if window is None else min(n, window)) + (0 if window is None else max(0, n - window))
+        slots = batch.block_tables[i][pos // block_size] * block_size + pos % block_size
+        keys, values = k.flatten(0, 1)[slots].double(), v.flatten(0, 1)[slots].double()
+        for h in range(q.shape[1]):
+            kv = h // (q.shape[1] // hkv)
+            out[i, h] = torch.softmax(keys[:, kv] @ q[i, h].double() * scale, 0) @ values[:, kv]
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize(("heads", "d"), [(9, 64), (8, 128), (2, 32)])
+def test_decode_attention_reads_the_paged_cache_as_dense_attention_would(window, heads: int, d: int):
+    """Lengths around block edges, shorter and longer than the window, shuffled blocks: as exact as torch's SDPA path
+    (one bfloat16 rounding of the output), and the path paged_attention_ref takes for bfloat16 caches."""
+    from offload.kernels.paged_attention import _attend_single_queries, paged_attention_ref
+
+    gen = torch.Generator().manual_seed(heads + d)
+    hkv = 1 if heads == 2 else heads // 3 if heads == 9 else 2
+    k, v, batch = _paged([37, 160, 5, 16, 17, 1], 16, gen, hkv, d)
+    q = torch.randn(len(batch.context_lens), heads, d, generator=gen).to(torch.bfloat16)
+    exact = _dense_attention(q, k, v, batch, d**-0.5, window)
+    got = paged_attention_ref(q, k, v, batch, d**-0.5, window)
+    assert dispatch.picked()["paged_attention"] == "native"
+    torch_path = torch.empty_like(q)
+    _attend_single_queries(q, k, v, batch, list(range(len(batch.context_lens))), d**-0.5, window, torch_path)
+    worst = (torch_path.double() - exact).abs().max()
+    assert (got.double() - exact).abs().max() <= max(worst, exact.abs().max() * 2.0**-8)
+
+
+@needs_native
+def test_decode_attention_leaves_prompts_and_quantized_caches_to_torch():
+    """A sequence with several queries beside one-query ones: the native kernel takes the latter only."""
+    from offload.kernels.paged_attention import paged_attention_ref
+    from offload.kernels.paged_batch import PagedBatch
+
+    gen = torch.Generator().manual_seed(5)
+    k, v, one = _paged([40, 9, 33], 16, gen)
+    batch = PagedBatch((0, 1, 6, 7), one.context_lens, one.block_tables, torch.zeros(7, dtype=torch.int64))
+    q = torch.randn(7, 9, 64, generator=gen).to(torch.bfloat16)
+    got = paged_attention_ref(q, k, v, batch, 0.125)
+    singles = _dense_attention(
+        q[[0, 6]], k, v, PagedBatch((0, 1, 2), (40, 33), one.block_tables[[0, 2]], None), 0.125, None
+    )
+    assert (got[[0, 6]].double() - singles).abs().max() <= singles.abs().max() * 2.0**-7
+    assert not native.decode_attention_fits(q.float(), k.float(), v.float())

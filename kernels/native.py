@@ -49,6 +49,7 @@ INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing
 # rows from which int4_mm beats torch's int4 kernel, weights read from memory (benchmarks/native_cpu.py: 2 threads
 # of a Zen 4 EPYC, 576 -> 3072: 8 rows 145 us against 180, 16 rows 233 against 347; 1 row 61 against 57, 4 even)
 INT4_MIN_ROWS = 8
+RMS_NORM_MAX_ROWS = 64  # rows rows.c takes (serially); a prefill's many rows run torch's parallel ops
 BF16_TILE = 16  # output features bf16_mm.c computes at a time
 BF16_CHUNK = 32  # inputs its dot products take at a time
 # rows up to which bf16_mm beats torch's bfloat16 GEMM over a dense weight (benchmarks/native_cpu.py, the same CPU:
@@ -112,7 +113,87 @@ def library(name: str) -> ctypes.CDLL | None:
 def prepare() -> None:
     """Build (once per machine) and load every native kernel now, where it can run, so that no step pays for it: the
     engine calls this as it loads a model for the CPU."""
-    _int4_mm(), _bf16_mm(), _decode_attention()
+    _int4_mm(), _bf16_mm(), _decode_attention(), _rms_norm(), _rotary()
+
+
+@functools.cache
+def _rms_norm() -> ctypes._CFuncPtr | None:
+    lib = library("rows")
+    if lib is None:
+        return None
+    fn = lib.rms_norm_bf16
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    fn.restype = None
+    return fn
+
+
+@functools.cache
+def _rotary() -> ctypes._CFuncPtr | None:
+    lib = library("rows")
+    if lib is None:
+        return None
+    fn = lib.rotary_bf16
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    fn.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    fn.restype = None
+    return fn
+
+
+def rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `rotary` rotates these: a few tokens of bfloat16 heads [tokens, heads, D] on the CPU, each head's
+    values contiguous, cos and sin [tokens, D] bfloat16 with the same row stride, their rows contiguous."""
+    return (
+        x.dim() == 3
+        and x.dtype == cos.dtype == sin.dtype == torch.bfloat16
+        and x.device.type == cos.device.type == sin.device.type == "cpu"
+        and x.shape[0] <= RMS_NORM_MAX_ROWS
+        and x.shape[-1] % 2 == 0
+        and x.stride(-1) == 1
+        and cos.shape == sin.shape == (x.shape[0], x.shape[-1])
+        and cos.stride() == sin.stride()
+        and cos.stride(-1) == 1
+        and _rotary() is not None
+    )
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, D] rotated as kernels/rotary.py's torch reference rotates it, bit for bit -> a contiguous
+    tensor; `rotary_fits` must hold."""
+    tokens, heads, d = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _rotary()(
+        x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(),
+        tokens, heads, d,
+    )  # fmt: skip
+    return out
+
+
+def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether `rms_norm` normalizes these: bfloat16 rows on the CPU (and residual), a bfloat16 weight, all contiguous,
+    few enough rows that one thread is quicker than a parallel region (RMS_NORM_MAX_ROWS)."""
+    return (
+        x.dtype == weight.dtype == torch.bfloat16
+        and x.device.type == weight.device.type == "cpu"
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and weight.shape == x.shape[-1:]
+        and 0 < x.shape[-1] <= 1 << 16
+        and x.numel() // x.shape[-1] <= RMS_NORM_MAX_ROWS
+        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape and residual.is_contiguous()))
+        and _rms_norm() is not None
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/rms_norm.py's (rms_norm(x + residual), x + residual) in its numerics; `rms_norm_fits` must hold."""
+    out = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else x
+    rows = x.numel() // x.shape[-1]
+    res = 0 if residual is None else residual.data_ptr()
+    _rms_norm()(x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), h.data_ptr(), rows, x.shape[-1], eps)
+    return out, h
 
 
 @functools.cache

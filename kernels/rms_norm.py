@@ -12,7 +12,8 @@ Only the order in which the float32 sum of squares is accumulated differs from t
 rounding before the cast (one unit in the last place of a half-precision output, where a value sits on a boundary).
 
 `rms_norm_residual` is the Triton launcher (shape, stride, dtype and device checks), `rms_norm_residual_ref` the
-torch reference, and `fused_rms_norm` picks between them (kernels/dispatch.py).
+torch reference, and `fused_rms_norm` picks between them (kernels/dispatch.py), or, for a few bfloat16 rows on a
+CPU, kernels/native.py's C kernel of the same numerics.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import os
 
 import torch
 
-from offload.kernels.dispatch import load_triton, use_triton
+from offload.kernels import native
+from offload.kernels.dispatch import load_triton, record, use_triton
 
 # None where no Triton kernel can run (no CUDA device, no interpreter): the torch path runs, the launcher says why
 triton, tl = load_triton()
@@ -141,6 +143,9 @@ def fused_rms_norm(
     """(rms_norm(x + residual), x + residual): the Triton kernel on a CUDA device, the torch reference elsewhere."""
     if use_triton("rms_norm", x.device):
         return rms_norm_residual(x, weight, eps, residual)
+    if native.rms_norm_fits(x, weight, residual):  # a decode step's few bfloat16 rows: kernels/native.py's
+        record("rms_norm", "native")
+        return native.rms_norm(x, weight, eps, residual)
     return rms_norm_residual_ref(x, weight, eps, residual)
 
 

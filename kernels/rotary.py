@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from offload.kernels.dispatch import load_triton, use_triton
+from offload.kernels import native
+from offload.kernels.dispatch import load_triton, record, use_triton
 from offload.kernels.rms_norm import DTYPES, interpreting, rounded
 
 # None where no Triton kernel can run (no CUDA device, no interpreter): the torch path runs, the launcher says why
@@ -99,6 +100,9 @@ def apply_rotary_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     if use_triton("rotary", x.device):
         _check(x, x, cos, sin)
         return _launch(x, cos, sin)
+    if native.rotary_fits(x, cos, sin):  # a decode step's few bfloat16 tokens: kernels/native.py's, bit for bit
+        record("rotary", "native")
+        return native.rotary(x, cos, sin)
     return _rotate_ref(x, cos, sin)
 
 

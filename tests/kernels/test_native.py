@@ -182,3 +182,39 @@ def test_decode_attention_leaves_prompts_and_quantized_caches_to_torch():
     )
     assert (got[[0, 6]].double() - singles).abs().max() <= singles.abs().max() * 2.0**-7
     assert not native.decode_attention_fits(q.float(), k.float(), v.float())
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 16, native.RMS_NORM_MAX_ROWS])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_is_the_torch_reference_bit_for_bit(rows: int, residual: bool):
+    """The same roundings as kernels/rms_norm.py's reference; only the float32 sum of squares runs in another order,
+    which can move a row's scale by a float32 step and so a rare value by one bfloat16 step."""
+    from offload.kernels.rms_norm import fused_rms_norm, rms_norm_residual_ref
+
+    gen = torch.Generator().manual_seed(rows)
+    x, r = (torch.randn(rows, 576, generator=gen).mul(4).to(torch.bfloat16) for _ in range(2))
+    w = torch.randn(576, generator=gen).to(torch.bfloat16)
+    got = fused_rms_norm(x, w, 1e-5, r if residual else None)
+    assert dispatch.picked()["rms_norm"] == "native"
+    want = rms_norm_residual_ref(x, w, 1e-5, r if residual else None)
+    assert torch.equal(got[1], want[1])  # x + residual: one rounding, the same
+    moved = got[0] != want[0]
+    assert moved.float().mean() < 0.01, moved.sum()
+    assert ((got[0].float() - want[0].float()).abs() <= want[0].float().abs() * 2.0**-7).all()
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_rotary_is_the_torch_reference_bit_for_bit(tokens: int):
+    """Queries and keys side by side, a view of the fused q/k/v product (rows strided), as the layer passes them."""
+    from offload.kernels.rotary import _rotate_ref, apply_rotary_heads
+
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 15, 64, generator=gen).to(torch.bfloat16)
+    angles = torch.randn(tokens, 32, generator=gen) * 50
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    got = apply_rotary_heads(qkv[:, :12], cos, sin)
+    assert dispatch.picked()["rotary"] == "native"
+    assert torch.equal(got, _rotate_ref(qkv[:, :12], cos, sin))
+    assert not native.rotary_fits(qkv[:, :12].float(), cos.float(), sin.float())

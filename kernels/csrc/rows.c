@@ -1,0 +1,77 @@
+/* A decode step's small per-row operations on bfloat16 rows, serial: a few rows take microseconds, less than a
+ * parallel region's start. See kernels/native.py for when they run.
+ *
+ * RMSNorm with the residual add, in kernels/rms_norm.py's numerics (its module docstring):
+ *
+ *     h      = x + residual                       rounded to bfloat16 once
+ *     normed = h * (1 / sqrt(mean(h^2) + eps))    in float32, rounded to bfloat16
+ *     out    = weight * normed                    exact in float32, rounded to bfloat16 once
+ *
+ * Only the order of the float32 sum of squares differs from torch's.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* to nearest, ties to even, as torch rounds */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* x, residual (or NULL), out, h: [rows, hidden] bf16, contiguous; weight: [hidden] bf16. h: x + residual (unused
+ * where residual is NULL). */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out, uint16_t *h,
+                   int64_t rows, int64_t hidden, float eps) {
+    float row[hidden]; /* the row as float32: hidden <= 65536, 256 KiB at most */
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * hidden;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < hidden; j++) {
+            float v = bf16_to_float(xr[j]);
+            if (residual != NULL) {
+                uint16_t b = float_to_bf16(v + bf16_to_float(residual[r * hidden + j]));
+                h[r * hidden + j] = b;
+                v = bf16_to_float(b);
+            }
+            row[j] = v;
+            sum += v * v;
+        }
+        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        for (int64_t j = 0; j < hidden; j++) {
+            float normed = bf16_to_float(float_to_bf16(row[j] * inv));
+            out[r * hidden + j] = float_to_bf16(bf16_to_float(weight[j]) * normed);
+        }
+    }
+}
+
+/* Rotary embedding of bfloat16 heads in kernels/rotary.py's torch numerics, each product and the sum rounded to
+ * bfloat16 as torch's ops round them: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+ * x: [tokens, heads, d], rows of d contiguous, strides sx0, sx1 (elements); cos, sin: [tokens, d], rows sc0 apart;
+ * out: [tokens, heads, d] contiguous. */
+void rotary_bf16(const uint16_t *x, int64_t sx0, int64_t sx1, const uint16_t *cos, const uint16_t *sin, int64_t sc0,
+                 uint16_t *out, int64_t tokens, int64_t heads, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *c = cos + t * sc0, *s = sin + t * sc0;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xr = x + t * sx0 + h * sx1;
+            uint16_t *o = out + (t * heads + h) * d;
+            for (int64_t j = 0; j < d; j++) {
+                float rot = j < half ? -bf16_to_float(xr[j + half]) : bf16_to_float(xr[j - half]);
+                float a = bf16_to_float(float_to_bf16(bf16_to_float(xr[j]) * bf16_to_float(c[j])));
+                float b = bf16_to_float(float_to_bf16(rot * bf16_to_float(s[j])));
+                o[j] = float_to_bf16(a + b);
+            }
+        }
+    }
+}

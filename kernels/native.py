@@ -2,7 +2,8 @@
 through ctypes, for the products torch's CPU operators leave slow.
 
 `int4_mm`: x @ W.T for bfloat16 rows and W as int4 codes in torch's CPU packing (the "cpu" layout of
-kernels/quant_linear.py), fewer than INT4_DENSE_MIN_ROWS rows. The time of torch's own kernel
+kernels/quant_linear.py), from INT4_MIN_ROWS to fewer than INT4_DENSE_MIN_ROWS rows; from there `int4_dequant`
+writes the weight in bfloat16 for the dense GEMM, a slice of output features at a time. The time of torch's own kernel
 (`_weight_int4pack_mm_for_cpu`) grows almost as the rows do (576 -> 3072: 57 us at 1 row, 347 at 16), so at a
 batch's decode step it is slower than the bfloat16 GEMM over the dense weight, four times the bytes.
 kernels/csrc/int4_mm.c decodes each code once into bfloat16 (q - 8 is exact there) and multiplies it with every row
@@ -49,6 +50,11 @@ INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing
 # rows from which int4_mm beats torch's int4 kernel, weights read from memory (benchmarks/native_cpu.py: 2 threads
 # of a Zen 4 EPYC, 576 -> 3072: 8 rows 145 us against 180, 16 rows 233 against 347; 1 row 61 against 57, 4 even)
 INT4_MIN_ROWS = 8
+# rows from which dequantizing to bfloat16 here (`int4_dequant`, 5x torch's dequantization) and the dense GEMM beat
+# int4_mm (the same CPU, weights cached: 576 -> 3072 at 192 rows 2.13 ms against 2.09, at 256 2.66 against 2.85, at
+# 2048 17.8 against 23.2; 1536 -> 576 and 576 -> 960 cross at 128 to 192); kernels/quant_linear.py's
+# INT4_DENSE_MIN_ROWS where torch dequantizes
+INT4_DENSE_MIN_ROWS = 192
 RMS_NORM_MAX_ROWS = 64  # rows rows.c takes (serially); a prefill's many rows run torch's parallel ops
 BF16_TILE = 16  # output features bf16_mm.c computes at a time
 BF16_CHUNK = 32  # inputs its dot products take at a time
@@ -113,7 +119,7 @@ def library(name: str) -> ctypes.CDLL | None:
 def prepare() -> None:
     """Build (once per machine) and load every native kernel now, where it can run, so that no step pays for it: the
     engine calls this as it loads a model for the CPU."""
-    _int4_mm(), _bf16_mm(), _decode_attention(), _rms_norm(), _rotary()
+    _int4_mm(), _int4_dequant(), _bf16_mm(), _decode_attention(), _rms_norm(), _rotary()
 
 
 @functools.cache
@@ -301,6 +307,27 @@ def _int4_mm() -> ctypes._CFuncPtr | None:
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
     return fn
+
+
+@functools.cache
+def _int4_dequant() -> ctypes._CFuncPtr | None:
+    lib = library("int4_mm")
+    if lib is None:
+        return None
+    fn = lib.int4_dequant_bf16
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def int4_dequant(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """W [N, K] in bfloat16 from int4 `codes` in torch's CPU packing and bfloat16 `scales` [K / group, N, 2]:
+    kernels/quant_linear.py's dequantize_cpu_int4 rounded to bfloat16, bit for bit. Codes, scales and group as
+    `int4_mm_fits` wants them (the rows aside)."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    _int4_dequant()(codes.data_ptr(), scales.data_ptr(), w.data_ptr(), n, k, group, torch.get_num_threads())
+    return w
 
 
 def int4_mm_fits(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> bool:

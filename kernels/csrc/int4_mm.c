@@ -112,3 +112,42 @@ void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, u
         }
     }
 }
+
+static inline uint16_t round_bf16(float f) { /* to nearest, ties to even (no NaN arises from finite codes) */
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* W [n, k] in bfloat16 from int4 codes in torch's CPU packing: w = (q - 8) * scale + zero in float32 (one fused
+ * multiply-add, as kernels/quant_linear.py's dequantize_cpu_int4), rounded to bfloat16 once. Each block of 64
+ * features is decoded 32 inputs at a time into a tile [32 inputs][64 features] (one row of codes is 64 features of
+ * one input), then written out transposed, a feature's 32 inputs at a time. group % 32 == 0, n % 64 == 0. */
+void int4_dequant_bf16(const uint8_t *codes, const uint16_t *sz, uint16_t *w, int64_t n, int64_t k, int64_t group,
+                       int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t blk = 0; blk < n / BLOCK; blk++) {
+        const uint8_t *rows = codes + blk * k * 32;
+        uint16_t tile[CHUNK][BLOCK];
+        float scale[BLOCK], zero[BLOCK];
+        for (int64_t c = 0; c < k; c += CHUNK) {
+            if (c % group == 0)
+                for (int j = 0; j < BLOCK; j++) {
+                    const uint16_t *pair = sz + ((c / group) * n + blk * BLOCK + j) * 2;
+                    uint32_t s = (uint32_t)pair[0] << 16, z = (uint32_t)pair[1] << 16;
+                    __builtin_memcpy(&scale[j], &s, 4);
+                    __builtin_memcpy(&zero[j], &z, 4);
+                }
+            for (int i = 0; i < CHUNK; i++) {
+                const uint8_t *row = rows + (c + i) * 32;
+                for (int j = 0; j < 32; j++) {
+                    tile[i][j] = round_bf16(__builtin_fmaf((float)((row[j] & 15) - 8), scale[j], zero[j]));
+                    tile[i][j + 32] = round_bf16(__builtin_fmaf((float)((row[j] >> 4) - 8), scale[j + 32], zero[j + 32]));
+                }
+            }
+            for (int j = 0; j < BLOCK; j++)
+                for (int i = 0; i < CHUNK; i++) w[(blk * BLOCK + j) * k + c + i] = tile[i][j];
+        }
+    }
+}

@@ -218,3 +218,12 @@ def test_rotary_is_the_torch_reference_bit_for_bit(tokens: int):
     assert dispatch.picked()["rotary"] == "native"
     assert torch.equal(got, _rotate_ref(qkv[:, :12], cos, sin))
     assert not native.rotary_fits(qkv[:, :12].float(), cos.float(), sin.float())
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "k", "group"), [(1088, 160, 32), (128, 512, 128)])
+def test_int4_dequant_is_torch_dequantization_rounded_to_bfloat16(n: int, k: int, group: int):
+    """What the dense path multiplies from INT4_DENSE_MIN_ROWS rows: bit for bit the values of the torch path."""
+    codes, scales = _int4(n, k, group, torch.Generator().manual_seed(n))
+    want = dequantize_cpu_int4(codes, scales, group).to(torch.bfloat16)
+    assert torch.equal(native.int4_dequant(codes, scales, group), want)

@@ -36,6 +36,9 @@ INT8_DENSE_MIN_ROWS = 64
 # at 256 rows the two were even (4.7 against 5.4 there, 1.8 against 1.7 for 576 -> 960)
 INT4_DENSE_MIN_ROWS = 512
 DEQUANT_ROWS = 1024  # output features dequantized at a time: scratch of DEQUANT_ROWS x K values, not of the matrix
+# native dequantization (kernels/native.py) writes bfloat16 directly, no float32 temporaries: slices up to this many
+# bytes, whole matrices of small models (SmolLM2's 3072 x 576 in one GEMM instead of three and their copies)
+NATIVE_DEQUANT_BYTES = 32 << 20
 CPU_INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing (`unpack_cpu_int4`)
 SCALES_SUFFIX = ".scales"  # the short name of a quantized weight's scales: "<weight short name>.scales"
 
@@ -76,18 +79,24 @@ def quant_linear(
 
 
 def _dense_int4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    """x @ W.T for W in torch's CPU int4 packing, DEQUANT_ROWS output features at a time dequantized to x's dtype
+    """x @ W.T for W in torch's CPU int4 packing, a slice of output features at a time dequantized to x's dtype
     (w = (q - 8) * scale + zero in float32, then rounded once; in bfloat16 by kernels/native.py's C, 5x faster, where
     it runs) and multiplied by the dense GEMM."""
-    n = codes.shape[0]
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    n, k = codes.shape[0], codes.shape[1] * 2
     fast = native.int4_mm_fits(x[: native.INT4_MIN_ROWS], codes, scales, group)  # kernels/native.py's, the same bits
-    for start in range(0, n, DEQUANT_ROWS):
-        end = min(start + DEQUANT_ROWS, n)
+    # native: as many features as NATIVE_DEQUANT_BYTES of bfloat16 hold (often the whole matrix: one GEMM, no copy)
+    rows = (
+        max(DEQUANT_ROWS, NATIVE_DEQUANT_BYTES // (2 * k) // CPU_INT4_BLOCK * CPU_INT4_BLOCK) if fast else DEQUANT_ROWS
+    )
+    out = None if rows >= n else torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
         if fast:
             w = native.int4_dequant(codes[start:end], scales[:, start:end].contiguous(), group)
         else:
             w = dequantize_cpu_int4(codes[start:end], scales[:, start:end], group).to(x.dtype)
+        if out is None:
+            return linear(x, w)
         out[:, start:end] = linear(x, w)
     return out
 

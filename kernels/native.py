@@ -9,20 +9,23 @@ batch's decode step it is slower than the bfloat16 GEMM over the dense weight, f
 kernels/csrc/int4_mm.c decodes each code once into bfloat16 (q - 8 is exact there) and multiplies it with every row
 by AVX-512 BF16's dot product, exact products summed in float32, each group's scale and zero applied once per row;
 the output is rounded to bfloat16 once, as torch's is. Weights read from memory, 2 threads of a Zen 4 EPYC
-(benchmarks/results/native_cpu.json): 1.1-1.2x torch's kernel at 8 rows, 1.3-1.5x at 16, 1.6-1.9x at 64 to 256;
-below INT4_MIN_ROWS torch's kernel, bound by memory there, is as fast and runs.
+(benchmarks/results/native_cpu.json): 1.0-1.3x torch's kernel at 8 rows, 1.2-1.5x at 16, 1.5-1.9x at 64; below
+INT4_MIN_ROWS torch's kernel, bound by memory there, is as fast and runs.
 
 `bf16_mm`: x @ W.T for up to BF16_MAX_ROWS bfloat16 rows and a dense bfloat16 W (an LM head tied to its embedding,
-a streamed layer's matrix: weights not packed for oneDNN), read in place; 1.1-1.6x F.linear there, 1.3-1.5x on
-SmolLM2's 49152-row head.
+a streamed layer's matrix: weights not packed for oneDNN), read in place: 1.1-1.8x F.linear there.
+
+`decode_attention`: one query per sequence over the paged bfloat16 cache, read in place through the block table,
+2.6-3.5x the gather-and-SDPA path. `rms_norm` and `rotary`: a decode step's few rows, in the torch references'
+roundings, serial.
 
 They run where the CPU has AVX-512 BF16 and VBMI, a C compiler with OpenMP is on the PATH ($CC, else cc) and
 OFFLOAD_KERNELS is not "torch"; anywhere else, or when the build fails (said once on stderr), torch's kernels run.
 Each library is built into cache_dir()/native, named by a digest of its source, the compiler, the flags and the
 CPU (-march=native: a cache folder shared with another CPU builds its own), written to a temporary name and renamed
 into place, so concurrent first runs never load half a file; the engine builds them as it loads a model (`prepare`),
-not in a step. Its OpenMP threads are torch's own (the same
-libgomp, by soname), as many as torch.get_num_threads().
+not in a step. Their OpenMP threads are torch's own (the same libgomp, by soname), as many as
+torch.get_num_threads().
 """
 
 from __future__ import annotations

@@ -119,6 +119,19 @@ def library(name: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(out))
 
 
+PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # the C arguments' types
+
+
+def _bind(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr | None:
+    """Function `symbol` of library `name` taking `argtypes` and returning nothing, or None where it cannot run."""
+    lib = library(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, None
+    return fn
+
+
 def prepare() -> None:
     """Build (once per machine) and load every native kernel now, where it can run, so that no step pays for it: the
     engine calls this as it loads a model for the CPU."""
@@ -127,25 +140,12 @@ def prepare() -> None:
 
 @functools.cache
 def _rms_norm() -> ctypes._CFuncPtr | None:
-    lib = library("rows")
-    if lib is None:
-        return None
-    fn = lib.rms_norm_bf16
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-    fn.restype = None
-    return fn
+    return _bind("rows", "rms_norm_bf16", [PTR] * 5 + [I64] * 2 + [F32])
 
 
 @functools.cache
 def _rotary() -> ctypes._CFuncPtr | None:
-    lib = library("rows")
-    if lib is None:
-        return None
-    fn = lib.rotary_bf16
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    fn.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 3
-    fn.restype = None
-    return fn
+    return _bind("rows", "rotary_bf16", [PTR, I64, I64, PTR, PTR, I64, PTR, I64, I64, I64])
 
 
 def rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -207,13 +207,7 @@ def rms_norm(
 
 @functools.cache
 def _bf16_mm() -> ctypes._CFuncPtr | None:
-    lib = library("bf16_mm")
-    if lib is None:
-        return None
-    fn = lib.bf16_mm
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    fn.restype = None
-    return fn
+    return _bind("bf16_mm", "bf16_mm", [PTR] * 3 + [I64] * 3 + [INT])
 
 
 def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -244,14 +238,9 @@ def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _decode_attention() -> ctypes._CFuncPtr | None:
-    lib = library("decode_attention")
-    if lib is None:
-        return None
-    fn = lib.decode_attention_bf16
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-    fn.argtypes += [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    fn.restype = None
-    return fn
+    return _bind(
+        "decode_attention", "decode_attention_bf16", [PTR] * 4 + [I64] + [PTR] * 3 + [I64] * 5 + [F32, PTR, I64, INT]
+    )
 
 
 def decode_attention_fits(q: torch.Tensor, k_cache: object, v_cache: object) -> bool:
@@ -303,24 +292,12 @@ def decode_attention(
 
 @functools.cache
 def _int4_mm() -> ctypes._CFuncPtr | None:
-    lib = library("int4_mm")
-    if lib is None:
-        return None
-    fn = lib.int4_mm_bf16
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int]
-    fn.restype = None
-    return fn
+    return _bind("int4_mm", "int4_mm_bf16", [PTR] * 4 + [I64] * 4 + [PTR, INT])
 
 
 @functools.cache
 def _int4_dequant() -> ctypes._CFuncPtr | None:
-    lib = library("int4_mm")
-    if lib is None:
-        return None
-    fn = lib.int4_dequant_bf16
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    fn.restype = None
-    return fn
+    return _bind("int4_mm", "int4_dequant_bf16", [PTR] * 3 + [I64] * 3 + [INT])
 
 
 def int4_dequant(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:

@@ -213,6 +213,35 @@ def make_checkpoint(
     return model
 
 
+def mxfp4_copy(path: Path, model, out: Path):
+    """gpt-oss checkpoint `path` (transformers' `model` of it) copied to `out` with its experts in MXFP4 as the
+    published files store them (kernels/mxfp4.py writes the blocks); returns transformers' model of the copy's
+    weights: `model` with its experts replaced by their dequantized values."""
+    import copy
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from offload.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors, reference = load_file(path / "model.safetensors"), copy.deepcopy(model)
+    for layer, block in enumerate(reference.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{layer}.mlp.experts.{name}"
+            blocks, scales = quantize_mxfp4(tensors.pop(key).transpose(1, 2))  # output-major, as published
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+            with torch.no_grad():
+                getattr(block.mlp.experts, name).copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "mlp.router"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return reference
+
+
 @pytest.fixture(scope="session", params=FAMILIES)
 def family_checkpoint(request, tmp_path_factory):
     """(family, model dir, transformers model) for each family, fp32."""

@@ -126,30 +126,11 @@ def test_bfloat16_packs_linear_weights_and_keeps_the_experts_input_major(gpt_oss
 def gpt_oss_mxfp4(gpt_oss, tmp_path_factory) -> tuple[Path, object]:
     """The checkpoint with its experts in MXFP4 as the published files store them (kernels/mxfp4.py writes the
     blocks), and transformers' model of the same weights: its experts replaced by their dequantized values."""
-    import copy
-
-    from safetensors.torch import load_file, save_file
-
-    from offload.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from conftest import mxfp4_copy
 
     path, model = gpt_oss
     out = tmp_path_factory.mktemp("gpt-oss-mxfp4")
-    for f in path.iterdir():
-        if f.suffix != ".safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
-    tensors, reference = load_file(path / "model.safetensors"), copy.deepcopy(model)
-    for layer, block in enumerate(reference.model.layers):
-        for name in ("gate_up_proj", "down_proj"):
-            key = f"model.layers.{layer}.mlp.experts.{name}"
-            blocks, scales = quantize_mxfp4(tensors.pop(key).transpose(1, 2))  # output-major, as published
-            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
-            with torch.no_grad():
-                getattr(block.mlp.experts, name).copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2))
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "mlp.router"]}
-    (out / "config.json").write_text(json.dumps(config))
-    return out, reference
+    return out, mxfp4_copy(path, model, out)
 
 
 def test_mxfp4_experts_run_as_stored_and_compute_their_dequantized_values(gpt_oss_mxfp4):

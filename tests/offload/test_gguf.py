@@ -402,15 +402,22 @@ def test_each_stacked_expert_keeps_its_q4_blocks_bit_for_bit(tmp_path: Path, lay
     out = tmp_path / "out"
     stats = import_gguf(path, out, layout)
     assert stats.quant is not None and stats.quant.bits == 4 and not stats.quant.unquantized
+    experts_kept_bit_for_bit(out, stacks, T.Q4_0)
+    with LLM(out, EngineConfig(dtype="float32")) as llm:  # the codes run
+        assert len(llm.generate_ids([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def experts_kept_bit_for_bit(out: Path, stacks: dict[str, np.ndarray], qtype: T) -> dict:
+    """Each expert of each stack written (`stacks`, by GGUF name) is, in the import at `out`, what gguf dequantizes
+    its slice to, recorded as exact; returns the manifest's record of every tensor."""
     kept = json.loads((out / MANIFEST).read_text())["gguf"]["tensors"]
     for name, stack in stacks.items():
         layer, matrix = name.split(".")[1], name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
         for e in range(stack.shape[0]):
             hf = f"model.layers.{layer}.mlp.experts.{e}.{matrix}_proj.weight"
-            assert torch.equal(engine_weight(out, hf), torch.from_numpy(quants.dequantize(stack[e], T.Q4_0))), hf
+            assert torch.equal(engine_weight(out, hf), torch.from_numpy(quants.dequantize(stack[e], qtype))), hf
             assert kept[hf]["gguf"] == name and kept[hf]["exact"]
-    with LLM(out, EngineConfig(dtype="float32")) as llm:  # the codes run
-        assert len(llm.generate_ids([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3
+    return kept
 
 
 def llama31_factors(theta: float, dim: int, factor: float) -> np.ndarray:

@@ -5,7 +5,6 @@ the checkpoints; stacked Q4_0 experts and MXFP4 blocks come through bit for bit.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from pathlib import Path
@@ -17,13 +16,13 @@ from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map, quants
 from gguf import GGMLQuantizationType as T
 from gguf.constants import ExpertGatingFuncType, RopeScalingType
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from test_gguf import SPECIALS, _alphabet, _one_line_error, add_tokenizer, engine_weight
+from safetensors.torch import load_file
+from test_gguf import SPECIALS, _alphabet, _one_line_error, add_tokenizer, experts_kept_bit_for_bit
 
-from conftest import make_checkpoint
+from conftest import make_checkpoint, mxfp4_copy
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
-from offload.convert import MANIFEST, verify
+from offload.convert import verify
 from offload.gguf_import import import_gguf
 from offload.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -288,13 +287,8 @@ def test_deepseek_stacked_q4_0_experts_keep_their_blocks_bit_for_bit(tmp_path: P
     out = tmp_path / "out"
     stats = import_gguf(path, out, layout)
     assert stats.quant.bits == 4 and "model.layers.1.self_attn.q_b_proj.weight" in stats.quant.unquantized
-    kept = json.loads((out / MANIFEST).read_text())["gguf"]["tensors"]
-    for name, stack in stacks.items():
-        layer, matrix = name.split(".")[1], name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
-        for e in range(stack.shape[0]):
-            hf = f"model.layers.{layer}.mlp.experts.{e}.{matrix}_proj.weight"
-            assert torch.equal(engine_weight(out, hf), torch.from_numpy(quants.dequantize(stack[e], T.Q4_0))), hf
-            assert kept[hf]["gguf"] == name and kept[hf]["exact"] and kept[hf]["stored"] == "int4-g32"
+    kept = experts_kept_bit_for_bit(out, stacks, T.Q4_0)
+    assert {k["stored"] for n, k in kept.items() if ".experts." in n} == {"int4-g32"}
     assert kept["model.layers.1.self_attn.kv_b_proj.weight"]["stored"] == "F32"  # float, as offload convert keeps it
     assert kept["model.layers.1.mlp.gate.weight"]["stored"] == "F32"
     verify(out)
@@ -312,21 +306,7 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, o
     path = tmp_path_factory.mktemp("gpt-oss")
     model = make_checkpoint(path, "gpt_oss", vocab_size=len(TOKENS))
     out = tmp_path_factory.mktemp("gpt-oss-mxfp4")
-    for f in path.iterdir():
-        if f.suffix != ".safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
-    tensors, reference = load_file(path / "model.safetensors"), copy.deepcopy(model)
-    for layer, block in enumerate(reference.model.layers):
-        for name in ("gate_up_proj", "down_proj"):
-            key = f"model.layers.{layer}.mlp.experts.{name}"
-            blocks, scales = quantize_mxfp4(tensors.pop(key).transpose(1, 2))  # output-major, as published
-            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
-            with torch.no_grad():
-                getattr(block.mlp.experts, name).copy_(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2))
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "mlp.router"]}
-    (out / "config.json").write_text(json.dumps(config))
+    reference = mxfp4_copy(path, model, out)
     return {"float": (path, model), "mxfp4": (out, reference)}
 
 

@@ -6,8 +6,8 @@ assumed: the first large product in each half-precision dtype times both paths o
 milliseconds at worst, once per process) and keeps the faster. Where float32 wins, prefill-sized products (at least
 `UPCAST_MIN_ROWS` rows) convert the weight a slice of output features at a time, so the scratch stays
 small; decode-sized products stay in half precision, where conversion costs more than it saves.
-CUDA and float32 go straight to F.linear. A few bfloat16 rows by a dense weight (an LM head, a streamed layer's
-matrix) go to kernels/native.py's `bf16_mm` where it can run, which reads the weight in place.
+CUDA and float32 go straight to F.linear. A few bfloat16 rows by a dense weight without a bias (an LM head, a
+streamed layer's matrix) go to kernels/native.py's `bf16_mm` where it can run, which reads the weight in place.
 
 Weights that stay in memory can also be packed once into oneDNN's blocked layout (`pack_weight`): torch's
 half-precision CPU GEMM otherwise reorders the weight on every call, which dominates decode-sized products (the
@@ -35,10 +35,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x [tokens, in], w [out, in] (dense, or packed by `pack_weight`), b [out] -> [tokens, out] in x's dtype."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
-    if native.bf16_mm_fits(x, w):  # a few bfloat16 rows by a dense weight: kernels/native.py's
+    if b is None and native.bf16_mm_fits(x, w):  # a few bfloat16 rows by a dense weight: kernels/native.py's
         record("linear", "native")
-        y = native.bf16_mm(x, w)
-        return y if b is None else y + b
+        return native.bf16_mm(x, w)
     if x.device.type != "cpu" or w.dtype == torch.float32 or x.shape[0] < UPCAST_MIN_ROWS:
         return F.linear(x, w, b)
     if not upcast_is_faster(w.dtype):

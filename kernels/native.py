@@ -103,20 +103,35 @@ def library(name: str) -> ctypes.CDLL | None:
     digest = hashlib.sha256(source.read_bytes() + built_for.encode()).hexdigest()[:16]
     out = cache_dir() / "native" / f"{name}-{digest}.so"
     if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as work:
-            built = Path(work) / out.name
-            try:
-                run = subprocess.run(
-                    [compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True, timeout=300
-                )
-            except (OSError, subprocess.SubprocessError) as exc:
-                run = subprocess.CompletedProcess([], 1, "", str(exc))
-            if run.returncode != 0:
-                print(f"offload: building {source} failed; torch's kernels run instead:\n{run.stderr}", file=sys.stderr)
-                return None
-            os.replace(built, out)
-    return ctypes.CDLL(str(out))
+        try:
+            failed = _build(compiler, source, out)
+        except OSError as exc:  # the cache folder cannot be written
+            failed = f"{out.parent}: {exc}"
+        if failed is not None:
+            print(f"offload: building {source} failed; torch's kernels run instead:\n{failed}", file=sys.stderr)
+            return None
+    try:
+        return ctypes.CDLL(str(out))
+    except OSError as exc:  # a library this system cannot load
+        print(f"offload: loading {out} failed ({exc}); torch's kernels run instead", file=sys.stderr)
+        return None
+
+
+def _build(compiler: str, source: Path, out: Path) -> str | None:
+    """Compile `source` into `out` through a temporary name; what went wrong, or None."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        built = Path(work) / out.name
+        try:
+            run = subprocess.run(
+                [compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True, timeout=300
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            return str(exc)
+        if run.returncode != 0:
+            return run.stderr
+        os.replace(built, out)
+    return None
 
 
 PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # the C arguments' types

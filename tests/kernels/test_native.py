@@ -107,6 +107,20 @@ def test_a_failed_build_falls_back_to_torch_and_says_so(monkeypatch, tmp_path, c
         native.library.cache_clear()
 
 
+def test_a_cache_folder_that_cannot_be_written_falls_back_to_torch(monkeypatch, tmp_path, capsys):
+    if native.cpu_missing() is not None or native._int4_mm() is None:
+        pytest.skip("the native kernels cannot run here")
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # the cache folder's parent is a file: nothing can be made under it
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(blocked / "cache"))
+    native.library.cache_clear()
+    try:
+        assert native.library("int4_mm") is None
+        assert "building" in capsys.readouterr().err
+    finally:
+        native.library.cache_clear()
+
+
 def test_offload_kernels_torch_turns_them_off(monkeypatch):
     monkeypatch.setenv("OFFLOAD_KERNELS", "torch")
     native.library.cache_clear()

@@ -90,8 +90,8 @@ def _cpu(key: str) -> str:
 @functools.cache
 def library(name: str) -> ctypes.CDLL | None:
     """kernels/csrc/`name`.c built for this machine (once, cached on disk), or None where it cannot be. A built
-    library is found without running anything: its name digests the source, the flags, the CPU and the compiler's
-    path, size and modification time."""
+    library is found without running anything: its name digests the source and the headers, the flags, the CPU and
+    the compiler's path, size and modification time."""
     if cpu_missing() is not None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -100,7 +100,8 @@ def library(name: str) -> ctypes.CDLL | None:
     source = SOURCES / f"{name}.c"
     stat = os.stat(compiler)
     built_for = "\n".join((compiler, str(stat.st_size), str(stat.st_mtime_ns), " ".join(FLAGS), *map(_cpu, CPU_KEYS)))
-    digest = hashlib.sha256(source.read_bytes() + built_for.encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))  # what the sources include
+    digest = hashlib.sha256(source.read_bytes() + headers + built_for.encode()).hexdigest()[:16]
     out = cache_dir() / "native" / f"{name}-{digest}.so"
     if not out.is_file():
         try:
@@ -293,7 +294,7 @@ def decode_attention(
     bfloat16; `decode_attention_fits` must hold."""
     q = q.contiguous()
     n, hq, d = q.shape
-    blocks, block_size, hkv, _ = k_cache.shape
+    block_size, hkv = k_cache.shape[1:3]
     out = torch.empty_like(q)
     scores = torch.empty(n * hq * max(max_len, 1), dtype=torch.float32)
     tables = tables.to(torch.int32).contiguous()
@@ -318,18 +319,18 @@ def _int4_dequant() -> ctypes._CFuncPtr | None:
 def int4_dequant(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """W [N, K] in bfloat16 from int4 `codes` in torch's CPU packing and bfloat16 `scales` [K / group, N, 2]:
     kernels/quant_linear.py's dequantize_cpu_int4 rounded to bfloat16, bit for bit. Codes, scales and group as
-    `int4_mm_fits` wants them (the rows aside)."""
+    `int4_fits` wants them."""
     n, k = codes.shape[0], codes.shape[1] * 2
     w = torch.empty(n, k, dtype=torch.bfloat16)
     _int4_dequant()(codes.data_ptr(), scales.data_ptr(), w.data_ptr(), n, k, group, torch.get_num_threads())
     return w
 
 
-def int4_mm_fits(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> bool:
-    """Whether `int4_mm` multiplies these: bfloat16 on the CPU, whole packing blocks, groups of 32s, a built kernel."""
+def int4_fits(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> bool:
+    """Whether `int4_mm` and `int4_dequant` take these: bfloat16 on the CPU, whole packing blocks, groups of 32s,
+    built kernels. How many rows make either worth it is the caller's choice (INT4_MIN_ROWS, INT4_DENSE_MIN_ROWS)."""
     return (
-        x.shape[0] >= INT4_MIN_ROWS
-        and x.dtype == torch.bfloat16
+        x.dtype == torch.bfloat16
         and scales.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and codes.shape[0] % INT4_BLOCK == 0
@@ -343,7 +344,7 @@ def int4_mm_fits(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, gro
 
 def int4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """x [M, K] bfloat16 @ W.T -> [M, N] bfloat16, W [N, K] as int4 `codes` in torch's CPU packing ([N, K / 2]
-    uint8) with `scales` [K / group, N, 2] (scale, zero) in bfloat16; `int4_mm_fits` must hold."""
+    uint8) with `scales` [K / group, N, 2] (scale, zero) in bfloat16; `int4_fits` must hold."""
     x = x.contiguous()
     m, k = x.shape
     n = codes.shape[0]

@@ -39,7 +39,7 @@ DEQUANT_ROWS = 1024  # output features dequantized at a time: scratch of DEQUANT
 # native dequantization (kernels/native.py) writes bfloat16 directly, no float32 temporaries: slices up to this many
 # bytes, whole matrices of small models (SmolLM2's 3072 x 576 in one GEMM instead of three and their copies)
 NATIVE_DEQUANT_BYTES = 32 << 20
-CPU_INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing (`unpack_cpu_int4`)
+CPU_INT4_BLOCK = native.INT4_BLOCK  # output features in one block of torch's CPU int4 packing (`unpack_cpu_int4`)
 SCALES_SUFFIX = ".scales"  # the short name of a quantized weight's scales: "<weight short name>.scales"
 
 
@@ -58,11 +58,11 @@ def quant_linear(
         record("quant_matmul", "torch")
         if fmt.bits == 4:
             group = codes.shape[1] * 2 // scales.shape[0]
-            fits = native.int4_mm_fits(x, codes, scales, group) and _unpacks_cpu_int4()
-            dense_from = native.INT4_DENSE_MIN_ROWS if fits else INT4_DENSE_MIN_ROWS  # native dequantizes 5x faster
-            if x.shape[0] >= dense_from and codes.shape[0] % CPU_INT4_BLOCK == 0 and _unpacks_cpu_int4():
-                y = _dense_int4(x, codes, scales, group)
-            elif fits:
+            blocks = codes.shape[0] % CPU_INT4_BLOCK == 0 and _unpacks_cpu_int4()  # codes this file can unpack
+            fast = blocks and native.int4_fits(x, codes, scales, group)  # kernels/native.py's, for either path
+            if blocks and x.shape[0] >= (native.INT4_DENSE_MIN_ROWS if fast else INT4_DENSE_MIN_ROWS):
+                y = _dense_int4(x, codes, scales, group, fast)  # native dequantizes 5x faster: dense from fewer rows
+            elif fast and x.shape[0] >= native.INT4_MIN_ROWS:
                 record("quant_matmul", "native")
                 y = native.int4_mm(x, codes, scales, group)
             else:
@@ -78,12 +78,11 @@ def quant_linear(
     return y if bias is None else y + bias
 
 
-def _dense_int4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+def _dense_int4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int, fast: bool) -> torch.Tensor:
     """x @ W.T for W in torch's CPU int4 packing, a slice of output features at a time dequantized to x's dtype
     (w = (q - 8) * scale + zero in float32, then rounded once; in bfloat16 by kernels/native.py's C, 5x faster, where
-    it runs) and multiplied by the dense GEMM."""
+    it runs: `fast`) and multiplied by the dense GEMM."""
     n, k = codes.shape[0], codes.shape[1] * 2
-    fast = native.int4_mm_fits(x[: native.INT4_MIN_ROWS], codes, scales, group)  # kernels/native.py's, the same bits
     # native: as many features as NATIVE_DEQUANT_BYTES of bfloat16 hold (often the whole matrix: one GEMM, no copy)
     rows = (
         max(DEQUANT_ROWS, NATIVE_DEQUANT_BYTES // (2 * k) // CPU_INT4_BLOCK * CPU_INT4_BLOCK) if fast else DEQUANT_ROWS

@@ -46,7 +46,7 @@ def test_the_wheel_holds_one_top_level_name_and_every_module(wheel):
     top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
     assert wheel.read(top_level).decode().split() == ["offload"]
     for folder, package in PACKAGES.items():
-        for source in (*(ROOT / folder).rglob("*.py"), *(ROOT / folder).rglob("*.c")):  # C: the native kernels'
+        for source in (*(ROOT / folder).rglob("*.py"), *(ROOT / folder).rglob("*.[ch]")):  # C: the native kernels'
             assert f"{package.replace('.', '/')}/{source.relative_to(ROOT / folder).as_posix()}" in names, source
 
 

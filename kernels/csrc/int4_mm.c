@@ -12,6 +12,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define UNIT 16 /* output features a unit computes */
 #define BLOCK 64 /* output features in one block of torch's packing */
 #define CHUNK 32 /* inputs decoded at a time: 16 pairs */
@@ -37,21 +39,11 @@ void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, u
     for (int64_t i = 0; i < m * groups; i++) {
         const uint16_t *xp = x + (i / groups) * k + (i % groups) * group;
         float s = 0.0f;
-        for (int64_t j = 0; j < group; j++) {
-            uint32_t bits = (uint32_t)xp[j] << 16;
-            float f;
-            __builtin_memcpy(&f, &bits, 4);
-            s += f;
-        }
+        for (int64_t j = 0; j < group; j++) s += bf16_to_float(xp[j]);
         xsum[i] = s;
     }
     uint16_t table[32]; /* bf16 of q - 8, indexed by a 16-bit lane holding q (0..15) */
-    for (int q = 0; q < 32; q++) {
-        float f = (float)((q & 15) - 8);
-        uint32_t bits;
-        __builtin_memcpy(&bits, &f, 4);
-        table[q] = (uint16_t)(bits >> 16);
-    }
+    for (int q = 0; q < 32; q++) table[q] = float_to_bf16((float)((q & 15) - 8)); /* exact */
     const __m512i lut = _mm512_loadu_si512(table);
     /* byte indices that interleave inputs k (bytes 0..15) and k + 1 (bytes 16..31) feature by feature, each byte
      * into the low half of a 16-bit lane (the mask zeroes the high halves) */
@@ -113,13 +105,6 @@ void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, u
     }
 }
 
-static inline uint16_t round_bf16(float f) { /* to nearest, ties to even (no NaN arises from finite codes) */
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* W [n, k] in bfloat16 from int4 codes in torch's CPU packing: w = (q - 8) * scale + zero in float32 (one fused
  * multiply-add, as kernels/quant_linear.py's dequantize_cpu_int4), rounded to bfloat16 once. Each block of 64
  * features is decoded 32 inputs at a time into a tile [32 inputs][64 features] (one row of codes is 64 features of
@@ -135,15 +120,14 @@ void int4_dequant_bf16(const uint8_t *codes, const uint16_t *sz, uint16_t *w, in
             if (c % group == 0)
                 for (int j = 0; j < BLOCK; j++) {
                     const uint16_t *pair = sz + ((c / group) * n + blk * BLOCK + j) * 2;
-                    uint32_t s = (uint32_t)pair[0] << 16, z = (uint32_t)pair[1] << 16;
-                    __builtin_memcpy(&scale[j], &s, 4);
-                    __builtin_memcpy(&zero[j], &z, 4);
+                    scale[j] = bf16_to_float(pair[0]);
+                    zero[j] = bf16_to_float(pair[1]);
                 }
             for (int i = 0; i < CHUNK; i++) {
                 const uint8_t *row = rows + (c + i) * 32;
                 for (int j = 0; j < 32; j++) {
-                    tile[i][j] = round_bf16(__builtin_fmaf((float)((row[j] & 15) - 8), scale[j], zero[j]));
-                    tile[i][j + 32] = round_bf16(__builtin_fmaf((float)((row[j] >> 4) - 8), scale[j + 32], zero[j + 32]));
+                    tile[i][j] = float_to_bf16(__builtin_fmaf((float)((row[j] & 15) - 8), scale[j], zero[j]));
+                    tile[i][j + 32] = float_to_bf16(__builtin_fmaf((float)((row[j] >> 4) - 8), scale[j + 32], zero[j + 32]));
                 }
             }
             for (int j = 0; j < BLOCK; j++)

@@ -7,11 +7,13 @@ offload/common/model_config.py.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec, parse_model_config, read_config
+from offload.scheduler.cost import MXFP4_BITS
 from offload.scheduler.moe_cost import routed_params
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -44,7 +46,7 @@ def estimate_sizes(spec: ModelSpec) -> list[SizeEstimate]:
     ]
     if spec.mxfp4_experts:
         experts = routed_params(spec)  # one layer's routed experts
-        layer = _bytes(spec.params.layer - experts, 16) + -(-experts * 17 // 32)  # 17/32 of a byte: 4.25 bits
+        layer = _bytes(spec.params.layer - experts, 16) + math.ceil(experts * MXFP4_BITS / 8)
         stored = {
             "embeddings": _bytes(spec.params.embed, 16),
             "decoder layer": layer,

@@ -44,7 +44,7 @@ def test_prefill_sized_products_run_the_dense_gemm_and_agree_with_the_kernel(dty
     _, packed, scales = cpu_int4(1088, 160)  # two slices of DEQUANT_ROWS features, the second partial
     gen = torch.Generator().manual_seed(1)
     # from fewer rows where kernels/native.py runs: its dequantization is 5x torch's
-    native_runs = native.int4_mm_fits(torch.zeros(8, 160, dtype=dtype), packed, scales.to(dtype), 32)
+    native_runs = native.int4_fits(torch.zeros(8, 160, dtype=dtype), packed, scales.to(dtype), 32)
     x = torch.randn(native.INT4_DENSE_MIN_ROWS if native_runs else ql.INT4_DENSE_MIN_ROWS, 160, generator=gen).to(dtype)
     dense = []
     monkeypatch.setattr(ql, "_dense_int4", lambda *a: dense.append(a) or _dense(*a))

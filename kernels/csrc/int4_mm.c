@@ -2,31 +2,62 @@
  * zero points (w = (q - 8) * scale + zero), bfloat16 y [M, N]. See kernels/native.py for why and when it runs.
  *
  * Torch's packing: per block of 64 output features, K rows of 32 bytes; byte j of row k holds feature j of the block
- * in its low nibble and feature j + 32 in its high one. The work is split in units of 16 output features (a quarter
- * of a block: 16 bytes of each row, one nibble of each). For each 32 inputs a unit's codes become 16 vectors of
- * bfloat16 pairs (q - 8 of inputs k and k + 1 for each of its 16 features; q - 8 is an integer in [-8, 7], exact in
- * bfloat16), decoded once and multiplied with every row's pairs of x by AVX-512 BF16's dot product into float32
- * (exact products, summed in float32). A group's scale and zero apply once per row and feature:
- * y += scale * sum((q - 8) * x) + zero * sum(x).
+ * in its low nibble and feature j + 32 in its high one. The work is split in units of 32 output features (16 bytes
+ * of each row: 16 features in the low nibbles, 16 in the high). For each 16 inputs a unit's codes become 16 vectors
+ * of bfloat16 pairs (q - 8 of inputs k and k + 1 for each of 16 features; q - 8 is an integer in [-8, 7], exact in
+ * bfloat16), decoded once, held in registers and multiplied with every row's pairs of x by AVX-512 BF16's dot product
+ * into float32 (exact products, summed in float32): four rows at a time, whose eight sums stay in registers as
+ * independent chains, so that the dot products follow each other without waiting on one another. A group's scale
+ * and zero apply once per row and feature: y += scale * sum((q - 8) * x) + zero * sum(x).
  */
 #include <immintrin.h>
 #include <stdint.h>
 
 #include "bf16.h"
 
-#define UNIT 16 /* output features a unit computes */
+#define UNIT 16 /* output features of one nibble of a unit's 16 bytes */
 #define BLOCK 64 /* output features in one block of torch's packing */
-#define CHUNK 32 /* inputs decoded at a time: 16 pairs */
+#define CHUNK 16 /* inputs decoded at a time: 8 pairs, both nibbles */
+#define PAIRS (CHUNK / 2)
+#define TILE_INPUTS 32 /* inputs int4_dequant_bf16 decodes into a tile at a time */
 #define ROWS 64 /* rows of x a pass keeps partial sums for */
+#define RB 4 /* rows whose sums stay in registers together */
 #define PREFETCH 2 /* groups ahead whose scales are requested */
 
-static inline __m512 dot16(const __m512i *w, const uint32_t *x, int from) {
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    for (int p = from; p < from + 8; p += 2) {
-        a = _mm512_dpbf16_ps(a, (__m512bh)w[p], (__m512bh)_mm512_set1_epi32((int)x[p]));
-        b = _mm512_dpbf16_ps(b, (__m512bh)w[p + 1], (__m512bh)_mm512_set1_epi32((int)x[p + 1]));
+/* One row's partial sums over a chunk: lo/hi += (q - 8) * x pair by pair, in order. Every row takes this order,
+ * whether alone or in a block of RB, so an output does not depend on the batch around it. */
+static inline void chunk_row(const __m512i *lo, const __m512i *hi, const uint32_t *x, __m512 *acc_lo,
+                             __m512 *acc_hi) {
+    __m512 a = *acc_lo, b = *acc_hi;
+    for (int p = 0; p < PAIRS; p++) {
+        const __m512bh v = (__m512bh)_mm512_set1_epi32((int)x[p]);
+        a = _mm512_dpbf16_ps(a, (__m512bh)lo[p], v);
+        b = _mm512_dpbf16_ps(b, (__m512bh)hi[p], v);
     }
-    return _mm512_add_ps(a, b);
+    *acc_lo = a;
+    *acc_hi = b;
+}
+
+static inline void chunk_rows4(const __m512i *lo, const __m512i *hi, const uint32_t *x, int64_t stride,
+                               __m512 *acc_lo, __m512 *acc_hi) {
+    __m512 a0 = acc_lo[0], a1 = acc_lo[1], a2 = acc_lo[2], a3 = acc_lo[3];
+    __m512 b0 = acc_hi[0], b1 = acc_hi[1], b2 = acc_hi[2], b3 = acc_hi[3];
+    for (int p = 0; p < PAIRS; p++) {
+        const __m512bh v0 = (__m512bh)_mm512_set1_epi32((int)x[p]);
+        const __m512bh v1 = (__m512bh)_mm512_set1_epi32((int)x[stride + p]);
+        const __m512bh v2 = (__m512bh)_mm512_set1_epi32((int)x[2 * stride + p]);
+        const __m512bh v3 = (__m512bh)_mm512_set1_epi32((int)x[3 * stride + p]);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)lo[p], v0);
+        b0 = _mm512_dpbf16_ps(b0, (__m512bh)hi[p], v0);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)lo[p], v1);
+        b1 = _mm512_dpbf16_ps(b1, (__m512bh)hi[p], v1);
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)lo[p], v2);
+        b2 = _mm512_dpbf16_ps(b2, (__m512bh)hi[p], v2);
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)lo[p], v3);
+        b3 = _mm512_dpbf16_ps(b3, (__m512bh)hi[p], v3);
+    }
+    acc_lo[0] = a0, acc_lo[1] = a1, acc_lo[2] = a2, acc_lo[3] = a3;
+    acc_hi[0] = b0, acc_hi[1] = b1, acc_hi[2] = b2, acc_hi[3] = b3;
 }
 
 /* x: [m, k] bf16; codes: [n / 64, k, 32] bytes; sz: [k / group, n, 2] bf16 (scale, zero); y: [m, n] bf16;
@@ -42,22 +73,15 @@ void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, u
         for (int64_t j = 0; j < group; j++) s += bf16_to_float(xp[j]);
         xsum[i] = s;
     }
-    uint16_t table[32]; /* bf16 of q - 8, indexed by a 16-bit lane holding q (0..15) */
+    uint16_t table[32]; /* bf16 of q - 8 for a 16-bit lane whose low 5 bits are q (0..15) or 16 + q */
     for (int q = 0; q < 32; q++) table[q] = float_to_bf16((float)((q & 15) - 8)); /* exact */
     const __m512i lut = _mm512_loadu_si512(table);
-    /* byte indices that interleave inputs k (bytes 0..15) and k + 1 (bytes 16..31) feature by feature, each byte
-     * into the low half of a 16-bit lane (the mask zeroes the high halves) */
-    uint8_t spread[64];
-    for (int i = 0; i < 64; i++) spread[i] = (uint8_t)(i % 2 == 0 ? (i / 4) + 16 * ((i / 2) % 2) : 0);
-    const __m512i idx = _mm512_loadu_si512(spread);
-    const __mmask64 even = 0x5555555555555555ULL;
     const int64_t units = n / (2 * UNIT); /* 32 features: both nibbles of 16 bytes of each row */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
         const int64_t block = u / 2, half = u % 2; /* which 16 bytes of a block's rows */
         const int64_t first = block * BLOCK + half * UNIT; /* low nibbles: first..first+15; high: first+32.. */
         const uint8_t *rows = codes + block * k * 32 + half * 16;
-        const __m512i mask = _mm512_set1_epi8(0x0F);
         __m512 acc_y[2][ROWS], acc_g[2][ROWS];
         for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
             const int64_t rn = m - r0 < ROWS ? m - r0 : ROWS;
@@ -70,21 +94,24 @@ void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, u
                         _mm_prefetch((const char *)(sz + ((g + PREFETCH) * n + first + 32 * h) * 2), _MM_HINT_T0);
                 for (int64_t r = 0; r < rn; r++) acc_g[0][r] = acc_g[1][r] = _mm512_setzero_ps();
                 for (int64_t c = g * group; c < (g + 1) * group; c += CHUNK) {
-                    for (int h = 0; h < 2; h++) { /* low nibbles, then high */
-                        __m512i w[CHUNK / 2];
-                        for (int p = 0; p < CHUNK / 2; p++) {
-                            const uint8_t *at = rows + (c + 2 * p) * 32;
-                            __m256i ab = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(at + 32)),
-                                                          _mm_loadu_si128((const __m128i *)at));
-                            __m512i v = _mm512_castsi256_si512(ab);
-                            v = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, mask);
-                            w[p] = _mm512_permutexvar_epi16(_mm512_maskz_permutexvar_epi8(even, idx, v), lut);
-                        }
-                        for (int64_t r = 0; r < rn; r++) {
-                            const uint32_t *xr = (const uint32_t *)(x + (r0 + r) * k + c);
-                            acc_g[h][r] = _mm512_add_ps(acc_g[h][r], _mm512_add_ps(dot16(w, xr, 0), dot16(w, xr, 8)));
-                        }
+                    /* inputs k and k + 1 of the unit's 16 bytes interleaved byte by byte, each byte zero-extended
+                     * to a 16-bit lane: its low nibble (with the high one's low bit, which the table ignores) and
+                     * its high nibble index the table */
+                    __m512i lo[PAIRS], hi[PAIRS];
+                    for (int p = 0; p < PAIRS; p++) {
+                        const uint8_t *at = rows + (c + 2 * p) * 32;
+                        const __m128i a = _mm_loadu_si128((const __m128i *)at);
+                        const __m128i b = _mm_loadu_si128((const __m128i *)(at + 32));
+                        const __m512i v = _mm512_cvtepu8_epi16(
+                            _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+                        lo[p] = _mm512_permutexvar_epi16(v, lut);
+                        hi[p] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
                     }
+                    const uint32_t *xc = (const uint32_t *)(x + r0 * k + c);
+                    int64_t r = 0;
+                    for (; r + RB <= rn; r += RB)
+                        chunk_rows4(lo, hi, xc + r * (k / 2), k / 2, acc_g[0] + r, acc_g[1] + r);
+                    for (; r < rn; r++) chunk_row(lo, hi, xc + r * (k / 2), acc_g[0] + r, acc_g[1] + r);
                 }
                 for (int h = 0; h < 2; h++) { /* the 16 features' (scale, zero) pairs: 32 bf16 -> two vectors */
                     __m512i pair = _mm512_loadu_si512(sz + (g * n + first + 32 * h) * 2);
@@ -114,16 +141,16 @@ void int4_dequant_bf16(const uint8_t *codes, const uint16_t *sz, uint16_t *w, in
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t blk = 0; blk < n / BLOCK; blk++) {
         const uint8_t *rows = codes + blk * k * 32;
-        uint16_t tile[CHUNK][BLOCK];
+        uint16_t tile[TILE_INPUTS][BLOCK];
         float scale[BLOCK], zero[BLOCK];
-        for (int64_t c = 0; c < k; c += CHUNK) {
+        for (int64_t c = 0; c < k; c += TILE_INPUTS) {
             if (c % group == 0)
                 for (int j = 0; j < BLOCK; j++) {
                     const uint16_t *pair = sz + ((c / group) * n + blk * BLOCK + j) * 2;
                     scale[j] = bf16_to_float(pair[0]);
                     zero[j] = bf16_to_float(pair[1]);
                 }
-            for (int i = 0; i < CHUNK; i++) {
+            for (int i = 0; i < TILE_INPUTS; i++) {
                 const uint8_t *row = rows + (c + i) * 32;
                 for (int j = 0; j < 32; j++) {
                     tile[i][j] = float_to_bf16(__builtin_fmaf((float)((row[j] & 15) - 8), scale[j], zero[j]));
@@ -131,7 +158,7 @@ void int4_dequant_bf16(const uint8_t *codes, const uint16_t *sz, uint16_t *w, in
                 }
             }
             for (int j = 0; j < BLOCK; j++)
-                for (int i = 0; i < CHUNK; i++) w[(blk * BLOCK + j) * k + c + i] = tile[i][j];
+                for (int i = 0; i < TILE_INPUTS; i++) w[(blk * BLOCK + j) * k + c + i] = tile[i][j];
         }
     }
 }

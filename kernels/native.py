@@ -17,7 +17,8 @@ a streamed layer's matrix: weights not packed for oneDNN), read in place: 1.1-1.
 
 `decode_attention`: one query per sequence over the paged bfloat16 cache, read in place through the block table,
 2.6-3.5x the gather-and-SDPA path. `rms_norm` and `rotary`: a decode step's few rows, in the torch references'
-roundings, serial.
+roundings, serial. `silu_mul`: SwiGLU's silu(gate) * up in one pass over the halves of the fused gate/up product,
+where torch makes two (and a temporary), any number of rows.
 
 They run where the CPU has AVX-512 BF16 and VBMI, a C compiler with OpenMP is on the PATH ($CC, else cc) and
 OFFLOAD_KERNELS is not "torch"; anywhere else, or when the build fails (said once on stderr), torch's kernels run.
@@ -59,6 +60,9 @@ INT4_MIN_ROWS = 8
 # INT4_DENSE_MIN_ROWS where torch dequantizes
 INT4_DENSE_MIN_ROWS = 192
 RMS_NORM_MAX_ROWS = 64  # rows rows.c takes (serially); a prefill's many rows run torch's parallel ops
+# values up to which silu_mul runs on one thread (16 rows of 1536, a one-off timing on 2 threads of a Zen 4 EPYC:
+# 17 us serial, 9 split; 2 us a call's own cost)
+SILU_SERIAL_VALUES = 4096
 BF16_TILE = 16  # output features bf16_mm.c computes at a time
 BF16_CHUNK = 32  # inputs its dot products take at a time
 # rows up to which bf16_mm beats torch's bfloat16 GEMM over a dense weight (benchmarks/native_cpu.py, the same CPU:
@@ -151,7 +155,7 @@ def _bind(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr | None:
 def prepare() -> None:
     """Build (once per machine) and load every native kernel now, where it can run, so that no step pays for it: the
     engine calls this as it loads a model for the CPU."""
-    _int4_mm(), _int4_dequant(), _bf16_mm(), _decode_attention(), _rms_norm(), _rotary()
+    _int4_mm(), _int4_dequant(), _bf16_mm(), _decode_attention(), _rms_norm(), _rotary(), _silu_mul()
 
 
 @functools.cache
@@ -219,6 +223,36 @@ def rms_norm(
     res = 0 if residual is None else residual.data_ptr()
     _rms_norm()(x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), h.data_ptr(), rows, x.shape[-1], eps)
     return out, h
+
+
+@functools.cache
+def _silu_mul() -> ctypes._CFuncPtr | None:
+    return _bind("rows", "silu_mul_bf16", [PTR, I64, PTR, I64, PTR, I64, I64, I64, INT])
+
+
+def silu_mul_fits(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether `silu_mul` takes these: bfloat16 [rows, N] on the CPU of one shape, each row contiguous (the halves of
+    a fused gate/up product qualify)."""
+    return (
+        gate.dim() == up.dim() == 2
+        and gate.dtype == up.dtype == torch.bfloat16
+        and gate.device.type == up.device.type == "cpu"
+        and gate.shape == up.shape
+        and gate.stride(-1) == up.stride(-1) == 1
+        and _silu_mul() is not None
+    )
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up in its roundings (silu's e^x within 2 float32 ulps, where torch's is within 1) -> a contiguous
+    tensor; `silu_mul_fits` must hold."""
+    rows, n = gate.shape
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    _silu_mul()(
+        gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows, n, SILU_SERIAL_VALUES,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 @functools.cache

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
+from offload.kernels.activation import silu_mul
 from offload.kernels.linear import linear
 from offload.kernels.paged_attention import paged_attention
 from offload.kernels.quant_linear import SCALES_SUFFIX, quant_linear, stack_outputs
@@ -161,7 +162,7 @@ class LlamaFamily:
 def swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) for x [tokens, hidden] and w's "gate_proj", "up_proj", "down_proj" (and biases)."""
     gate, up = projections(spec, w, "gate_up_proj", x)
-    return project(spec, w, "down_proj", F.silu(gate) * up, "down_bias")
+    return project(spec, w, "down_proj", silu_mul(gate, up), "down_bias")
 
 
 def projections(

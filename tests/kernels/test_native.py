@@ -241,3 +241,29 @@ def test_int4_dequant_is_torch_dequantization_rounded_to_bfloat16(n: int, k: int
     codes, scales = _int4(n, k, group, torch.Generator().manual_seed(n))
     want = dequantize_cpu_int4(codes, scales, group).to(torch.bfloat16)
     assert torch.equal(native.int4_dequant(codes, scales, group), want)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 16, native.RMS_NORM_MAX_ROWS + 1, 300])
+def test_silu_mul_is_torchs_two_ops(rows: int):
+    """The halves of a fused gate/up product (rows strided, a width that is not a multiple of 16), serial and split
+    over threads: torch's roundings; silu's e^x (within 2 float32 ulps, where torch's is within 1) can move a rare
+    value by one bfloat16 step. Extremes: silu saturates to x and to -0, a NaN stays NaN."""
+    from offload.kernels.activation import silu_mul
+
+    gen = torch.Generator().manual_seed(rows)
+    fused = torch.randn(rows, 2 * 200, generator=gen).mul(4).to(torch.bfloat16)
+    fused[0, :4] = torch.tensor([100.0, -100.0, 0.0, 1e-39])  # a denormal gate: kept, not flushed
+    fused[-1, 5] = float("nan")
+    gate, up = fused.chunk(2, dim=-1)
+    got = silu_mul(gate, up)
+    assert dispatch.picked()["silu_mul"] == "native"
+    want = torch.nn.functional.silu(gate) * up
+    assert got.is_contiguous() and got.shape == want.shape
+    assert torch.isnan(got[-1, 5]) and not torch.isnan(got[:-1]).any()
+    ok = ~torch.isnan(want)
+    moved = got[ok] != want[ok]
+    assert moved.float().mean() < 0.01, moved.sum()
+    assert ((got[ok].float() - want[ok].float()).abs() <= want[ok].float().abs() * 2.0**-7).all()
+    assert torch.equal(got[0, :3], want[0, :3])
+    assert not native.silu_mul_fits(gate.float(), up.float())

@@ -295,7 +295,7 @@ def _decode_attention() -> ctypes._CFuncPtr | None:
 
 def decode_attention_fits(q: torch.Tensor, k_cache: object, v_cache: object) -> bool:
     """Whether `decode_attention` attends these: bfloat16 queries and plain bfloat16 caches on the CPU, heads of a
-    multiple of 32 up to 256, at most 16 query heads per KV head."""
+    multiple of 32 up to 256."""
     if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
         return False  # a quantized cache (kv_quant.QuantizedKV) dequantizes its blocks elsewhere
     d, hq, hkv = q.shape[-1], q.shape[1], k_cache.shape[2]
@@ -308,7 +308,6 @@ def decode_attention_fits(q: torch.Tensor, k_cache: object, v_cache: object) -> 
         and d % 32 == 0
         and d <= 256
         and hq % hkv == 0
-        and hq // hkv <= 16
         and _decode_attention() is not None
     )
 

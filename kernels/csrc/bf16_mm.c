@@ -9,23 +9,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define TILE 16 /* output features a task computes */
+#include "simd.h"
 
-/* the sums of 16 vectors' lanes, in one vector (lane f: the sum of a[f]): a transposing tree of adds, 3 instructions a
- * vector where reducing each alone takes 8 */
-static inline __m512 sum16(const __m512 *a) {
-    __m512 b[8], c[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: a[2i] and a[2i+1], halved */
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane's sums of a[4i] .. a[4i+3] */
-        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    }
-    __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-    __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, 0x88), _mm512_shuffle_f32x4(f01, f23, 0xDD));
-}
+#define TILE 16 /* output features a task computes */
 
 /* x: [m, k] bf16; w: [n, k] bf16; y: [m, n] bf16. n % 16 == 0, k % 32 == 0. */
 void bf16_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {

@@ -4,87 +4,127 @@
  * A task is one sequence and one KV head: the query heads sharing that head score every visible key (AVX-512 BF16 dot
  * products: exact products summed in float32), take the softmax in float32 (exp by range reduction and a polynomial,
  * within 2 float32 ulps), and sum the values weighted by it in float32; the output is rounded to bfloat16 once. The
- * keys and values are read in place through the block table: nothing is gathered.
+ * keys and values are read in place through the block table: nothing is gathered. Keys are scored 16 at a time, each
+ * key's products in one vector whose lanes the 16 vectors sum together (sum16), and a position's row is found by
+ * walking the block table, not by a division per position; a head's vectors stay in registers where its size is 64
+ * or 128 (the task body inlined with that size a constant).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-#include "exp16.h"
+#include "bf16.h"
+#include "simd.h"
 
-#define MAX_GROUP 16 /* query heads per KV head */
 #define MAX_DIM 256 /* head size */
 
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+typedef struct { /* one call's arguments, as decode_attention_bf16 takes them */
+    const uint16_t *q, *k, *v;
+    const int32_t *tables, *lens, *starts;
+    uint16_t *out;
+    float *scores;
+    int64_t width, hq, hkv, d, block_size, max_len;
+    float scale;
+} job;
+
+typedef struct { /* the rows of one KV head, position by position, without a division per position */
+    const uint16_t *cache;
+    const int32_t *table;
+    int64_t block, slot, block_size, stride, offset;
+} walk;
+
+static inline walk walk_from(const job *j, const uint16_t *cache, const int32_t *table, int64_t h, int64_t t) {
+    walk w = {cache, table, t / j->block_size, t % j->block_size, j->block_size, j->hkv * j->d, h * j->d};
+    return w;
+}
+
+static inline const uint16_t *next_row(walk *w) {
+    const uint16_t *row = w->cache + (w->table[w->block] * w->block_size + w->slot) * w->stride + w->offset;
+    if (++w->slot == w->block_size) w->slot = 0, w->block++;
+    return row;
+}
+
+/* Sequence task / hkv, KV head task % hkv, heads of 32 * pairs values: inlined with pairs a constant, so that a
+ * head's vectors stay in registers. */
+static inline __attribute__((always_inline)) void attend(const job *j, int64_t task, const int64_t pairs) {
+    const int64_t group = j->hq / j->hkv, s = task / j->hkv, h = task % j->hkv;
+    const int64_t len = j->lens[s], start = j->starts[s], count = len - start;
+    const int32_t *table = j->tables + s * j->width;
+    float *sc = j->scores + task * group * j->max_len; /* [group, count] */
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
+    for (int64_t g = 0; g < group; g++) {
+        const uint16_t *qg = j->q + (s * j->hq + h * group + g) * j->d;
+        float *row = sc + g * count;
+        __m512bh qv[MAX_DIM / 32];
+        for (int64_t c = 0; c < pairs; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
+        /* scores 16 keys at a time: a key's products in one vector's lanes, the 16 vectors' lanes summed at once */
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        walk keys = walk_from(j, j->k, table, h, start);
+        for (int64_t t0 = 0; t0 < count; t0 += 16) {
+            const int64_t n = count - t0 < 16 ? count - t0 : 16;
+            const __mmask16 m = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+            __m512 acc[16];
+            for (int64_t i = 0; i < 16; i++) {
+                acc[i] = _mm512_setzero_ps();
+                if (i < n) {
+                    const uint16_t *kt = next_row(&keys);
+                    for (int64_t c = 0; c < pairs; c++)
+                        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(kt + c * 32), qv[c]);
+                }
+            }
+            const __m512 x = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(j->scale));
+            _mm512_mask_storeu_ps(row + t0, m, x);
+            best = _mm512_mask_max_ps(best, m, best, x);
+        }
+        /* the softmax's numerators in place, and their sum */
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < count; i += 16) {
+            const __mmask16 m = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), top));
+            _mm512_mask_storeu_ps(row + i, m, e);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        /* values as float32 32 at a time: a 32-bit lane's low half (shifted up) is the even one, its high half the
+         * odd one, so the sums run over even and odd positions apart and interleave back as they are stored */
+        __m512 even[MAX_DIM / 32], odd[MAX_DIM / 32];
+        for (int64_t c = 0; c < pairs; c++) even[c] = odd[c] = _mm512_setzero_ps();
+        walk values = walk_from(j, j->v, table, h, start);
+        for (int64_t t = 0; t < count; t++) {
+            const uint16_t *vt = next_row(&values);
+            const __m512 p = _mm512_set1_ps(row[t]);
+            for (int64_t c = 0; c < pairs; c++) {
+                const __m512i raw = _mm512_loadu_si512(vt + c * 32);
+                even[c] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), even[c]);
+                odd[c] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_and_si512(raw, high)), odd[c]);
+            }
+        }
+        uint16_t *dst = j->out + (s * j->hq + h * group + g) * j->d;
+        for (int64_t c = 0; c < pairs; c++) {
+            const __m512i e = _mm512_castps_si512(bf16x16_round(_mm512_mul_ps(even[c], inv)));
+            const __m512i o = _mm512_castps_si512(bf16x16_round(_mm512_mul_ps(odd[c], inv)));
+            _mm512_storeu_si512(dst + c * 32, _mm512_or_si512(_mm512_srli_epi32(e, 16), o));
+        }
+    }
 }
 
 /* q: [n, hq, d] bf16, the queries in their sequences' order; k, v: [blocks, block_size, hkv, d] bf16; tables:
- * [n, width] int32 block ids; lens: [n] int32 context lengths (the query at lens - 1); starts: [n] int32 first position attended (a
- * window's start, else 0); out: [n, hq, d] bf16; scores: scratch of n * hkv * (hq / hkv) * max(lens) floats.
- * d % 32 == 0, d <= MAX_DIM, hq / hkv <= MAX_GROUP. */
+ * [n, width] int32 block ids; lens: [n] int32 context lengths (the query at lens - 1); starts: [n] int32 first
+ * position attended (a window's start, else 0); out: [n, hq, d] bf16; scores: scratch of n * hq * max(lens) floats.
+ * d % 32 == 0, d <= MAX_DIM. */
 void decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,
                            int64_t width, const int32_t *lens, const int32_t *starts, uint16_t *out, int64_t n,
                            int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale, float *scores,
                            int64_t max_len, int threads) {
-    const int64_t group = hq / hkv, vecs = d / 16;
+    const job j = {q, k, v, tables, lens, starts, out, scores, width, hq, hkv, d, block_size, max_len, scale};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < n * hkv; task++) {
-        const int64_t s = task / hkv, h = task % hkv, len = lens[s], start = starts[s], count = len - start;
-        const int32_t *table = tables + s * width;
-        float *sc = scores + task * group * max_len; /* [group, count] */
-        __m512bh qv[MAX_GROUP][MAX_DIM / 32];
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t c = 0; c < d / 32; c++)
-                qv[g][c] = (__m512bh)_mm512_loadu_si512(q + (s * hq + h * group + g) * d + c * 32);
-        float best[MAX_GROUP];
-        for (int64_t g = 0; g < group; g++) best[g] = -INFINITY;
-        for (int64_t t = start; t < len; t++) {
-            const uint16_t *kt = k + ((table[t / block_size] * block_size + t % block_size) * hkv + h) * d;
-            __m512bh kv[MAX_DIM / 32];
-            for (int64_t c = 0; c < d / 32; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kt + c * 32);
-            for (int64_t g = 0; g < group; g++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t c = 0; c < d / 32; c++) acc = _mm512_dpbf16_ps(acc, kv[c], qv[g][c]);
-                float x = _mm512_reduce_add_ps(acc) * scale;
-                sc[g * count + (t - start)] = x;
-                best[g] = x > best[g] ? x : best[g];
-            }
-        }
-        __m512 o[MAX_GROUP][MAX_DIM / 16];
-        float total[MAX_GROUP];
-        for (int64_t g = 0; g < group; g++) {
-            float *row = sc + g * count;
-            __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(best[g]);
-            int64_t i = 0;
-            for (; i + 16 <= count; i += 16) {
-                __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + i), top));
-                _mm512_storeu_ps(row + i, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            if (i < count) {
-                __mmask16 m = (__mmask16)((1u << (count - i)) - 1);
-                __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), top));
-                _mm512_mask_storeu_ps(row + i, m, e);
-                sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
-            }
-            total[g] = _mm512_reduce_add_ps(sum);
-            for (int64_t c = 0; c < vecs; c++) o[g][c] = _mm512_setzero_ps();
-        }
-        for (int64_t t = start; t < len; t++) {
-            const uint16_t *vt = v + ((table[t / block_size] * block_size + t % block_size) * hkv + h) * d;
-            __m512 vv[MAX_DIM / 16];
-            for (int64_t c = 0; c < vecs; c++) vv[c] = bf16x16_to_f32(vt + c * 16);
-            for (int64_t g = 0; g < group; g++) {
-                __m512 p = _mm512_set1_ps(sc[g * count + (t - start)]);
-                for (int64_t c = 0; c < vecs; c++) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
-            }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            __m512 inv = _mm512_set1_ps(1.0f / total[g]);
-            uint16_t *dst = out + (s * hq + h * group + g) * d;
-            for (int64_t c = 0; c < vecs; c++)
-                _mm256_storeu_si256((__m256i *)(dst + c * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[g][c], inv)));
-        }
+        if (d == 64)
+            attend(&j, task, 2);
+        else if (d == 128)
+            attend(&j, task, 4);
+        else
+            attend(&j, task, d / 32);
     }
 }

@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
-#include "exp16.h"
+#include "simd.h"
 
 /* x, residual (or NULL), out, h: [rows, hidden] bf16, contiguous; weight: [hidden] bf16. h: x + residual (unused
  * where residual is NULL). */

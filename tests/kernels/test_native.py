@@ -162,14 +162,16 @@ def _dense_attention(q, k, v, batch, scale: float, window: int | None) -> torch.
 @needs_native
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize(("heads", "d"), [(9, 64), (8, 128), (2, 32)])
-def test_decode_attention_reads_the_paged_cache_as_dense_attention_would(window, heads: int, d: int):
-    """Lengths around block edges, shorter and longer than the window, shuffled blocks: as exact as torch's SDPA path
-    (one bfloat16 rounding of the output), and the path paged_attention_ref takes for bfloat16 caches."""
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_decode_attention_reads_the_paged_cache_as_dense_attention_would(window, heads: int, d: int, block_size: int):
+    """Lengths around block edges, shorter and longer than the window, shuffled blocks (of a size that is not a
+    multiple of the 16 keys scored at a time, too): as exact as torch's SDPA path (one bfloat16 rounding of the
+    output), and the path paged_attention_ref takes for bfloat16 caches."""
     from offload.kernels.paged_attention import _attend_single_queries, paged_attention_ref
 
     gen = torch.Generator().manual_seed(heads + d)
     hkv = 1 if heads == 2 else heads // 3 if heads == 9 else 2
-    k, v, batch = _paged([37, 160, 5, 16, 17, 1], 16, gen, hkv, d)
+    k, v, batch = _paged([37, 160, 5, 16, 17, 1], block_size, gen, hkv, d)
     q = torch.randn(len(batch.context_lens), heads, d, generator=gen).to(torch.bfloat16)
     exact = _dense_attention(q, k, v, batch, d**-0.5, window)
     got = paged_attention_ref(q, k, v, batch, d**-0.5, window)

@@ -19,7 +19,14 @@ void bf16_mm(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < n / TILE; t++) {
         const uint16_t *wt = w + t * TILE * k;
+        /* the next tile's weight, requested into L2 a share per row of x: from memory it streams in while this tile
+         * computes, where the hardware's prefetchers leave a tile's first pass waiting on it */
+        const int64_t lines = TILE * k * 2 / 64, per_row = (lines + m - 1) / m;
+        const char *next = (const char *)(wt + TILE * k);
         for (int64_t r = 0; r < m; r++) {
+            if (t + 1 < n / TILE)
+                for (int64_t l = r * per_row; l < (r + 1) * per_row && l < lines; l++)
+                    _mm_prefetch(next + l * 64, _MM_HINT_T1);
             const uint16_t *xr = x + r * k;
             __m512 acc[TILE];
             for (int f = 0; f < TILE; f++) acc[f] = _mm512_setzero_ps();

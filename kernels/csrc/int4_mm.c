@@ -93,6 +93,11 @@ void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, u
                     for (int h = 0; h < 2; h++)
                         _mm_prefetch((const char *)(sz + ((g + PREFETCH) * n + first + 32 * h) * 2), _MM_HINT_T0);
                 for (int64_t r = 0; r < rn; r++) acc_g[0][r] = acc_g[1][r] = _mm512_setzero_ps();
+                /* the next block's codes for this group, requested into L2 by a block's second unit (the first has
+                 * read these rows' lines already): from memory they stream in while this block computes */
+                if (half == 1 && block + 1 < n / BLOCK && r0 == 0)
+                    for (int64_t l = g * group * 32; l < (g + 1) * group * 32; l += 64)
+                        _mm_prefetch((const char *)(codes + (block + 1) * k * 32 + l), _MM_HINT_T1);
                 for (int64_t c = g * group; c < (g + 1) * group; c += CHUNK) {
                     /* inputs k and k + 1 of the unit's 16 bytes interleaved byte by byte, each byte zero-extended
                      * to a 16-bit lane: its low nibble (with the high one's low bit, which the table ignores) and

@@ -18,8 +18,9 @@ special tokens), each sequence from its own offset, the same ids to every engine
 eos ignored.
 
 Two settings:
-  ram        every weight in memory (llama.cpp reads the file into its own buffers: no mmap); each engine and batch in
-             its own process: one untimed warm-up call, then --repeats timed calls
+  ram        every weight in memory (llama.cpp reads the file into its own buffers: no mmap); each repeat a process of
+             its own (one untimed warm-up call, then one timed call), the engines taken in turn, repeat by repeat, so
+             that a slower or a quicker spell of a shared machine falls on every engine alike
   streamed   a weight budget of --stream-budget (default: a quarter of the file). Ours gets --device-memory of that
              budget plus its KV cache and streams the layers that do not fit from disk (O_DIRECT). Where the budget
              cannot hold what stays resident (the tied embedding and head, two ring slots), the smallest budget the
@@ -487,19 +488,27 @@ def main(argv: list[str] | None = None) -> dict | None:
             batch=batch,
             prompts=prompts[:batch],
             new_tokens=args.new_tokens,
-            repeats=1 if streamed else args.repeats,
+            repeats=1,
             warmup=not streamed,
             gguf=str(gguf),
             model_dir=str(model_dirs[engine]),
             budget_bytes=budget if streamed else None,
         )
 
+    def in_turn(setting: str, engines: tuple[str, ...], batch: int) -> list[list[Measured]]:
+        """Each engine's processes, one per repeat, run engine after engine, repeat after repeat."""
+        per: dict[str, list[Measured]] = {e: [] for e in engines}
+        for _ in range(args.repeats):
+            for engine in engines:
+                per[engine].append(run_job(job(engine, setting, batch), work_dir, own_files[engine]))
+        return [per[e] for e in engines]
+
     groups = [
-        [run_job(job(engine, setting, batch), work_dir, own_files[engine]) for _ in range(times)]
-        for setting, engines, times in (("ram", ENGINES, 1), ("streamed", STREAMED, args.repeats))
+        group
+        for setting, engines in (("ram", ENGINES), ("streamed", STREAMED))
         for batch in batches
-        for engine in engines
-    ]  # a streamed repeat is a process of its own
+        for group in in_turn(setting, engines, batch)
+    ]
     results = [r for g in groups for r in g]
     rows = [summarize(g) for g in groups]
     same = {f"{e}, batch {b}": agreement(results, e, b) for e in ENGINES[1:] for b in batches}
@@ -518,8 +527,9 @@ def main(argv: list[str] | None = None) -> dict | None:
             "text": str(TEXT),
         },
         "repeats": args.repeats,
-        "clock": "perf_counter around each generate call; ram: 1 warm-up call then the repeats in one process; "
-        "streamed: one cold process per repeat, its files evicted from the page cache first",
+        "clock": "perf_counter around each generate call; one process per repeat, the engines in turn repeat by "
+        "repeat; ram: 1 untimed warm-up call, then 1 timed; streamed: its files evicted from the page cache first, "
+        "timed on its first call",
         "stream_budget": {"asked_bytes": asked, "used_bytes": budget, "asked_fits": budget == asked},
         "rows": [
             asdict(r) | {"runs_tokens_per_second": list(r.runs_tokens_per_second), "vs_llama_cpp": versus(rows, r)}

@@ -329,12 +329,13 @@ def decode_attention(
     n, hq, d = q.shape
     block_size, hkv = k_cache.shape[1:3]
     out = torch.empty_like(q)
-    scores = torch.empty(n * hq * max(max_len, 1), dtype=torch.float32)
+    threads = torch.get_num_threads()
+    scores = torch.empty(threads * max(max_len, 1), dtype=torch.float32)  # a query head's scores per thread
     tables = tables.to(torch.int32).contiguous()
     _decode_attention()(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), starts.data_ptr(), out.data_ptr(), n, hq, hkv, d, block_size, scale, scores.data_ptr(),
-        max(max_len, 1), torch.get_num_threads(),
+        max(max_len, 1), threads,
     )  # fmt: skip
     return out
 

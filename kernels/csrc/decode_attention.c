@@ -11,6 +11,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include "bf16.h"
@@ -27,20 +28,28 @@ typedef struct { /* one call's arguments, as decode_attention_bf16 takes them */
     float scale;
 } job;
 
-typedef struct { /* the rows of one KV head, position by position, without a division per position */
-    const uint16_t *cache;
+typedef struct { /* the rows of one KV head, position by position: a pointer step within a block, the block table
+                  * read once a block */
+    const uint16_t *cache, *row;
     const int32_t *table;
-    int64_t block, slot, block_size, stride, offset;
+    int64_t block, left, block_size, stride, offset;
 } walk;
 
 static inline walk walk_from(const job *j, const uint16_t *cache, const int32_t *table, int64_t h, int64_t t) {
-    walk w = {cache, table, t / j->block_size, t % j->block_size, j->block_size, j->hkv * j->d, h * j->d};
+    const int64_t block = t / j->block_size, slot = t % j->block_size, stride = j->hkv * j->d;
+    const uint16_t *row = cache + (table[block] * j->block_size + slot) * stride + h * j->d;
+    walk w = {cache, row, table, block + 1, j->block_size - slot, j->block_size, stride, h * j->d};
     return w;
 }
 
 static inline const uint16_t *next_row(walk *w) {
-    const uint16_t *row = w->cache + (w->table[w->block] * w->block_size + w->slot) * w->stride + w->offset;
-    if (++w->slot == w->block_size) w->slot = 0, w->block++;
+    if (w->left == 0) {
+        w->row = w->cache + w->table[w->block++] * w->block_size * w->stride + w->offset;
+        w->left = w->block_size;
+    }
+    const uint16_t *row = w->row;
+    w->row += w->stride;
+    w->left--;
     return row;
 }
 
@@ -50,11 +59,10 @@ static inline __attribute__((always_inline)) void attend(const job *j, int64_t t
     const int64_t group = j->hq / j->hkv, s = task / j->hkv, h = task % j->hkv;
     const int64_t len = j->lens[s], start = j->starts[s], count = len - start;
     const int32_t *table = j->tables + s * j->width;
-    float *sc = j->scores + task * group * j->max_len; /* [group, count] */
+    float *row = j->scores + omp_get_thread_num() * j->max_len; /* this thread's: a query head's scores */
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
     for (int64_t g = 0; g < group; g++) {
         const uint16_t *qg = j->q + (s * j->hq + h * group + g) * j->d;
-        float *row = sc + g * count;
         __m512bh qv[MAX_DIM / 32];
         for (int64_t c = 0; c < pairs; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
         /* scores 16 keys at a time: a key's products in one vector's lanes, the 16 vectors' lanes summed at once */
@@ -111,7 +119,7 @@ static inline __attribute__((always_inline)) void attend(const job *j, int64_t t
 
 /* q: [n, hq, d] bf16, the queries in their sequences' order; k, v: [blocks, block_size, hkv, d] bf16; tables:
  * [n, width] int32 block ids; lens: [n] int32 context lengths (the query at lens - 1); starts: [n] int32 first
- * position attended (a window's start, else 0); out: [n, hq, d] bf16; scores: scratch of n * hq * max(lens) floats.
+ * position attended (a window's start, else 0); out: [n, hq, d] bf16; scores: scratch of threads * max_len floats.
  * d % 32 == 0, d <= MAX_DIM. */
 void decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,
                            int64_t width, const int32_t *lens, const int32_t *starts, uint16_t *out, int64_t n,

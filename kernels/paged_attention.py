@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from offload.kernels import native
+from offload.kernels import cpu_attention, native
 from offload.kernels.dispatch import record, use_triton
 from offload.kernels.paged_batch import PagedBatch
 
@@ -63,16 +63,16 @@ def paged_attention_ref(
     _check(q, k_cache, v_cache, batch)
     if sinks is not None:
         return _attend_with_sinks(q, k_cache, v_cache, batch, scale, window, sinks)
+    if native.decode_attention_fits(q, k_cache, v_cache):  # every query in one call: kernels/cpu_attention.py
+        record("paged_attention", "native")
+        return cpu_attention.attend(q, k_cache, v_cache, batch, scale, window)
     out = torch.empty_like(q)
     # decode tokens, one sequence or many: grouped by length, one product per group, the query heads folded into
     # their KV heads and the mask left out where every slot gathered is attended (at one sequence, 53 us a layer
     # against 157 for the general path's GQA call with a mask, for 160 positions of SmolLM2's heads)
     singles = [s for s in range(batch.num_seqs) if batch.query_start[s + 1] - batch.query_start[s] == 1]
     batched = set(singles)
-    if batched and native.decode_attention_fits(q, k_cache, v_cache):  # kernels/native.py's, the cache read in place
-        record("paged_attention", "native")
-        _attend_single_queries_native(q, k_cache, v_cache, batch, scale, window, out)
-    elif batched:
+    if batched:
         _attend_single_queries(q, k_cache, v_cache, batch, singles, scale, window, out)
     for s in range(batch.num_seqs):
         if s in batched:
@@ -84,40 +84,6 @@ def paged_attention_ref(
             mask = visible_slots(ctx, q1 - q0, window, q.device)
         out[q0:q1] = attend_contiguous(q[q0:q1], k, v, scale, mask)
     return out
-
-
-def _attend_single_queries_native(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: PagedBatch,
-    scale: float,
-    window: int | None,
-    out: torch.Tensor,
-) -> None:
-    """The one-query sequences through kernels/native.py's decode attention: their queries, block tables and
-    context lengths as `triton_split` keeps them for the step, the first position each attends (its window's)
-    computed once per window."""
-    split = triton_split(batch, q.device)
-    key = ("native_starts", window)
-    if key not in batch.memo:
-        lens = split.decode_lens
-        batch.memo[key] = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
-    rows = split.decode_rows
-    o = native.decode_attention(
-        q if rows is None else q[rows],
-        k_cache,
-        v_cache,
-        split.decode_tables,
-        split.decode_lens,
-        batch.memo[key],
-        scale,
-        split.max_decode_context,
-    )
-    if rows is None:
-        out.copy_(o)
-    else:
-        out[rows] = o
 
 
 def attend_contiguous(

@@ -146,16 +146,20 @@ def _paged(lens: list[int], block_size: int, gen: torch.Generator, hkv: int = 3,
 
 
 def _dense_attention(q, k, v, batch, scale: float, window: int | None) -> torch.Tensor:
-    """Each sequence's one query over its visible keys, in float64 from the cache's values."""
+    """Each query (the last of its sequence's positions, in order) over its visible keys, in float64 from the cache's
+    values."""
     out = torch.empty(q.shape, dtype=torch.float64)
     block_size, hkv = k.shape[1], k.shape[2]
     for i, n in enumerate(batch.context_lens):
-        pos = torch.arange(n if window is None else min(n, window)) + (0 if window is None else max(0, n - window))
-        slots = batch.block_tables[i][pos // block_size] * block_size + pos % block_size
-        keys, values = k.flatten(0, 1)[slots].double(), v.flatten(0, 1)[slots].double()
-        for h in range(q.shape[1]):
-            kv = h // (q.shape[1] // hkv)
-            out[i, h] = torch.softmax(keys[:, kv] @ q[i, h].double() * scale, 0) @ values[:, kv]
+        q0, q1 = batch.query_start[i], batch.query_start[i + 1]
+        for row in range(q0, q1):
+            end = n - (q1 - row) + 1  # this query's position + 1
+            pos = torch.arange(0 if window is None else max(0, end - window), end)
+            slots = batch.block_tables[i][pos // block_size] * block_size + pos % block_size
+            keys, values = k.flatten(0, 1)[slots].double(), v.flatten(0, 1)[slots].double()
+            for h in range(q.shape[1]):
+                kv = h // (q.shape[1] // hkv)
+                out[row, h] = torch.softmax(keys[:, kv] @ q[row, h].double() * scale, 0) @ values[:, kv]
     return out
 
 
@@ -183,20 +187,22 @@ def test_decode_attention_reads_the_paged_cache_as_dense_attention_would(window,
 
 
 @needs_native
-def test_decode_attention_leaves_prompts_and_quantized_caches_to_torch():
-    """A sequence with several queries beside one-query ones: the native kernel takes the latter only."""
+@pytest.mark.parametrize("window", [None, 20])
+def test_prompt_chunks_take_the_native_kernel_beside_decode_tokens(window):
+    """A whole prompt, a later chunk of one (its queries the last of its positions) and decode tokens in one batch:
+    every query one row of the native kernel, as dense attention over what it sees; float32 caches stay on torch's
+    path."""
     from offload.kernels.paged_attention import paged_attention_ref
     from offload.kernels.paged_batch import PagedBatch
 
     gen = torch.Generator().manual_seed(5)
-    k, v, one = _paged([40, 9, 33], 16, gen)
-    batch = PagedBatch((0, 1, 6, 7), one.context_lens, one.block_tables, torch.zeros(7, dtype=torch.int64))
-    q = torch.randn(7, 9, 64, generator=gen).to(torch.bfloat16)
-    got = paged_attention_ref(q, k, v, batch, 0.125)
-    singles = _dense_attention(
-        q[[0, 6]], k, v, PagedBatch((0, 1, 2), (40, 33), one.block_tables[[0, 2]], None), 0.125, None
-    )
-    assert (got[[0, 6]].double() - singles).abs().max() <= singles.abs().max() * 2.0**-7
+    k, v, one = _paged([40, 9, 33, 70], 16, gen)
+    batch = PagedBatch((0, 1, 10, 11, 36), one.context_lens, one.block_tables, torch.zeros(36, dtype=torch.int64))
+    q = torch.randn(36, 9, 64, generator=gen).to(torch.bfloat16)
+    got = paged_attention_ref(q, k, v, batch, 0.125, window)
+    assert dispatch.picked()["paged_attention"] == "native"
+    exact = _dense_attention(q, k, v, batch, 0.125, window)
+    assert (got.double() - exact).abs().max() <= exact.abs().max() * 2.0**-7
     assert not native.decode_attention_fits(q.float(), k.float(), v.float())
 
 

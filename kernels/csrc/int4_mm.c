@@ -8,7 +8,8 @@
  * bfloat16), decoded once, held in registers and multiplied with every row's pairs of x by AVX-512 BF16's dot product
  * into float32 (exact products, summed in float32): four rows at a time, whose eight sums stay in registers as
  * independent chains, so that the dot products follow each other without waiting on one another. A group's scale
- * and zero apply once per row and feature: y += scale * sum((q - 8) * x) + zero * sum(x).
+ * and zero apply once per row and feature, to the sums still in registers at the group's last chunk:
+ * y += scale * sum((q - 8) * x) + zero * sum(x).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -24,40 +25,40 @@
 #define RB 4 /* rows whose sums stay in registers together */
 #define PREFETCH 2 /* groups ahead whose scales are requested */
 
-/* One row's partial sums over a chunk: lo/hi += (q - 8) * x pair by pair, in order. Every row takes this order,
- * whether alone or in a block of RB, so an output does not depend on the batch around it. */
-static inline void chunk_row(const __m512i *lo, const __m512i *hi, const uint32_t *x, __m512 *acc_lo,
-                             __m512 *acc_hi) {
-    __m512 a = *acc_lo, b = *acc_hi;
-    for (int p = 0; p < PAIRS; p++) {
-        const __m512bh v = (__m512bh)_mm512_set1_epi32((int)x[p]);
-        a = _mm512_dpbf16_ps(a, (__m512bh)lo[p], v);
-        b = _mm512_dpbf16_ps(b, (__m512bh)hi[p], v);
-    }
-    *acc_lo = a;
-    *acc_hi = b;
-}
+/* A group's scale and zero for a unit's 16 low-nibble and 16 high-nibble features. */
+typedef struct {
+    __m512 scale[2], zero[2];
+} group_sz;
 
-static inline void chunk_rows4(const __m512i *lo, const __m512i *hi, const uint32_t *x, int64_t stride,
-                               __m512 *acc_lo, __m512 *acc_hi) {
-    __m512 a0 = acc_lo[0], a1 = acc_lo[1], a2 = acc_lo[2], a3 = acc_lo[3];
-    __m512 b0 = acc_hi[0], b1 = acc_hi[1], b2 = acc_hi[2], b3 = acc_hi[3];
-    for (int p = 0; p < PAIRS; p++) {
-        const __m512bh v0 = (__m512bh)_mm512_set1_epi32((int)x[p]);
-        const __m512bh v1 = (__m512bh)_mm512_set1_epi32((int)x[stride + p]);
-        const __m512bh v2 = (__m512bh)_mm512_set1_epi32((int)x[2 * stride + p]);
-        const __m512bh v3 = (__m512bh)_mm512_set1_epi32((int)x[3 * stride + p]);
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)lo[p], v0);
-        b0 = _mm512_dpbf16_ps(b0, (__m512bh)hi[p], v0);
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)lo[p], v1);
-        b1 = _mm512_dpbf16_ps(b1, (__m512bh)hi[p], v1);
-        a2 = _mm512_dpbf16_ps(a2, (__m512bh)lo[p], v2);
-        b2 = _mm512_dpbf16_ps(b2, (__m512bh)hi[p], v2);
-        a3 = _mm512_dpbf16_ps(a3, (__m512bh)lo[p], v3);
-        b3 = _mm512_dpbf16_ps(b3, (__m512bh)hi[p], v3);
+/* R rows' partial sums over a chunk: lo/hi += (q - 8) * x pair by pair, in order, from zero at a group's first chunk
+ * (`first`), else from `acc`; at its last (`sz` not NULL) y += scale * sums + zero * sum(x) straight from the
+ * registers, else the sums back to `acc`. Every row takes the same order whether alone (R = 1) or in a block of RB,
+ * so an output does not depend on the batch around it. x: the rows' pairs of inputs, `stride` pairs apart; xsum: the
+ * rows' sums of x over the group, `groups` apart. */
+static inline __attribute__((always_inline)) void chunk_rows(const __m512i *lo, const __m512i *hi, const uint32_t *x,
+                                                             int64_t stride, const int R, int first, __m512 *acc_lo,
+                                                             __m512 *acc_hi, const group_sz *sz, const float *xsum,
+                                                             int64_t groups, __m512 *y_lo, __m512 *y_hi) {
+    __m512 a[RB], b[RB];
+    for (int i = 0; i < R; i++) {
+        a[i] = first ? _mm512_setzero_ps() : acc_lo[i];
+        b[i] = first ? _mm512_setzero_ps() : acc_hi[i];
     }
-    acc_lo[0] = a0, acc_lo[1] = a1, acc_lo[2] = a2, acc_lo[3] = a3;
-    acc_hi[0] = b0, acc_hi[1] = b1, acc_hi[2] = b2, acc_hi[3] = b3;
+    for (int p = 0; p < PAIRS; p++)
+        for (int i = 0; i < R; i++) {
+            const __m512bh v = (__m512bh)_mm512_set1_epi32((int)x[i * stride + p]);
+            a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)lo[p], v);
+            b[i] = _mm512_dpbf16_ps(b[i], (__m512bh)hi[p], v);
+        }
+    for (int i = 0; i < R; i++) {
+        if (sz == NULL) {
+            acc_lo[i] = a[i], acc_hi[i] = b[i];
+            continue;
+        }
+        const __m512 s = _mm512_set1_ps(xsum[i * groups]);
+        y_lo[i] = _mm512_fmadd_ps(sz->zero[0], s, _mm512_fmadd_ps(sz->scale[0], a[i], y_lo[i]));
+        y_hi[i] = _mm512_fmadd_ps(sz->zero[1], s, _mm512_fmadd_ps(sz->scale[1], b[i], y_hi[i]));
+    }
 }
 
 /* x: [m, k] bf16; codes: [n / 64, k, 32] bytes; sz: [k / group, n, 2] bf16 (scale, zero); y: [m, n] bf16;
@@ -92,12 +93,17 @@ void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, u
                 if (g + PREFETCH < groups)
                     for (int h = 0; h < 2; h++)
                         _mm_prefetch((const char *)(sz + ((g + PREFETCH) * n + first + 32 * h) * 2), _MM_HINT_T0);
-                for (int64_t r = 0; r < rn; r++) acc_g[0][r] = acc_g[1][r] = _mm512_setzero_ps();
                 /* the next block's codes for this group, requested into L2 by a block's second unit (the first has
                  * read these rows' lines already): from memory they stream in while this block computes */
                 if (half == 1 && block + 1 < n / BLOCK && r0 == 0)
                     for (int64_t l = g * group * 32; l < (g + 1) * group * 32; l += 64)
                         _mm_prefetch((const char *)(codes + (block + 1) * k * 32 + l), _MM_HINT_T1);
+                group_sz gs; /* the 16 features' (scale, zero) pairs of each nibble: 32 bf16 -> two vectors */
+                for (int h = 0; h < 2; h++) {
+                    const __m512i pair = _mm512_loadu_si512(sz + (g * n + first + 32 * h) * 2);
+                    gs.scale[h] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+                    gs.zero[h] = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000)));
+                }
                 for (int64_t c = g * group; c < (g + 1) * group; c += CHUNK) {
                     /* inputs k and k + 1 of the unit's 16 bytes interleaved byte by byte, each byte zero-extended
                      * to a 16-bit lane: its low nibble (with the high one's low bit, which the table ignores) and
@@ -113,20 +119,16 @@ void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, u
                         hi[p] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
                     }
                     const uint32_t *xc = (const uint32_t *)(x + r0 * k + c);
+                    const int start = c == g * group;
+                    const group_sz *end = c + CHUNK == (g + 1) * group ? &gs : NULL;
+                    const float *xs = xsum + r0 * groups + g;
                     int64_t r = 0;
                     for (; r + RB <= rn; r += RB)
-                        chunk_rows4(lo, hi, xc + r * (k / 2), k / 2, acc_g[0] + r, acc_g[1] + r);
-                    for (; r < rn; r++) chunk_row(lo, hi, xc + r * (k / 2), acc_g[0] + r, acc_g[1] + r);
-                }
-                for (int h = 0; h < 2; h++) { /* the 16 features' (scale, zero) pairs: 32 bf16 -> two vectors */
-                    __m512i pair = _mm512_loadu_si512(sz + (g * n + first + 32 * h) * 2);
-                    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-                    __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000)));
-                    for (int64_t r = 0; r < rn; r++) {
-                        acc_y[h][r] = _mm512_fmadd_ps(scale, acc_g[h][r], acc_y[h][r]);
-                        acc_y[h][r] =
-                            _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[(r0 + r) * groups + g]), acc_y[h][r]);
-                    }
+                        chunk_rows(lo, hi, xc + r * (k / 2), k / 2, RB, start, acc_g[0] + r, acc_g[1] + r, end,
+                                   xs + r * groups, groups, acc_y[0] + r, acc_y[1] + r);
+                    for (; r < rn; r++)
+                        chunk_rows(lo, hi, xc + r * (k / 2), k / 2, 1, start, acc_g[0] + r, acc_g[1] + r, end,
+                                   xs + r * groups, groups, acc_y[0] + r, acc_y[1] + r);
                 }
             }
             for (int h = 0; h < 2; h++)

@@ -15,10 +15,11 @@ INT4_MIN_ROWS torch's kernel, bound by memory there, is as fast and runs.
 `bf16_mm`: x @ W.T for up to BF16_MAX_ROWS bfloat16 rows and a dense bfloat16 W (an LM head tied to its embedding,
 a streamed layer's matrix: weights not packed for oneDNN), read in place: 1.1-1.8x F.linear there.
 
-`decode_attention`: one query per sequence over the paged bfloat16 cache, read in place through the block table,
-2.6-3.5x the gather-and-SDPA path. `rms_norm` and `rotary`: a decode step's few rows, in the torch references'
-roundings, serial. `silu_mul`: SwiGLU's silu(gate) * up in one pass over the halves of the fused gate/up product,
-where torch makes two (and a temporary), any number of rows.
+`decode_attention`: one query per row over the paged bfloat16 cache, read in place through the block table,
+2.6-3.5x the gather-and-SDPA path (kernels/cpu_attention.py makes every query of a batch such a row, a prompt's
+too). `rms_norm` and `rotary`: in the torch references' roundings, on one thread for a decode step's few rows, split
+over threads for a prefill's. `silu_mul`: SwiGLU's silu(gate) * up in one pass over the halves of the fused gate/up
+product, where torch makes two (and a temporary), any number of rows.
 
 They run where the CPU has AVX-512 BF16 and VBMI, a C compiler with OpenMP is on the PATH ($CC, else cc) and
 OFFLOAD_KERNELS is not "torch"; anywhere else, or when the build fails (said once on stderr), torch's kernels run.
@@ -59,7 +60,7 @@ INT4_MIN_ROWS = 8
 # 2048 17.8 against 23.2; 1536 -> 576 and 576 -> 960 cross at 128 to 192); kernels/quant_linear.py's
 # INT4_DENSE_MIN_ROWS where torch dequantizes
 INT4_DENSE_MIN_ROWS = 192
-RMS_NORM_MAX_ROWS = 64  # rows rows.c takes (serially); a prefill's many rows run torch's parallel ops
+ROWS_SERIAL = 64  # rows (tokens) up to which rms_norm and rotary run on one thread (a decode step's)
 # values up to which silu_mul runs on one thread (16 rows of 1536, a one-off timing on 2 threads of a Zen 4 EPYC:
 # 17 us serial, 9 split; 2 us a call's own cost)
 SILU_SERIAL_VALUES = 4096
@@ -160,22 +161,21 @@ def prepare() -> None:
 
 @functools.cache
 def _rms_norm() -> ctypes._CFuncPtr | None:
-    return _bind("rows", "rms_norm_bf16", [PTR] * 5 + [I64] * 2 + [F32])
+    return _bind("rows", "rms_norm_bf16", [PTR] * 5 + [I64] * 2 + [F32, I64, INT])
 
 
 @functools.cache
 def _rotary() -> ctypes._CFuncPtr | None:
-    return _bind("rows", "rotary_bf16", [PTR, I64, I64, PTR, PTR, I64, PTR, I64, I64, I64])
+    return _bind("rows", "rotary_bf16", [PTR, I64, I64, PTR, PTR, I64, PTR, I64, I64, I64, I64, INT])
 
 
 def rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether `rotary` rotates these: a few tokens of bfloat16 heads [tokens, heads, D] on the CPU, each head's
-    values contiguous, cos and sin [tokens, D] bfloat16 with the same row stride, their rows contiguous."""
+    """Whether `rotary` rotates these: bfloat16 heads [tokens, heads, D] on the CPU, each head's values contiguous,
+    cos and sin [tokens, D] bfloat16 with the same row stride, their rows contiguous."""
     return (
         x.dim() == 3
         and x.dtype == cos.dtype == sin.dtype == torch.bfloat16
         and x.device.type == cos.device.type == sin.device.type == "cpu"
-        and x.shape[0] <= RMS_NORM_MAX_ROWS
         and x.shape[-1] % 2 == 0
         and x.stride(-1) == 1
         and cos.shape == sin.shape == (x.shape[0], x.shape[-1])
@@ -192,14 +192,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     out = torch.empty(x.shape, dtype=x.dtype)
     _rotary()(
         x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(),
-        tokens, heads, d,
+        tokens, heads, d, ROWS_SERIAL, torch.get_num_threads(),
     )  # fmt: skip
     return out
 
 
 def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    """Whether `rms_norm` normalizes these: bfloat16 rows on the CPU (and residual), a bfloat16 weight, all contiguous,
-    few enough rows that one thread is quicker than a parallel region (RMS_NORM_MAX_ROWS)."""
+    """Whether `rms_norm` normalizes these: bfloat16 rows on the CPU (and residual), a bfloat16 weight, all
+    contiguous."""
     return (
         x.dtype == weight.dtype == torch.bfloat16
         and x.device.type == weight.device.type == "cpu"
@@ -207,7 +207,6 @@ def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
         and weight.is_contiguous()
         and weight.shape == x.shape[-1:]
         and 0 < x.shape[-1] <= 1 << 16
-        and x.numel() // x.shape[-1] <= RMS_NORM_MAX_ROWS
         and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape and residual.is_contiguous()))
         and _rms_norm() is not None
     )
@@ -221,7 +220,10 @@ def rms_norm(
     h = torch.empty_like(x) if residual is not None else x
     rows = x.numel() // x.shape[-1]
     res = 0 if residual is None else residual.data_ptr()
-    _rms_norm()(x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), h.data_ptr(), rows, x.shape[-1], eps)
+    _rms_norm()(
+        x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), h.data_ptr(), rows, x.shape[-1], eps, ROWS_SERIAL,
+        torch.get_num_threads(),
+    )  # fmt: skip
     return out, h
 
 

@@ -143,7 +143,7 @@ def fused_rms_norm(
     """(rms_norm(x + residual), x + residual): the Triton kernel on a CUDA device, the torch reference elsewhere."""
     if use_triton("rms_norm", x.device):
         return rms_norm_residual(x, weight, eps, residual)
-    if native.rms_norm_fits(x, weight, residual):  # a decode step's few bfloat16 rows: kernels/native.py's
+    if native.rms_norm_fits(x, weight, residual):  # bfloat16 rows: kernels/native.py's
         record("rms_norm", "native")
         return native.rms_norm(x, weight, eps, residual)
     return rms_norm_residual_ref(x, weight, eps, residual)

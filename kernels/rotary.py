@@ -100,7 +100,7 @@ def apply_rotary_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     if use_triton("rotary", x.device):
         _check(x, x, cos, sin)
         return _launch(x, cos, sin)
-    if native.rotary_fits(x, cos, sin):  # a decode step's few bfloat16 tokens: kernels/native.py's, bit for bit
+    if native.rotary_fits(x, cos, sin):  # bfloat16 tokens: kernels/native.py's, bit for bit
         record("rotary", "native")
         return native.rotary(x, cos, sin)
     return _rotate_ref(x, cos, sin)

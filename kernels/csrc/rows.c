@@ -1,5 +1,6 @@
-/* Per-row operations on bfloat16 rows. See kernels/native.py for when they run. RMSNorm and rotary take a decode
- * step's few rows, serially: they take microseconds, less than a parallel region's start.
+/* Per-row operations on bfloat16 rows, vectorized, split over threads where there are many rows (a prefill's) and on
+ * one where there are few (a decode step's: microseconds, less than a parallel region's start). See
+ * kernels/native.py for when they run.
  *
  * RMSNorm with the residual add, in kernels/rms_norm.py's numerics (its module docstring):
  *
@@ -16,28 +17,33 @@
 #include "bf16.h"
 #include "simd.h"
 
+/* the mask of the first n of 16 lanes */
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
 /* x, residual (or NULL), out, h: [rows, hidden] bf16, contiguous; weight: [hidden] bf16. h: x + residual (unused
- * where residual is NULL). */
+ * where residual is NULL). Rows split over `threads` OpenMP threads where there are more than `serial`. */
 void rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out, uint16_t *h,
-                   int64_t rows, int64_t hidden, float eps) {
-    float row[hidden]; /* the row as float32: hidden <= 65536, 256 KiB at most */
+                   int64_t rows, int64_t hidden, float eps, int64_t serial, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > serial)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * hidden;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < hidden; j++) {
-            float v = bf16_to_float(xr[j]);
+        const uint16_t *src = xr; /* the row normalized: x, or x + residual rounded to bfloat16 once */
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < hidden; j += 16) {
+            const __mmask16 m = first_lanes(hidden - j);
+            __m512 v = bf16x16_load(xr + j, m);
             if (residual != NULL) {
-                uint16_t b = float_to_bf16(v + bf16_to_float(residual[r * hidden + j]));
-                h[r * hidden + j] = b;
-                v = bf16_to_float(b);
+                v = bf16x16_round(_mm512_add_ps(v, bf16x16_load(residual + r * hidden + j, m)));
+                bf16x16_store(h + r * hidden + j, v, m);
             }
-            row[j] = v;
-            sum += v * v;
+            sum = _mm512_add_ps(sum, _mm512_mul_ps(v, v)); /* each square rounded, as torch's pow */
         }
-        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-        for (int64_t j = 0; j < hidden; j++) {
-            float normed = bf16_to_float(float_to_bf16(row[j] * inv));
-            out[r * hidden + j] = float_to_bf16(bf16_to_float(weight[j]) * normed);
+        if (residual != NULL) src = h + r * hidden;
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)hidden + eps));
+        for (int64_t j = 0; j < hidden; j += 16) {
+            const __mmask16 m = first_lanes(hidden - j);
+            const __m512 normed = bf16x16_round(_mm512_mul_ps(bf16x16_load(src + j, m), inv));
+            bf16x16_store(out + r * hidden + j, _mm512_mul_ps(bf16x16_load(weight + j, m), normed), m);
         }
     }
 }
@@ -45,20 +51,29 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *
 /* Rotary embedding of bfloat16 heads in kernels/rotary.py's torch numerics, each product and the sum rounded to
  * bfloat16 as torch's ops round them: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
  * x: [tokens, heads, d], rows of d contiguous, strides sx0, sx1 (elements); cos, sin: [tokens, d], rows sc0 apart;
- * out: [tokens, heads, d] contiguous. */
+ * out: [tokens, heads, d] contiguous. d even. Tokens split over `threads` OpenMP threads where there are more than
+ * `serial`. */
 void rotary_bf16(const uint16_t *x, int64_t sx0, int64_t sx1, const uint16_t *cos, const uint16_t *sin, int64_t sc0,
-                 uint16_t *out, int64_t tokens, int64_t heads, int64_t d) {
+                 uint16_t *out, int64_t tokens, int64_t heads, int64_t d, int64_t serial, int threads) {
     const int64_t half = d / 2;
+    const __m512 flip = _mm512_set1_ps(-0.0f);
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens > serial)
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *c = cos + t * sc0, *s = sin + t * sc0;
-        for (int64_t h = 0; h < heads; h++) {
-            const uint16_t *xr = x + t * sx0 + h * sx1;
-            uint16_t *o = out + (t * heads + h) * d;
-            for (int64_t j = 0; j < d; j++) {
-                float rot = j < half ? -bf16_to_float(xr[j + half]) : bf16_to_float(xr[j - half]);
-                float a = bf16_to_float(float_to_bf16(bf16_to_float(xr[j]) * bf16_to_float(c[j])));
-                float b = bf16_to_float(float_to_bf16(rot * bf16_to_float(s[j])));
-                o[j] = float_to_bf16(a + b);
+        for (int64_t hd = 0; hd < heads; hd++) {
+            const uint16_t *xr = x + t * sx0 + hd * sx1;
+            uint16_t *o = out + (t * heads + hd) * d;
+            for (int64_t j = 0; j < half; j += 16) { /* j: a lane of the first half, j + half its partner */
+                const __mmask16 m = first_lanes(half - j);
+                const __m512 x1 = bf16x16_load(xr + j, m), x2 = bf16x16_load(xr + half + j, m);
+                const __m512 c1 = bf16x16_load(c + j, m), c2 = bf16x16_load(c + half + j, m);
+                const __m512 s1 = bf16x16_load(s + j, m), s2 = bf16x16_load(s + half + j, m);
+                const __m512 lo = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(x1, c1)),
+                                                bf16x16_round(_mm512_mul_ps(_mm512_xor_ps(x2, flip), s1)));
+                const __m512 hi =
+                    _mm512_add_ps(bf16x16_round(_mm512_mul_ps(x2, c2)), bf16x16_round(_mm512_mul_ps(x1, s2)));
+                bf16x16_store(o + j, lo, m);
+                bf16x16_store(o + half + j, hi, m);
             }
         }
     }

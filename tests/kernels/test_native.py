@@ -207,16 +207,17 @@ def test_prompt_chunks_take_the_native_kernel_beside_decode_tokens(window):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 16, native.RMS_NORM_MAX_ROWS])
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (16, 200), (native.ROWS_SERIAL, 576), (300, 200)])
 @pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm_is_the_torch_reference_bit_for_bit(rows: int, residual: bool):
-    """The same roundings as kernels/rms_norm.py's reference; only the float32 sum of squares runs in another order,
-    which can move a row's scale by a float32 step and so a rare value by one bfloat16 step."""
+def test_rms_norm_is_the_torch_reference_bit_for_bit(rows: int, hidden: int, residual: bool):
+    """The same roundings as kernels/rms_norm.py's reference, on one thread and split over threads (a prefill's
+    rows), widths that are not a multiple of 16 too; only the float32 sum of squares runs in another order, which can
+    move a row's scale by a float32 step and so a rare value by one bfloat16 step."""
     from offload.kernels.rms_norm import fused_rms_norm, rms_norm_residual_ref
 
     gen = torch.Generator().manual_seed(rows)
-    x, r = (torch.randn(rows, 576, generator=gen).mul(4).to(torch.bfloat16) for _ in range(2))
-    w = torch.randn(576, generator=gen).to(torch.bfloat16)
+    x, r = (torch.randn(rows, hidden, generator=gen).mul(4).to(torch.bfloat16) for _ in range(2))
+    w = torch.randn(hidden, generator=gen).to(torch.bfloat16)
     got = fused_rms_norm(x, w, 1e-5, r if residual else None)
     assert dispatch.picked()["rms_norm"] == "native"
     want = rms_norm_residual_ref(x, w, 1e-5, r if residual else None)
@@ -227,14 +228,15 @@ def test_rms_norm_is_the_torch_reference_bit_for_bit(rows: int, residual: bool):
 
 
 @needs_native
-@pytest.mark.parametrize("tokens", [1, 7])
-def test_rotary_is_the_torch_reference_bit_for_bit(tokens: int):
-    """Queries and keys side by side, a view of the fused q/k/v product (rows strided), as the layer passes them."""
+@pytest.mark.parametrize(("tokens", "d"), [(1, 64), (7, 40), (300, 64)])
+def test_rotary_is_the_torch_reference_bit_for_bit(tokens: int, d: int):
+    """Queries and keys side by side, a view of the fused q/k/v product (rows strided), as the layer passes them; a
+    half head that is not a multiple of 16, and a prefill's tokens split over threads."""
     from offload.kernels.rotary import _rotate_ref, apply_rotary_heads
 
     gen = torch.Generator().manual_seed(tokens)
-    qkv = torch.randn(tokens, 15, 64, generator=gen).to(torch.bfloat16)
-    angles = torch.randn(tokens, 32, generator=gen) * 50
+    qkv = torch.randn(tokens, 15, d, generator=gen).to(torch.bfloat16)
+    angles = torch.randn(tokens, d // 2, generator=gen) * 50
     cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
     got = apply_rotary_heads(qkv[:, :12], cos, sin)
     assert dispatch.picked()["rotary"] == "native"
@@ -252,7 +254,7 @@ def test_int4_dequant_is_torch_dequantization_rounded_to_bfloat16(n: int, k: int
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 16, native.RMS_NORM_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("rows", [1, 16, native.ROWS_SERIAL + 1, 300])
 def test_silu_mul_is_torchs_two_ops(rows: int):
     """The halves of a fused gate/up product (rows strided, a width that is not a multiple of 16), serial and split
     over threads: torch's roundings; silu's e^x (within 2 float32 ulps, where torch's is within 1) can move a rare

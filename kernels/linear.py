@@ -45,6 +45,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return _linear_upcast(x, w, b)
 
 
+def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """An LM head's x [tokens, hidden] @ w.T: in float32 where kernels/native.py's kernel computes it (its float32
+    sums kept: bfloat16 logits are 1/16 apart around 20, so a near-tie rounds into a tie and greedy decoding takes
+    the lower token id), else as `linear` computes it."""
+    if native.bf16_mm_fits(x, w):
+        record("linear", "native")
+        return native.bf16_mm(x, w, torch.float32)
+    return linear(x, w)
+
+
 def _linear_upcast(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     x32 = x.float()
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)

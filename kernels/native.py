@@ -259,7 +259,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _bf16_mm() -> ctypes._CFuncPtr | None:
-    return _bind("bf16_mm", "bf16_mm", [PTR] * 3 + [I64] * 3 + [INT])
+    return _bind("bf16_mm", "bf16_mm", [PTR] * 3 + [I64] * 3 + [INT, INT])
 
 
 def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -280,11 +280,15 @@ def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w.T -> [M, N], all bfloat16, w [N, K] dense; `bf16_mm_fits` must hold."""
+def bf16_mm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] @ w.T -> [M, N], x and w bfloat16, w [N, K] dense; the float32 sums rounded to bfloat16, or kept
+    (`out_dtype` float32); `bf16_mm_fits` must hold."""
     x = x.contiguous()
-    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-    _bf16_mm()(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], x.shape[1], torch.get_num_threads())
+    y = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype)
+    f32 = int(out_dtype == torch.float32)
+    _bf16_mm()(
+        x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], x.shape[1], f32, torch.get_num_threads()
+    )
     return y
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
 from offload.kernels.activation import silu_mul
-from offload.kernels.linear import linear
+from offload.kernels.linear import linear, logits
 from offload.kernels.paged_attention import paged_attention
 from offload.kernels.quant_linear import SCALES_SUFFIX, quant_linear, stack_outputs
 from offload.kernels.rms_norm import fused_rms_norm
@@ -156,7 +156,7 @@ class LlamaFamily:
         return project(spec, w, "o_proj", out.reshape(tokens, spec.q_size), "o_bias")
 
     def head(self, spec: ModelSpec, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(rms_norm(hidden, w["norm"], spec.rms_norm_eps), w["lm_head"])  # [tokens, vocab]
+        return logits(rms_norm(hidden, w["norm"], spec.rms_norm_eps), w["lm_head"])  # [tokens, vocab]
 
 
 def swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,29 @@ def test_bf16_mm_is_the_product_rounded_once(n: int, k: int, rows: int):
 
 
 @needs_native
+def test_an_lm_heads_logits_keep_their_float32_sums():
+    """Two logits 1/64 apart near 25: bfloat16 (steps of 1/8 there) rounds them into a tie that greedy decoding
+    would give to the lower token id; the head's float32 logits keep them apart, within float32 summation's error."""
+    from offload.kernels.linear import logits
+
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 576, generator=gen).to(torch.bfloat16)
+    w = torch.randn(64, 576, generator=gen).div(24).to(torch.bfloat16)
+    x[0] = 0
+    x[0, :32] = 1
+    w[7], w[8] = 0, 0
+    w[7, :32] = w[8, :32] = 25 / 32  # row 0's logits 7 and 8: 25, and 25 + 1/64
+    w[8, 0] += 2.0**-6
+    exact = x.double() @ w.double().t()
+    got = logits(x, w)
+    assert got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() <= exact.abs().max() * 2.0**-20
+    assert got[0].argmax() == exact[0].argmax() == 8
+    rounded = native.bf16_mm(x, w)
+    assert rounded.dtype == torch.bfloat16 and rounded[0, 7] == rounded[0, 8]
+
+
+@needs_native
 def test_products_dispatch_to_the_native_kernels_where_they_fit(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     fmt = WeightQuant(4, 32, "cpu")

@@ -5,7 +5,10 @@ products, a 4096 x 4096 and a 4096 -> 14336 one), kernels/csrc/int4_mm.c against
 bf16: a few rows times a dense bfloat16 weight (SmolLM2's tied LM head, 576 -> 49152, and a 576 -> 3072 matrix),
 kernels/csrc/bf16_mm.c against F.linear. attention: one query per sequence over a paged bfloat16 cache (SmolLM2's
 9 query heads over 3 KV heads of 64, blocks of 16 in shuffled order), kernels/csrc/decode_attention.c against the
-path paged_attention_ref takes otherwise (gathered blocks, one SDPA call per group). Weights are read from memory,
+path paged_attention_ref takes otherwise (gathered blocks, one SDPA call per group), and prompts (every query a row
+of the same kernel, kernels/cpu_attention.py) against one causal SDPA call per sequence. rows: a decode step's and a
+prefill's SwiGLU product, RMSNorm with the residual and rotary (kernels/csrc/rows.c) against the torch references
+(SmolLM2's widths; these inputs stay cached). Weights are read from memory,
 not cache, as in a decode step: each product cycles through enough copies of its weight (at least COLD_BYTES) that
 none is still cached when it comes back. The same inputs for both, the same repeats, one process, alternating which
 runs first; the outputs are compared too. Prints a table and writes benchmarks/results/native_cpu.json with the
@@ -36,6 +39,8 @@ INT4_ROWS = (1, 4, 8, 16, 64, 256)
 BF16_SHAPES = {"SmolLM2 LM head": (49152, 576), "576 -> 3072": (3072, 576)}
 BF16_ROWS = (1, 2, 4, 8, 16)
 ATTENTION = ((1, 160), (16, 160), (1, 1024), (16, 1024))  # (sequences, context)
+PROMPTS = ((16, 128), (4, 512), (1, 2048))  # (sequences, prompt tokens)
+ROW_OPS_ROWS = (16, 2048)
 
 
 def cold_copies(make, nbytes: int, cold_bytes: int) -> list:
@@ -86,8 +91,9 @@ def measure(kind: str, name: str, rows: int, ours, theirs, weights: list, nbytes
     }
 
 
-def attention_row(seqs: int, context: int, repeats: int, gen) -> dict:
-    """Decode attention of `seqs` sequences of `context` tokens: native against the torch path, the same batch."""
+def attention_row(seqs: int, context: int, repeats: int, gen, prompt: bool = False) -> dict:
+    """Attention of `seqs` sequences of `context` tokens: one decode query each, or (`prompt`) every position a query
+    (a whole prompt, causal); native against the torch path, the same batch."""
     import torch
 
     from offload.kernels import native
@@ -99,10 +105,12 @@ def attention_row(seqs: int, context: int, repeats: int, gen) -> dict:
     blocks = seqs * per_seq
     k, v = (torch.randn(blocks, block_size, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(2))
     tables = torch.randperm(blocks, generator=gen).view(seqs, per_seq)
-    q = torch.randn(seqs, heads, d, generator=gen).to(torch.bfloat16)
+    q_len = context if prompt else 1
+    q = torch.randn(seqs * q_len, heads, d, generator=gen).to(torch.bfloat16)
+    starts = tuple(range(0, seqs * q_len + 1, q_len))
 
     def batch() -> PagedBatch:  # a fresh batch per call: a step's memo is rebuilt for each step
-        return PagedBatch(tuple(range(seqs + 1)), (context,) * seqs, tables, torch.zeros(seqs, dtype=torch.int64))
+        return PagedBatch(starts, (context,) * seqs, tables, torch.zeros(seqs * q_len, dtype=torch.int64))
 
     fits = native.decode_attention_fits
     ours = lambda _: paged_attention_ref(q, k, v, batch(), d**-0.5)  # noqa: E731
@@ -116,8 +124,44 @@ def attention_row(seqs: int, context: int, repeats: int, gen) -> dict:
 
     diff = relative_difference(ours(None), theirs(None))
     nbytes = 2 * blocks * block_size * hkv * d * 2
-    row = measure("attention", f"{seqs} x {context} tokens", seqs, ours, theirs, [None] * 50, nbytes, repeats)
+    kind, name = ("prompt", f"{seqs} x {context} tokens") if prompt else ("attention", f"{seqs} x {context} tokens")
+    calls = 5 if prompt else 50
+    row = measure(kind, name, seqs * q_len, ours, theirs, [None] * calls, nbytes, repeats)
     return row | {"max_relative_difference": diff, "dispatch": "native"}
+
+
+def row_ops(rows: int, repeats: int, gen) -> list[dict]:
+    """SwiGLU's product, RMSNorm with the residual and rotary over `rows` tokens of SmolLM2's widths: native against
+    the torch references."""
+    import torch
+    import torch.nn.functional as F
+
+    from offload.kernels import native
+    from offload.kernels.rms_norm import rms_norm_residual_ref
+    from offload.kernels.rotary import _rotate_ref
+
+    fused = torch.randn(rows, 2 * 1536, generator=gen).to(torch.bfloat16)
+    gate, up = fused.chunk(2, dim=-1)
+    x, r = (torch.randn(rows, 576, generator=gen).to(torch.bfloat16) for _ in range(2))
+    w = torch.randn(576, generator=gen).to(torch.bfloat16)
+    qk = torch.randn(rows, 15, 64, generator=gen).to(torch.bfloat16)[:, :12]
+    angles = torch.randn(rows, 32, generator=gen) * 50
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    cases = {
+        "silu(gate) * up": (lambda _: native.silu_mul(gate, up), lambda _: F.silu(gate) * up, 2 * gate.numel() * 2),
+        "rms_norm + residual": (
+            lambda _: native.rms_norm(x, w, 1e-5, r)[0],
+            lambda _: rms_norm_residual_ref(x, w, 1e-5, r)[0],
+            2 * x.numel() * 2,
+        ),
+        "rotary": (lambda _: native.rotary(qk, cos, sin), lambda _: _rotate_ref(qk, cos, sin), qk.numel() * 2),
+    }
+    out = []
+    for name, (ours, theirs, nbytes) in cases.items():
+        diff = relative_difference(ours(None), theirs(None))
+        row = measure("rows", name, rows, ours, theirs, [None] * 20, nbytes, repeats)
+        out.append(row | {"max_relative_difference": diff, "dispatch": "native"})
+    return out
 
 
 def main() -> None:
@@ -136,12 +180,12 @@ def main() -> None:
         raise SystemExit(f"the native kernels cannot run here: {native.cpu_missing() or 'no C compiler with OpenMP'}")
     gen = torch.Generator().manual_seed(0)
     rows_out = []
-    int4_shapes, bf16_shapes, attention = INT4_SHAPES, BF16_SHAPES, ATTENTION
+    int4_shapes, bf16_shapes, attention, prompts, row_rows = INT4_SHAPES, BF16_SHAPES, ATTENTION, PROMPTS, ROW_OPS_ROWS
     cold_bytes, int4_rows, bf16_rows = COLD_BYTES, INT4_ROWS, BF16_ROWS
     if args.quick:
         cold_bytes, int4_rows, bf16_rows = 8 << 20, (1, 16), (1, 16)
         int4_shapes, bf16_shapes = {"SmolLM2 o": (576, 576)}, {"576 -> 3072": (3072, 576)}
-        attention = ((2, 40),)
+        attention, prompts, row_rows = ((2, 40),), ((2, 40),), (16,)
     for name, (n, k) in int4_shapes.items():
         nbytes = n * k // 2 + n * (k // 32) * 4  # codes, then a bfloat16 scale and zero per group
 
@@ -175,11 +219,15 @@ def main() -> None:
         del weights
     for seqs, context in attention:
         rows_out.append(attention_row(seqs, context, args.repeats, gen))
+    for seqs, context in prompts:
+        rows_out.append(attention_row(seqs, context, args.repeats, gen, prompt=True))
+    for rows in row_rows:
+        rows_out.extend(row_ops(rows, args.repeats, gen))
 
-    print(f"{'kind':<5} {'shape':<16} {'rows':>5} {'native us':>10} {'torch us':>10} {'speedup':>8} {'GB/s':>6}  runs")
+    print(f"{'kind':<9} {'shape':<19} {'rows':>5} {'native us':>10} {'torch us':>10} {'speedup':>8} {'GB/s':>6}  runs")
     for r in rows_out:
         print(
-            f"{r['kind']:<5} {r['shape']:<16} {r['rows']:>5} {r['native_us']:>10.1f} {r['torch_us']:>10.1f} "
+            f"{r['kind']:<9} {r['shape']:<19} {r['rows']:>5} {r['native_us']:>10.1f} {r['torch_us']:>10.1f} "
             f"{r['speedup']:>7.2f}x {r['native_gb_per_s']:>6.1f}  {r['dispatch']}"
         )
     report = {

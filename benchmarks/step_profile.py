@@ -69,6 +69,7 @@ def instrument(clock: KindClock, setter=setattr) -> None:
     from offload.tiers.weights import WeightStore
 
     clock.wrap(llama, "linear", "GEMMs (projections, LM head)", setter)
+    clock.wrap(llama, "logits", "GEMMs (projections, LM head)", setter)
     clock.wrap(llama, "paged_attention", "attention: gathers, masks, copies", setter)
     clock.wrap(F, "scaled_dot_product_attention", "attention: fused SDPA", setter)
     clock.wrap(llama, "fused_rms_norm", "RMS norms (+ residual add)", setter)

@@ -16,27 +16,43 @@ import torch
 from offload.kernels import native
 from offload.kernels.paged_batch import PagedBatch
 
+# prompt chunks of more queries than this attend through torch's SDPA, its own causal kernel, as fast from about
+# 1500 on (benchmarks/results/native_cpu.json: one prompt of 2048 tokens 46 ms against 44); every other query here
+MAX_CHUNK = 1024
+
 
 class Rows(NamedTuple):
-    """Each query row's sequence table and the positions it attends, built once per batch and window."""
+    """The query rows taken here, each one's sequence table and the positions it attends, built once per batch and
+    window."""
 
-    tables: torch.Tensor  # [T, max_blocks] int32: its sequence's block table
-    lens: torch.Tensor  # [T] int32: its position + 1
-    starts: torch.Tensor  # [T] int32: the first position it attends (its window's, else 0)
+    index: torch.Tensor | None  # [R] int64: the rows of q (None: every row, in order)
+    tables: torch.Tensor  # [R, max_blocks] int32: its sequence's block table
+    lens: torch.Tensor  # [R] int32: its position + 1
+    starts: torch.Tensor  # [R] int32: the first position it attends (its window's, else 0)
     longest: int  # the most positions a row spans (its scores' scratch)
+    seqs: frozenset[int]  # the sequences whose queries these are: the others are left to the caller
 
 
 def rows(batch: PagedBatch, window: int | None) -> Rows:
     key = ("native_rows", window)
     if key not in batch.memo:
         q_lens = [batch.query_start[s + 1] - batch.query_start[s] for s in range(batch.num_seqs)]
-        ends = torch.tensor(batch.context_lens, dtype=torch.int64).repeat_interleave(torch.tensor(q_lens))
-        within = torch.arange(len(ends)) - torch.tensor(batch.query_start[:-1]).repeat_interleave(torch.tensor(q_lens))
-        back = torch.tensor(q_lens).repeat_interleave(torch.tensor(q_lens))
-        lens = ends - back + within + 1  # a sequence's queries are the last of its positions
+        keep = [s for s in range(batch.num_seqs) if q_lens[s] <= MAX_CHUNK]
+        if len(keep) == batch.num_seqs and all(n == 1 for n in q_lens):  # a decode step: one row a sequence
+            index, lens = None, torch.tensor(batch.context_lens, dtype=torch.int64)
+            tables = batch.block_tables.to(torch.int32).contiguous()
+        else:
+            sel = torch.tensor(keep, dtype=torch.int64)
+            n = torch.tensor(q_lens, dtype=torch.int64)[sel]
+            within = torch.arange(int(n.sum())) - (n.cumsum(0) - n).repeat_interleave(n)  # a row's place in its chunk
+            index = torch.tensor(batch.query_start[:-1], dtype=torch.int64)[sel].repeat_interleave(n) + within
+            ends = torch.tensor(batch.context_lens, dtype=torch.int64)[sel]
+            lens = (ends - n).repeat_interleave(n) + within + 1  # a sequence's queries are the last of its positions
+            tables = batch.block_tables[sel].to(torch.int32).repeat_interleave(n, dim=0).contiguous()
+            index = None if len(keep) == batch.num_seqs else index
         starts = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
-        tables = batch.block_tables.to(torch.int32).repeat_interleave(torch.tensor(q_lens), dim=0).contiguous()
-        batch.memo[key] = Rows(tables, lens.to(torch.int32), starts.to(torch.int32), max(batch.context_lens))
+        longest = max((batch.context_lens[s] for s in keep), default=1)
+        batch.memo[key] = Rows(index, tables, lens.to(torch.int32), starts.to(torch.int32), longest, frozenset(keep))
     return batch.memo[key]
 
 
@@ -47,8 +63,16 @@ def attend(
     batch: PagedBatch,
     scale: float,
     window: int | None,
-) -> torch.Tensor:
-    """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]; native.decode_attention_fits must
-    hold."""
+) -> tuple[torch.Tensor, frozenset[int]]:
+    """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> ([T, Hq, D], the sequences attended): the rows
+    of any other sequence (a prompt chunk longer than MAX_CHUNK) are left for the caller to fill.
+    native.decode_attention_fits must hold."""
     r = rows(batch, window)
-    return native.decode_attention(q, k_cache, v_cache, r.tables, r.lens, r.starts, scale, r.longest)
+    if r.index is None:
+        return native.decode_attention(q, k_cache, v_cache, r.tables, r.lens, r.starts, scale, r.longest), r.seqs
+    out = torch.empty_like(q)
+    if len(r.index):
+        out[r.index] = native.decode_attention(
+            q[r.index], k_cache, v_cache, r.tables, r.lens, r.starts, scale, r.longest
+        )
+    return out, r.seqs

@@ -1,33 +1,28 @@
 """Native CPU kernels: C sources in kernels/csrc/, compiled once per machine with the system's C compiler and called
-through ctypes, for the products torch's CPU operators leave slow.
+through ctypes, for what torch's CPU operators leave slow. docs/benchmarks.md ("Native CPU kernels") times each
+against the torch path it replaces (benchmarks/native_cpu.py).
 
 `int4_mm`: x @ W.T for bfloat16 rows and W as int4 codes in torch's CPU packing (the "cpu" layout of
-kernels/quant_linear.py), from INT4_MIN_ROWS to fewer than INT4_DENSE_MIN_ROWS rows; from there `int4_dequant`
-writes the weight in bfloat16 for the dense GEMM, a slice of output features at a time. The time of torch's own kernel
-(`_weight_int4pack_mm_for_cpu`) grows almost as the rows do (576 -> 3072: 57 us at 1 row, 347 at 16), so at a
-batch's decode step it is slower than the bfloat16 GEMM over the dense weight, four times the bytes.
-kernels/csrc/int4_mm.c decodes each code once into bfloat16 (q - 8 is exact there) and multiplies it with every row
-by AVX-512 BF16's dot product, exact products summed in float32, each group's scale and zero applied once per row;
-the output is rounded to bfloat16 once, as torch's is. Weights read from memory, 2 threads of a Zen 4 EPYC
-(benchmarks/results/native_cpu.json): 1.0-1.3x torch's kernel at 8 rows, 1.2-1.5x at 16, 1.5-1.9x at 64; below
-INT4_MIN_ROWS torch's kernel, bound by memory there, is as fast and runs.
+kernels/quant_linear.py), from INT4_MIN_ROWS to fewer than INT4_DENSE_MIN_ROWS rows, where the time of torch's own
+kernel (`_weight_int4pack_mm_for_cpu`) grows almost as the rows do. kernels/csrc/int4_mm.c decodes each code once
+into bfloat16 (q - 8 is exact there) and multiplies it with every row by AVX-512 BF16's dot product, exact products
+summed in float32, each group's scale and zero applied once per row, the output rounded to bfloat16 once, as torch's
+is. From INT4_DENSE_MIN_ROWS `int4_dequant` writes the weight in bfloat16 for the dense GEMM; below INT4_MIN_ROWS
+torch's kernel, bound by memory there, is as fast and runs.
 
 `bf16_mm`: x @ W.T for up to BF16_MAX_ROWS bfloat16 rows and a dense bfloat16 W (an LM head tied to its embedding,
-a streamed layer's matrix: weights not packed for oneDNN), read in place: 1.1-1.8x F.linear there.
-
-`decode_attention`: one query per row over the paged bfloat16 cache, read in place through the block table,
-2.6-3.5x the gather-and-SDPA path (kernels/cpu_attention.py makes every query of a batch such a row, a prompt's
-too). `rms_norm` and `rotary`: in the torch references' roundings, on one thread for a decode step's few rows, split
-over threads for a prefill's. `silu_mul`: SwiGLU's silu(gate) * up in one pass over the halves of the fused gate/up
-product, where torch makes two (and a temporary), any number of rows.
+a streamed layer's matrix: weights not packed for oneDNN), read in place; an LM head's logits kept in float32.
+`decode_attention`: one query per row over the paged bfloat16 cache, read in place through the block table
+(kernels/cpu_attention.py makes every query of a batch such a row, a prompt's too). `rms_norm` and `rotary`: in the
+torch references' roundings, on one thread for a decode step's few rows, split over threads for a prefill's.
+`silu_mul`: SwiGLU's silu(gate) * up in one pass over the halves of the fused gate/up product.
 
 They run where the CPU has AVX-512 BF16 and VBMI, a C compiler with OpenMP is on the PATH ($CC, else cc) and
 OFFLOAD_KERNELS is not "torch"; anywhere else, or when the build fails (said once on stderr), torch's kernels run.
 Each library is built into cache_dir()/native, named by a digest of its source, the compiler, the flags and the
 CPU (-march=native: a cache folder shared with another CPU builds its own), written to a temporary name and renamed
 into place, so concurrent first runs never load half a file; the engine builds them as it loads a model (`prepare`),
-not in a step. Their OpenMP threads are torch's own (the same libgomp, by soname), as many as
-torch.get_num_threads().
+not in a step. Their OpenMP threads are torch's own (the same libgomp, by soname), torch.get_num_threads() of them.
 """
 
 from __future__ import annotations
@@ -50,24 +45,24 @@ SOURCES = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 CPU_FEATURES = ("avx512bw", "avx512_bf16", "avx512vbmi")  # /proc/cpuinfo's names of what the C sources use
 CPU_KEYS = ("model name", "flags")  # what names the CPU a library is built for
-INT4_CHUNK = 32  # inputs the kernel decodes at a time: a group must be a multiple
+INT4_CHUNK = 32  # a group must be a multiple (the kernel decodes 16 inputs at a time, torch packs 32s)
 INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing
-# rows from which int4_mm beats torch's int4 kernel, weights read from memory (benchmarks/native_cpu.py: 2 threads
-# of a Zen 4 EPYC, 576 -> 3072: 8 rows 145 us against 180, 16 rows 233 against 347; 1 row 61 against 57, 4 even)
-INT4_MIN_ROWS = 8
+# rows from which int4_mm beats torch's int4 kernel, weights read from memory (benchmarks/results/native_cpu.json,
+# 2 threads of a Zen 4 EPYC: 1.09-1.44x at 4 rows over six shapes, 0.94-1.18x at 1)
+INT4_MIN_ROWS = 4
 # rows from which dequantizing to bfloat16 here (`int4_dequant`, 5x torch's dequantization) and the dense GEMM beat
-# int4_mm (the same CPU, weights cached: 576 -> 3072 at 192 rows 2.13 ms against 2.09, at 256 2.66 against 2.85, at
-# 2048 17.8 against 23.2; 1536 -> 576 and 576 -> 960 cross at 128 to 192); kernels/quant_linear.py's
+# int4_mm (the same CPU, weights cached, a one-off timing: 576 -> 3072 at 256 rows 2.63 ms against 2.54, at 384
+# 3.77 against 3.67; 1536 -> 576 at 256 1.33 against 1.47, 576 -> 960 even at 256); kernels/quant_linear.py's
 # INT4_DENSE_MIN_ROWS where torch dequantizes
-INT4_DENSE_MIN_ROWS = 192
+INT4_DENSE_MIN_ROWS = 256
 ROWS_SERIAL = 64  # rows (tokens) up to which rms_norm and rotary run on one thread (a decode step's)
 # values up to which silu_mul runs on one thread (16 rows of 1536, a one-off timing on 2 threads of a Zen 4 EPYC:
 # 17 us serial, 9 split; 2 us a call's own cost)
 SILU_SERIAL_VALUES = 4096
 BF16_TILE = 16  # output features bf16_mm.c computes at a time
 BF16_CHUNK = 32  # inputs its dot products take at a time
-# rows up to which bf16_mm beats torch's bfloat16 GEMM over a dense weight (benchmarks/native_cpu.py, the same CPU:
-# 576 -> 49152, an LM head: 2.1 ms against 3.2 at 1 row, 4.8 against 6.6 at 16; 576 -> 3072: 1.1x at 16)
+# rows up to which bf16_mm beats torch's bfloat16 GEMM over a dense weight (benchmarks/results/native_cpu.json, the
+# same CPU: 576 -> 49152, an LM head, 1.4-2.0x at 1 to 16 rows; 576 -> 3072 1.4-1.8x)
 BF16_MAX_ROWS = 16
 
 

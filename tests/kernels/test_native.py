@@ -211,12 +211,16 @@ def test_decode_attention_reads_the_paged_cache_as_dense_attention_would(window,
 
 @needs_native
 @pytest.mark.parametrize("window", [None, 20])
-def test_prompt_chunks_take_the_native_kernel_beside_decode_tokens(window):
+@pytest.mark.parametrize("max_chunk", [1024, 8])
+def test_prompt_chunks_take_the_native_kernel_beside_decode_tokens(window, max_chunk: int, monkeypatch):
     """A whole prompt, a later chunk of one (its queries the last of its positions) and decode tokens in one batch:
-    every query one row of the native kernel, as dense attention over what it sees; float32 caches stay on torch's
-    path."""
+    every query one row of the native kernel, or, for chunks of more than MAX_CHUNK queries, torch's SDPA; as dense
+    attention over what it sees either way; float32 caches stay on torch's path."""
+    from offload.kernels import cpu_attention
     from offload.kernels.paged_attention import paged_attention_ref
     from offload.kernels.paged_batch import PagedBatch
+
+    monkeypatch.setattr(cpu_attention, "MAX_CHUNK", max_chunk)
 
     gen = torch.Generator().manual_seed(5)
     k, v, one = _paged([40, 9, 33, 70], 16, gen)

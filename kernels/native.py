@@ -7,8 +7,7 @@ kernels/quant_linear.py), from INT4_MIN_ROWS to fewer than INT4_DENSE_MIN_ROWS r
 kernel (`_weight_int4pack_mm_for_cpu`) grows almost as the rows do. kernels/csrc/int4_mm.c decodes each code once
 into bfloat16 (q - 8 is exact there) and multiplies it with every row by AVX-512 BF16's dot product, exact products
 summed in float32, each group's scale and zero applied once per row, the output rounded to bfloat16 once, as torch's
-is. From INT4_DENSE_MIN_ROWS `int4_dequant` writes the weight in bfloat16 for the dense GEMM; below INT4_MIN_ROWS
-torch's kernel, bound by memory there, is as fast and runs.
+is. From INT4_DENSE_MIN_ROWS `int4_dequant` writes the weight in bfloat16 for the dense GEMM.
 
 `bf16_mm`: x @ W.T for up to BF16_MAX_ROWS bfloat16 rows and a dense bfloat16 W (an LM head tied to its embedding,
 a streamed layer's matrix: weights not packed for oneDNN), read in place; an LM head's logits kept in float32.
@@ -47,9 +46,10 @@ CPU_FEATURES = ("avx512bw", "avx512_bf16", "avx512vbmi")  # /proc/cpuinfo's name
 CPU_KEYS = ("model name", "flags")  # what names the CPU a library is built for
 INT4_CHUNK = 32  # a group must be a multiple (the kernel decodes 16 inputs at a time, torch packs 32s)
 INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing
-# rows from which int4_mm beats torch's int4 kernel, weights read from memory (benchmarks/results/native_cpu.json,
-# 2 threads of a Zen 4 EPYC: 1.09-1.44x at 4 rows over six shapes, 0.94-1.18x at 1)
-INT4_MIN_ROWS = 4
+# rows from which int4_mm runs instead of torch's int4 kernel, weights read from memory (benchmarks/results/
+# native_cpu.json, 2 threads of a Zen 4 EPYC: at 1 row 0.97-1.27x over six shapes, SmolLM2's four products 121 us
+# against 132 in all; from 4 rows 1.11-1.58x)
+INT4_MIN_ROWS = 1
 # rows from which dequantizing to bfloat16 here (`int4_dequant`, 5x torch's dequantization) and the dense GEMM beat
 # int4_mm (the same CPU, weights cached, a one-off timing: 576 -> 3072 at 256 rows 2.63 ms against 2.54, at 384
 # 3.77 against 3.67; 1536 -> 576 at 256 1.33 against 1.47, 576 -> 960 even at 256); kernels/quant_linear.py's

@@ -41,7 +41,7 @@ class KVLayer:
             if isinstance(cache, QuantizedKV):
                 cache.write(slots, new)
             else:
-                cache.view(-1, *cache.shape[2:])[slots] = new
+                cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)  # slots are distinct
 
 
 class KVCache:

@@ -34,7 +34,7 @@ def _close_to_bf16(got: torch.Tensor, exact: torch.Tensor) -> None:
 
 @needs_native
 @pytest.mark.parametrize(("n", "k", "group"), [(192, 576, 32), (576, 1536, 32), (128, 512, 64), (64, 1024, 128)])
-@pytest.mark.parametrize("rows", [8, 16, 65, 130])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 65, 130])
 def test_int4_mm_is_the_dequantized_product_rounded_once(n: int, k: int, group: int, rows: int):
     gen = torch.Generator().manual_seed(rows * n + k)
     codes, scales = _int4(n, k, group, gen)
@@ -101,15 +101,16 @@ def test_products_dispatch_to_the_native_kernels_where_they_fit(monkeypatch):
     monkeypatch.setattr(native, "bf16_mm", lambda x, w: calls.append("bf16") or torch.zeros(x.shape[0], w.shape[0]))
     quant_linear(torch.randn(16, 576).to(torch.bfloat16), codes, scales, fmt)
     assert calls == ["int4"] and dispatch.picked()["quant_matmul"] == "native"
-    quant_linear(torch.randn(1, 576).to(torch.bfloat16), codes, scales, fmt)  # one row: torch's kernel, as fast
+    quant_linear(torch.randn(native.INT4_MIN_ROWS, 576).to(torch.bfloat16), codes, scales, fmt)  # one row too
+    assert calls == ["int4", "int4"]
     quant_linear(torch.randn(16, 576), codes, scales.float(), fmt)  # float32: torch's kernel
-    assert calls == ["int4"] and dispatch.picked()["quant_matmul"] == "torch"
+    assert calls == ["int4", "int4"] and dispatch.picked()["quant_matmul"] == "torch"
     w = torch.randn(64, 576).to(torch.bfloat16)
     linear(torch.randn(2, 576).to(torch.bfloat16), w)
-    assert calls == ["int4", "bf16"] and dispatch.picked()["linear"] == "native"
+    assert calls == ["int4", "int4", "bf16"] and dispatch.picked()["linear"] == "native"
     linear(torch.randn(native.BF16_MAX_ROWS + 1, 576).to(torch.bfloat16), w)  # more rows: torch's GEMM
     linear(torch.randn(2, 500).to(torch.bfloat16), w[:, :500].contiguous())  # inputs not a multiple of 32
-    assert calls == ["int4", "bf16"]
+    assert calls == ["int4", "int4", "bf16"]
 
 
 def test_a_failed_build_falls_back_to_torch_and_says_so(monkeypatch, tmp_path, capsys):

@@ -47,8 +47,8 @@ CPU_KEYS = ("model name", "flags")  # what names the CPU a library is built for
 INT4_CHUNK = 32  # a group must be a multiple (the kernel decodes 16 inputs at a time, torch packs 32s)
 INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing
 # rows from which int4_mm runs instead of torch's int4 kernel, weights read from memory (benchmarks/results/
-# native_cpu.json, 2 threads of a Zen 4 EPYC: at 1 row 0.97-1.27x over six shapes, SmolLM2's four products 121 us
-# against 132 in all; from 4 rows 1.11-1.58x)
+# native_cpu.json, 2 threads of a Zen 4 EPYC: at 1 row 0.96-1.28x over six shapes, SmolLM2's four products 131 us
+# against 140 in all; from 4 rows 1.10-1.55x)
 INT4_MIN_ROWS = 1
 # rows from which dequantizing to bfloat16 here (`int4_dequant`, 5x torch's dequantization) and the dense GEMM beat
 # int4_mm (the same CPU, weights cached, a one-off timing: 576 -> 3072 at 256 rows 2.63 ms against 2.54, at 384

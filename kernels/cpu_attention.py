@@ -2,9 +2,8 @@
 call: a decode token and each query of a prompt chunk alike are one row, attending its sequence's positions up to
 its own (from its window's first), read in place through its sequence's block table.
 
-Against torch's SDPA over each sequence's gathered blocks, 2 threads of a Zen 4 EPYC, SmolLM2's heads (9 over 3,
-64 values), a one-off timing of one layer: 16 prompts of 128 tokens 3.2-3.7 ms against 7.3, 4 of 512 10.8 against
-18.9, one of 2048 42 against 43; decode tokens: kernels/native.py.
+Against torch's causal SDPA over each sequence's gathered blocks (benchmarks/results/native_cpu.json, 2 threads of a
+Zen 4 EPYC, SmolLM2's heads, 9 over 3 of 64 values, one layer): 16 prompts of 128 tokens 2.1x, 4 of 512 1.6x.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from offload.kernels import native
 from offload.kernels.paged_batch import PagedBatch
 
 # prompt chunks of more queries than this attend through torch's SDPA, its own causal kernel, as fast from about
-# 1500 on (benchmarks/results/native_cpu.json: one prompt of 2048 tokens 46 ms against 44); every other query here
+# 1500 on (benchmarks/results/native_cpu.json at b2cef97: one prompt of 2048 tokens 46 ms against 44); every other
+# query here
 MAX_CHUNK = 1024
 
 

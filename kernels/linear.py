@@ -47,8 +47,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """An LM head's x [tokens, hidden] @ w.T: in float32 where kernels/native.py's kernel computes it (its float32
-    sums kept: bfloat16 logits are 1/16 apart around 20, so a near-tie rounds into a tie and greedy decoding takes
-    the lower token id), else as `linear` computes it."""
+    sums kept: bfloat16 logits between 16 and 32 are 1/8 apart, so a near-tie rounds into a tie and greedy decoding
+    takes the lower token id), else as `linear` computes it."""
     if native.bf16_mm_fits(x, w):
         record("linear", "native")
         return native.bf16_mm(x, w, torch.float32)

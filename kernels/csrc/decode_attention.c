@@ -1,9 +1,11 @@
-/* Attention of one query per sequence over its paged KV cache, bfloat16 in and out, for a decode step on the CPU.
- * See kernels/native.py for when it runs.
+/* Attention of one query per row over its sequence's paged KV cache, bfloat16 in and out, on the CPU: a decode
+ * step's tokens, and each query of a prompt chunk as a row of its own (kernels/cpu_attention.py). See
+ * kernels/native.py for when it runs.
  *
- * A task is one sequence and one KV head: the query heads sharing that head score every visible key (AVX-512 BF16 dot
- * products: exact products summed in float32), take the softmax in float32 (exp by range reduction and a polynomial,
- * within 2 float32 ulps), and sum the values weighted by it in float32; the output is rounded to bfloat16 once. The
+ * A task is one row and one KV head: the query heads sharing that head, one after another, score every visible key
+ * (AVX-512 BF16 dot products: exact products summed in float32), take the softmax in float32 (exp by range reduction
+ * and a polynomial, within 2 float32 ulps), and sum the values weighted by it in float32; the output is rounded to
+ * bfloat16 once. The
  * keys and values are read in place through the block table: nothing is gathered. Keys are scored 16 at a time, each
  * key's products in one vector whose lanes the 16 vectors sum together (sum16), and a position's row is found by
  * walking the block table, not by a division per position; a head's vectors stay in registers where its size is 64

@@ -161,7 +161,8 @@ void int4_dequant_bf16(const uint8_t *codes, const uint16_t *sz, uint16_t *w, in
                 const uint8_t *row = rows + (c + i) * 32;
                 for (int j = 0; j < 32; j++) {
                     tile[i][j] = float_to_bf16(__builtin_fmaf((float)((row[j] & 15) - 8), scale[j], zero[j]));
-                    tile[i][j + 32] = float_to_bf16(__builtin_fmaf((float)((row[j] >> 4) - 8), scale[j + 32], zero[j + 32]));
+                    const float high = (float)((row[j] >> 4) - 8);
+                    tile[i][j + 32] = float_to_bf16(__builtin_fmaf(high, scale[j + 32], zero[j + 32]));
                 }
             }
             for (int j = 0; j < BLOCK; j++)

@@ -38,7 +38,7 @@ def rows(batch: PagedBatch, window: int | None) -> Rows:
     if key not in batch.memo:
         q_lens = [batch.query_start[s + 1] - batch.query_start[s] for s in range(batch.num_seqs)]
         keep = [s for s in range(batch.num_seqs) if q_lens[s] <= MAX_CHUNK]
-        if len(keep) == batch.num_seqs and all(n == 1 for n in q_lens):  # a decode step: one row a sequence
+        if all(n == 1 for n in q_lens):  # a decode step: one row a sequence, every one kept
             index, lens = None, torch.tensor(batch.context_lens, dtype=torch.int64)
             tables = batch.block_tables.to(torch.int32).contiguous()
         else:

@@ -323,9 +323,9 @@ def decode_attention(
     scale: float,
     max_len: int,
 ) -> torch.Tensor:
-    """One query per sequence, q [n, Hq, D], over caches [blocks, block_size, Hkv, D] read through `tables` [n, width]
-    (int32 block ids): keys `starts[i]` to `lens[i]` - 1 (int32) of sequence i, `max_len` the longest -> [n, Hq, D]
-    bfloat16; `decode_attention_fits` must hold."""
+    """One query per row, q [n, Hq, D], over caches [blocks, block_size, Hkv, D] read through `tables` [n, width]
+    (int32 block ids, each row its sequence's): keys `starts[i]` to `lens[i]` - 1 (int32) for row i, `max_len` the
+    most -> [n, Hq, D] bfloat16; `decode_attention_fits` must hold."""
     q = q.contiguous()
     n, hq, d = q.shape
     block_size, hkv = k_cache.shape[1:3]

@@ -8,8 +8,9 @@ its queries are the last query_lens[s] of its context_lens[s] positions, and att
 The cache is read only through `PagedCache`: a plain tensor, or a quantized layer (kernels/kv_quant.QuantizedKV)
 that dequantizes just the blocks gathered.
 
-`paged_attention_ref` is the pure-torch reference; `paged_attention` dispatches: the Triton kernels of
-kernels/paged_decode.py and kernels/paged_prefill.py on CUDA, the reference elsewhere.
+`paged_attention_ref` is the torch reference, which hands bfloat16 caches on a CPU that runs it to kernels/native.py's
+kernel (kernels/cpu_attention.py); `paged_attention` dispatches: the Triton kernels of kernels/paged_decode.py and
+kernels/paged_prefill.py on CUDA, the reference elsewhere.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ Only the order in which the float32 sum of squares is accumulated differs from t
 rounding before the cast (one unit in the last place of a half-precision output, where a value sits on a boundary).
 
 `rms_norm_residual` is the Triton launcher (shape, stride, dtype and device checks), `rms_norm_residual_ref` the
-torch reference, and `fused_rms_norm` picks between them (kernels/dispatch.py), or, for a few bfloat16 rows on a
-CPU, kernels/native.py's C kernel of the same numerics.
+torch reference, and `fused_rms_norm` picks between them (kernels/dispatch.py), or, for bfloat16 rows on a CPU that
+runs it, kernels/native.py's C kernel of the same numerics.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ static inline __attribute__((always_inline)) void attend(const job *j, int64_t t
         walk keys = walk_from(j, j->k, table, h, start);
         for (int64_t t0 = 0; t0 < count; t0 += 16) {
             const int64_t n = count - t0 < 16 ? count - t0 : 16;
-            const __mmask16 m = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+            const __mmask16 m = first_lanes(n);
             __m512 acc[16];
             for (int64_t i = 0; i < 16; i++) {
                 acc[i] = _mm512_setzero_ps();
@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void attend(const job *j, int64_t t
         const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t i = 0; i < count; i += 16) {
-            const __mmask16 m = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+            const __mmask16 m = first_lanes(count - i);
             const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), top));
             _mm512_mask_storeu_ps(row + i, m, e);
             sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));

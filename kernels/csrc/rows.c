@@ -17,9 +17,6 @@
 #include "bf16.h"
 #include "simd.h"
 
-/* the mask of the first n of 16 lanes */
-static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-
 /* x, residual (or NULL), out, h: [rows, hidden] bf16, contiguous; weight: [hidden] bf16. h: x + residual (unused
  * where residual is NULL). Rows split over `threads` OpenMP threads where there are more than `serial`. */
 void rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out, uint16_t *h,
@@ -90,7 +87,7 @@ void silu_mul_bf16(const uint16_t *gate, int64_t sg, const uint16_t *up, int64_t
         const uint16_t *g = gate + r * sg, *u = up + r * su;
         uint16_t *o = out + r * n;
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+            const __mmask16 m = first_lanes(n - j);
             const __m512 x = bf16x16_load(g + j, m);
             const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
             const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));

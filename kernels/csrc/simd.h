@@ -4,6 +4,7 @@
 #define OFFLOAD_SIMD_H
 
 #include <immintrin.h>
+#include <stdint.h>
 
 /* e^x for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor polynomial to degree 7, times 2^n */
 static inline __m512 exp16(__m512 x) {
@@ -38,5 +39,8 @@ static inline __m512 sum16(const __m512 *a) {
     __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, 0x88), _mm512_shuffle_f32x4(f01, f23, 0xDD));
 }
+
+/* the mask of the first n of 16 lanes (all 16 where n >= 16) */
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 #endif

@@ -14,36 +14,25 @@ a streamed layer's matrix: weights not packed for oneDNN), read in place; an LM 
 `decode_attention`: one query per row over the paged bfloat16 cache, read in place through the block table
 (kernels/cpu_attention.py makes every query of a batch such a row, a prompt's too). `rms_norm` and `rotary`: in the
 torch references' roundings, on one thread for a decode step's few rows, split over threads for a prefill's.
-`silu_mul`: SwiGLU's silu(gate) * up in one pass over the halves of the fused gate/up product.
+`silu_mul`: SwiGLU's silu(gate) * up in one pass over the halves of the fused gate/up product. `argmax`: greedy
+decoding's pick over float32 logits, as torch's argmax picks.
 
-They run where the CPU has AVX-512 BF16 and VBMI, a C compiler with OpenMP is on the PATH ($CC, else cc) and
-OFFLOAD_KERNELS is not "torch"; anywhere else, or when the build fails (said once on stderr), torch's kernels run.
-Each library is built into cache_dir()/native, named by a digest of its source, the compiler, the flags and the
-CPU (-march=native: a cache folder shared with another CPU builds its own), written to a temporary name and renamed
-into place, so concurrent first runs never load half a file; the engine builds them as it loads a model (`prepare`),
-not in a step. Their OpenMP threads are torch's own (the same libgomp, by soname), torch.get_num_threads() of them.
+They run where kernels/native_build.py builds them (AVX-512 BF16 and VBMI, a C compiler with OpenMP, OFFLOAD_KERNELS
+not "torch"); anywhere else torch's kernels run. Their OpenMP threads are torch's own (the same libgomp, by
+soname), torch.get_num_threads() of them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
-from offload.common.paths import cache_dir
+from offload.kernels.native_build import F32, I64, INT, PTR, bind
+from offload.kernels.native_build import cpu_missing as cpu_missing  # asked here by the kernels' callers
+from offload.kernels.native_build import library as library
 
-SOURCES = Path(__file__).parent / "csrc"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-CPU_FEATURES = ("avx512bw", "avx512_bf16", "avx512vbmi")  # /proc/cpuinfo's names of what the C sources use
-CPU_KEYS = ("model name", "flags")  # what names the CPU a library is built for
 INT4_CHUNK = 32  # a group must be a multiple (the kernel decodes 16 inputs at a time, torch packs 32s)
 INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing
 # rows from which int4_mm runs instead of torch's int4 kernel, weights read from memory (benchmarks/results/
@@ -59,6 +48,7 @@ ROWS_SERIAL = 64  # rows (tokens) up to which rms_norm and rotary run on one thr
 # values up to which silu_mul runs on one thread (16 rows of 1536, a one-off timing on 2 threads of a Zen 4 EPYC:
 # 17 us serial, 9 split; 2 us a call's own cost)
 SILU_SERIAL_VALUES = 4096
+ARGMAX_SERIAL = 1 << 16  # values up to which argmax runs on one thread (a step's logits of 2+ rows are split)
 BF16_TILE = 16  # output features bf16_mm.c computes at a time
 BF16_CHUNK = 32  # inputs its dot products take at a time
 # rows up to which bf16_mm beats torch's bfloat16 GEMM over a dense weight (benchmarks/results/native_cpu.json, the
@@ -66,102 +56,40 @@ BF16_CHUNK = 32  # inputs its dot products take at a time
 BF16_MAX_ROWS = 16
 
 
-def cpu_missing() -> str | None:
-    """Why this CPU cannot run the native kernels, or None when it can."""
-    if os.environ.get("OFFLOAD_KERNELS", "").lower() == "torch":
-        return "OFFLOAD_KERNELS=torch"
-    flags = _cpu("flags").split()
-    if not flags:
-        return "no CPU flags in /proc/cpuinfo"
-    missing = [f for f in CPU_FEATURES if f not in flags]
-    return f"the CPU lacks {', '.join(missing)}" if missing else None
-
-
-@functools.cache
-def _cpu(key: str) -> str:
-    """The first value of `key` in /proc/cpuinfo ("model name", "flags"), or "" where there is none."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")
-
-
-@functools.cache
-def library(name: str) -> ctypes.CDLL | None:
-    """kernels/csrc/`name`.c built for this machine (once, cached on disk), or None where it cannot be. A built
-    library is found without running anything: its name digests the source and the headers, the flags, the CPU and
-    the compiler's path, size and modification time."""
-    if cpu_missing() is not None:
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return None
-    source = SOURCES / f"{name}.c"
-    stat = os.stat(compiler)
-    built_for = "\n".join((compiler, str(stat.st_size), str(stat.st_mtime_ns), " ".join(FLAGS), *map(_cpu, CPU_KEYS)))
-    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))  # what the sources include
-    digest = hashlib.sha256(source.read_bytes() + headers + built_for.encode()).hexdigest()[:16]
-    out = cache_dir() / "native" / f"{name}-{digest}.so"
-    if not out.is_file():
-        try:
-            failed = _build(compiler, source, out)
-        except OSError as exc:  # the cache folder cannot be written
-            failed = f"{out.parent}: {exc}"
-        if failed is not None:
-            print(f"offload: building {source} failed; torch's kernels run instead:\n{failed}", file=sys.stderr)
-            return None
-    try:
-        return ctypes.CDLL(str(out))
-    except OSError as exc:  # a library this system cannot load
-        print(f"offload: loading {out} failed ({exc}); torch's kernels run instead", file=sys.stderr)
-        return None
-
-
-def _build(compiler: str, source: Path, out: Path) -> str | None:
-    """Compile `source` into `out` through a temporary name; what went wrong, or None."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as work:
-        built = Path(work) / out.name
-        try:
-            run = subprocess.run(
-                [compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True, timeout=300
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            return str(exc)
-        if run.returncode != 0:
-            return run.stderr
-        os.replace(built, out)
-    return None
-
-
-PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # the C arguments' types
-
-
-def _bind(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr | None:
-    """Function `symbol` of library `name` taking `argtypes` and returning nothing, or None where it cannot run."""
-    lib = library(name)
-    if lib is None:
-        return None
-    fn = getattr(lib, symbol)
-    fn.argtypes, fn.restype = argtypes, None
-    return fn
-
-
 def prepare() -> None:
     """Build (once per machine) and load every native kernel now, where it can run, so that no step pays for it: the
     engine calls this as it loads a model for the CPU."""
-    _int4_mm(), _int4_dequant(), _bf16_mm(), _decode_attention(), _rms_norm(), _rotary(), _silu_mul()
+    _int4_mm(), _int4_dequant(), _bf16_mm(), _decode_attention(), _rms_norm(), _rotary(), _silu_mul(), _argmax()
+
+
+@functools.cache
+def _argmax() -> ctypes._CFuncPtr | None:
+    return bind("rows", "argmax_f32", [PTR, I64, PTR, I64, I64, I64, INT], I64)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's index of its largest value, the first of equal ones, as torch's argmax(-1) gives it, for float32 rows
+    [rows, n] on the CPU -> int64 [rows]; None where the kernel cannot take them or a row holds a NaN (torch's argmax
+    then answers)."""
+    if not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and x.shape[1]):
+        return None
+    if _argmax() is None:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    nan_rows = _argmax()(
+        x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1], ARGMAX_SERIAL, torch.get_num_threads()
+    )
+    return None if nan_rows else out
 
 
 @functools.cache
 def _rms_norm() -> ctypes._CFuncPtr | None:
-    return _bind("rows", "rms_norm_bf16", [PTR] * 5 + [I64] * 2 + [F32, I64, INT])
+    return bind("rows", "rms_norm_bf16", [PTR] * 5 + [I64] * 2 + [F32, I64, INT])
 
 
 @functools.cache
 def _rotary() -> ctypes._CFuncPtr | None:
-    return _bind("rows", "rotary_bf16", [PTR, I64, I64, PTR, PTR, I64, PTR, I64, I64, I64, I64, INT])
+    return bind("rows", "rotary_bf16", [PTR, I64, I64, PTR, PTR, I64, PTR, I64, I64, I64, I64, INT])
 
 
 def rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -224,7 +152,7 @@ def rms_norm(
 
 @functools.cache
 def _silu_mul() -> ctypes._CFuncPtr | None:
-    return _bind("rows", "silu_mul_bf16", [PTR, I64, PTR, I64, PTR, I64, I64, I64, INT])
+    return bind("rows", "silu_mul_bf16", [PTR, I64, PTR, I64, PTR, I64, I64, I64, INT])
 
 
 def silu_mul_fits(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -254,7 +182,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _bf16_mm() -> ctypes._CFuncPtr | None:
-    return _bind("bf16_mm", "bf16_mm", [PTR] * 3 + [I64] * 3 + [INT, INT])
+    return bind("bf16_mm", "bf16_mm", [PTR] * 3 + [I64] * 3 + [INT, INT])
 
 
 def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -289,7 +217,7 @@ def bf16_mm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfl
 
 @functools.cache
 def _decode_attention() -> ctypes._CFuncPtr | None:
-    return _bind(
+    return bind(
         "decode_attention", "decode_attention_bf16", [PTR] * 4 + [I64] + [PTR] * 3 + [I64] * 5 + [F32, PTR, I64, INT]
     )
 
@@ -343,12 +271,12 @@ def decode_attention(
 
 @functools.cache
 def _int4_mm() -> ctypes._CFuncPtr | None:
-    return _bind("int4_mm", "int4_mm_bf16", [PTR] * 4 + [I64] * 4 + [PTR, INT])
+    return bind("int4_mm", "int4_mm_bf16", [PTR] * 4 + [I64] * 4 + [PTR, INT])
 
 
 @functools.cache
 def _int4_dequant() -> ctypes._CFuncPtr | None:
-    return _bind("int4_mm", "int4_dequant_bf16", [PTR] * 3 + [I64] * 3 + [INT])
+    return bind("int4_mm", "int4_dequant_bf16", [PTR] * 3 + [I64] * 3 + [INT])
 
 
 def int4_dequant(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:

@@ -95,3 +95,36 @@ void silu_mul_bf16(const uint16_t *gate, int64_t sg, const uint16_t *up, int64_t
         }
     }
 }
+
+/* The index of each float32 row's largest value, the first where several are, as torch's argmax names it; -1 for a
+ * row holding a NaN (torch's argmax names the NaN: the caller asks torch for those). x: [rows, n], rows `stride`
+ * elements apart; out: [rows]. Rows split over `threads` OpenMP threads where there are more than `serial` values.
+ * Returns how many rows hold a NaN. */
+int64_t argmax_f32(const float *x, int64_t stride, int64_t *out, int64_t rows, int64_t n, int64_t serial, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * n > serial)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * stride;
+        const __m512 low = _mm512_set1_ps(-INFINITY); /* what a row's last lanes past its end hold */
+        __m512 best = low;
+        __mmask16 nan = 0;
+        for (int64_t j = 0; j < n; j += 16) {
+            const __m512 v = _mm512_mask_loadu_ps(low, first_lanes(n - j), xr + j);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            best = _mm512_max_ps(best, v);
+        }
+        out[r] = -1;
+        if (nan) continue;
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+        for (int64_t j = 0; j < n; j += 16) { /* the first position holding it */
+            const __mmask16 m = first_lanes(n - j);
+            const __mmask16 at = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, xr + j), top, _CMP_EQ_OQ);
+            if (at) {
+                out[r] = j + __builtin_ctz(at);
+                break;
+            }
+        }
+    }
+    int64_t nan_rows = 0;
+    for (int64_t r = 0; r < rows; r++) nan_rows += out[r] < 0;
+    return nan_rows;
+}

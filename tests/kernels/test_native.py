@@ -305,3 +305,27 @@ def test_silu_mul_is_torchs_two_ops(rows: int):
     assert ((got[ok].float() - want[ok].float()).abs() <= want[ok].float().abs() * 2.0**-7).all()
     assert torch.equal(got[0, :3], want[0, :3])
     assert not native.silu_mul_fits(gate.float(), up.float())
+
+
+@needs_native
+@pytest.mark.parametrize(("rows", "n"), [(1, 49152), (16, 49152), (3, 17), (2, 1)])
+def test_argmax_names_torchs_index(rows: int, n: int):
+    """Each row's largest value as torch's argmax names it: the first of equal ones, a row of -inf's first, a width
+    not a multiple of 16, rows strided; a row holding a NaN is left to torch (None), and the greedy sampler then asks
+    torch."""
+    from offload.common.config import SamplingParams
+    from offload.model.sampling import sample
+
+    gen = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, n + 3, generator=gen)[:, :n]  # rows 3 values apart from their ends
+    x[0, n // 2] = x[0, n - 1] = 50.0  # a tie: the first
+    if rows > 2:
+        x[1] = -float("inf")
+        x[2] = -5.0
+    assert torch.equal(native.argmax(x), x.argmax(-1))
+    assert native.argmax(x)[0] == (n // 2 if n > 1 else 0)
+    x[-1, 0] = float("nan")
+    assert native.argmax(x) is None
+    greedy = [SamplingParams(temperature=0.0)] * rows
+    assert sample(x, greedy, [None] * rows) == x.argmax(-1).tolist()
+    assert native.argmax(x.to(torch.float64)) is None  # float32 rows only

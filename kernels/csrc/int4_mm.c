@@ -67,12 +67,13 @@ static inline __attribute__((always_inline)) void chunk_rows(const __m512i *lo, 
 void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, uint16_t *y, int64_t m, int64_t n,
                   int64_t k, int64_t group, float *xsum, int threads) {
     const int64_t groups = k / group;
-    /* serial: a few thousand values, where a second parallel region would cost another barrier */
+    /* serial: a few thousand values, where a second parallel region would cost another barrier; 16 at a time, their
+     * lanes summed in a tree */
     for (int64_t i = 0; i < m * groups; i++) {
         const uint16_t *xp = x + (i / groups) * k + (i % groups) * group;
-        float s = 0.0f;
-        for (int64_t j = 0; j < group; j++) s += bf16_to_float(xp[j]);
-        xsum[i] = s;
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t j = 0; j < group; j += 16) s = _mm512_add_ps(s, bf16x16_load(xp + j, 0xFFFF));
+        xsum[i] = _mm512_reduce_add_ps(s);
     }
     uint16_t table[32]; /* bf16 of q - 8 for a 16-bit lane whose low 5 bits are q (0..15) or 16 + q */
     for (int q = 0; q < 32; q++) table[q] = float_to_bf16((float)((q & 15) - 8)); /* exact */

@@ -185,8 +185,9 @@ def _bf16_mm() -> ctypes._CFuncPtr | None:
     return bind("bf16_mm", "bf16_mm", [PTR] * 3 + [I64] * 3 + [INT, INT])
 
 
-def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `bf16_mm` multiplies these: a few bfloat16 rows on the CPU by a dense bfloat16 weight of whole tiles."""
+def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor, max_rows: int | None = BF16_MAX_ROWS) -> bool:
+    """Whether `bf16_mm` multiplies these: bfloat16 rows on the CPU, up to `max_rows` of them (None: any number), by a
+    dense bfloat16 weight of whole tiles."""
     return (
         x.dtype == torch.bfloat16
         and w.dtype == torch.bfloat16
@@ -194,7 +195,7 @@ def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
         and w.device.type == "cpu"
         and x.dim() == 2
         and w.dim() == 2
-        and x.shape[0] <= BF16_MAX_ROWS
+        and (max_rows is None or x.shape[0] <= max_rows)
         and w.shape[0] % BF16_TILE == 0
         and w.shape[1] % BF16_CHUNK == 0
         and w.is_contiguous()

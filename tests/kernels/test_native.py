@@ -74,13 +74,15 @@ def test_bf16_mm_is_the_product_rounded_once(n: int, k: int, rows: int):
 
 
 @needs_native
-def test_an_lm_heads_logits_keep_their_float32_sums():
+@pytest.mark.parametrize("rows", [3, native.BF16_MAX_ROWS + 24])
+def test_an_lm_heads_logits_keep_their_float32_sums(rows: int):
     """Two logits 1/64 apart near 25: bfloat16 (steps of 1/8 there) rounds them into a tie that greedy decoding
-    would give to the lower token id; the head's float32 logits keep them apart, within float32 summation's error."""
+    would give to the lower token id; the head's float32 logits keep them apart, within float32 summation's error,
+    for a decode step's few rows and a perplexity window's many alike."""
     from offload.kernels.linear import logits
 
     gen = torch.Generator().manual_seed(9)
-    x = torch.randn(3, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
     w = torch.randn(64, 576, generator=gen).div(24).to(torch.bfloat16)
     x[0] = 0
     x[0, :32] = 1

@@ -10,7 +10,8 @@ summed in float32, each group's scale and zero applied once per row, the output 
 is. From INT4_DENSE_MIN_ROWS `int4_dequant` writes the weight in bfloat16 for the dense GEMM.
 
 `bf16_mm`: x @ W.T for up to BF16_MAX_ROWS bfloat16 rows and a dense bfloat16 W (an LM head tied to its embedding,
-a streamed layer's matrix: weights not packed for oneDNN), read in place; an LM head's logits kept in float32.
+a streamed layer's matrix: weights not packed for oneDNN), read in place; an LM head's logits kept in float32, for
+any number of rows.
 `decode_attention`: one query per row over the paged bfloat16 cache, read in place through the block table
 (kernels/cpu_attention.py makes every query of a batch such a row, a prompt's too). `rms_norm` and `rotary`: in the
 torch references' roundings, on one thread for a decode step's few rows, split over threads for a prefill's.
@@ -71,9 +72,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:
     """Each row's index of its largest value, the first of equal ones, as torch's argmax(-1) gives it, for float32 rows
     [rows, n] on the CPU -> int64 [rows]; None where the kernel cannot take them or a row holds a NaN (torch's argmax
     then answers)."""
-    if not (x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and x.shape[1]):
-        return None
-    if _argmax() is None:
+    plain = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+    if not (plain and x.shape[1] > 0 and _argmax() is not None):
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
     nan_rows = _argmax()(

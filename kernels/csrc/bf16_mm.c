@@ -1,5 +1,6 @@
 /* y = x @ W.T for bfloat16 x [M, K] and a dense row-major bfloat16 W [N, K] (an LM head, a streamed layer's matrix),
- * bfloat16 y [M, N], for the few rows of a decode step. See kernels/native.py for why and when it runs.
+ * bfloat16 y [M, N], for the few rows of a decode step (an LM head's float32 logits, for any rows). See
+ * kernels/native.py for why and when it runs.
  *
  * The weight is read in place, a tile of 16 output features (16 rows of W, in L1) at a time: for 4 rows of x and 4
  * features at once, 32 inputs of a feature's row are 16 bfloat16 pairs, multiplied with the same 32 inputs of each

@@ -335,4 +335,6 @@ def test_argmax_names_torchs_index(rows: int, n: int):
     assert native.argmax(x) is None
     greedy = [SamplingParams(temperature=0.0)] * rows
     assert sample(x, greedy, [None] * rows) == x.argmax(-1).tolist()
+    x[-1, 0] = 0.0
+    assert sample(x, greedy, [None] * rows) == x.argmax(-1).tolist() and dispatch.picked()["argmax"] == "native"
     assert native.argmax(x.to(torch.float64)) is None  # float32 rows only

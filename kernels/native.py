@@ -37,8 +37,7 @@ from offload.kernels.native_build import library as library
 INT4_CHUNK = 32  # a group must be a multiple (the kernel decodes 16 inputs at a time, torch packs 32s)
 INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing
 # rows from which int4_mm runs instead of torch's int4 kernel, weights read from memory (benchmarks/results/
-# native_cpu.json, 2 threads of a Zen 4 EPYC: at 1 row 0.96-1.28x over six shapes, SmolLM2's four products 131 us
-# against 140 in all; from 4 rows 1.10-1.55x)
+# native_cpu.json, 2 threads of a Zen 4 EPYC: at 1 row 0.97-1.17x over six shapes; from 4 rows 1.25-1.59x)
 INT4_MIN_ROWS = 1
 # rows from which dequantizing to bfloat16 here (`int4_dequant`, 5x torch's dequantization) and the dense GEMM beat
 # int4_mm (the same CPU, weights cached, a one-off timing: 576 -> 3072 at 256 rows 2.63 ms against 2.54, at 384
@@ -53,7 +52,8 @@ ARGMAX_SERIAL = 1 << 16  # values up to which argmax runs on one thread (a step'
 BF16_TILE = 16  # output features bf16_mm.c computes at a time
 BF16_CHUNK = 32  # inputs its dot products take at a time
 # rows up to which bf16_mm beats torch's bfloat16 GEMM over a dense weight (benchmarks/results/native_cpu.json, the
-# same CPU: 576 -> 49152, an LM head, 1.4-2.0x at 1 to 16 rows; 576 -> 3072 1.4-1.8x)
+# same CPU: 576 -> 49152, an LM head, 1.9-4.9x at 1 to 16 rows; 576 -> 3072 1.9-2.5x); an LM head's float32 logits
+# take it at any number of rows (kernels/linear.py's logits)
 BF16_MAX_ROWS = 16
 
 

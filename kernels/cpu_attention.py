@@ -2,8 +2,9 @@
 call: a decode token and each query of a prompt chunk alike are one row, attending its sequence's positions up to
 its own (from its window's first), read in place through its sequence's block table.
 
-Against torch's causal SDPA over each sequence's gathered blocks (benchmarks/results/native_cpu.json, 2 threads of a
-Zen 4 EPYC, SmolLM2's heads, 9 over 3 of 64 values, one layer): 16 prompts of 128 tokens 2.1x, 4 of 512 1.6x.
+Which sequences it takes is kernels/choice.py's: decode tokens where the kernel was timed faster than torch's path
+for that many sequences, a prompt chunk where it was for a chunk of that length (against torch's causal SDPA over
+the sequence's gathered blocks); the caller attends the others.
 """
 
 from __future__ import annotations
@@ -12,13 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from offload.kernels import native
+from offload.kernels import choice, native
 from offload.kernels.paged_batch import PagedBatch
-
-# prompt chunks of more queries than this attend through torch's SDPA, its own causal kernel, as fast from about
-# 1500 on (benchmarks/results/native_cpu.json at b2cef97: one prompt of 2048 tokens 46 ms against 44); every other
-# query here
-MAX_CHUNK = 1024
 
 
 class Rows(NamedTuple):
@@ -37,8 +33,10 @@ def rows(batch: PagedBatch, window: int | None) -> Rows:
     key = ("native_rows", window)
     if key not in batch.memo:
         q_lens = [batch.query_start[s + 1] - batch.query_start[s] for s in range(batch.num_seqs)]
-        keep = [s for s in range(batch.num_seqs) if q_lens[s] <= MAX_CHUNK]
-        if all(n == 1 for n in q_lens):  # a decode step: one row a sequence, every one kept
+        decoding = sum(n == 1 for n in q_lens)  # decode tokens, one a sequence: a step's rows for the choice
+        decode = decoding > 0 and choice.native("decode_attention", decoding)
+        keep = [s for s, n in enumerate(q_lens) if (decode if n == 1 else choice.native("prompt_attention", n))]
+        if decode and decoding == batch.num_seqs:  # a decode step: one row a sequence, every one kept
             index, lens = None, torch.tensor(batch.context_lens, dtype=torch.int64)
             tables = batch.block_tables.to(torch.int32).contiguous()
         else:
@@ -65,7 +63,7 @@ def attend(
     window: int | None,
 ) -> tuple[torch.Tensor, frozenset[int]]:
     """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> ([T, Hq, D], the sequences attended): the rows
-    of any other sequence (a prompt chunk longer than MAX_CHUNK) are left for the caller to fill.
+    of any other sequence (where torch's path was timed faster) are left for the caller to fill.
     native.decode_attention_fits must hold."""
     r = rows(batch, window)
     if r.index is None:

@@ -8,12 +8,13 @@ or to rule a kernel out); on a CPU the torch path always runs, since Triton's CP
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 
-ENV = "OFFLOAD_KERNELS"  # "torch": never launch a Triton kernel
+from offload.common import environment
+
+ENV = environment.KERNELS  # "torch": never launch a Triton kernel
 
 _picked: dict[str, str] = {}  # kernel name -> "triton" | "torch", for the kernels that have run
 
@@ -21,7 +22,7 @@ _picked: dict[str, str] = {}  # kernel name -> "triton" | "torch", for the kerne
 @functools.cache
 def triton_missing() -> str | None:
     """Why Triton cannot run here, or None when it can (a CUDA device and an importable triton)."""
-    if os.environ.get(ENV, "").lower() == "torch":
+    if environment.get(ENV).lower() == "torch":
         return f"{ENV}=torch"
     if not torch.cuda.is_available():
         return "no CUDA device"
@@ -35,7 +36,7 @@ def triton_missing() -> str | None:
 def load_triton() -> tuple[ModuleType | None, ModuleType | None]:
     """(triton, triton.language) where a Triton kernel can run: a CUDA device, or Triton's CPU interpreter
     (TRITON_INTERPRET=1, which the tests set); else (None, None), so that the torch paths never import triton."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and environment.get(environment.TRITON_INTERPRET) != "1":
         return None, None
     try:
         import triton

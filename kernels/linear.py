@@ -6,8 +6,9 @@ assumed: the first large product in each half-precision dtype times both paths o
 milliseconds at worst, once per process) and keeps the faster. Where float32 wins, prefill-sized products (at least
 `UPCAST_MIN_ROWS` rows) convert the weight a slice of output features at a time, so the scratch stays
 small; decode-sized products stay in half precision, where conversion costs more than it saves.
-CUDA and float32 go straight to F.linear. A few bfloat16 rows by a dense weight without a bias (an LM head, a
-streamed layer's matrix) go to kernels/native.py's `bf16_mm` where it can run, which reads the weight in place.
+CUDA and float32 go straight to F.linear. bfloat16 rows by a dense weight without a bias (a streamed layer's
+matrix) go to kernels/native.py's `bf16_mm`, which reads the weight in place, for the row counts where
+kernels/choice.py timed it faster than torch's GEMM. An LM head's logits (`logits`) are float32 on every path.
 
 Weights that stay in memory can also be packed once into oneDNN's blocked layout (`pack_weight`): torch's
 half-precision CPU GEMM otherwise reorders the weight on every call, which dominates decode-sized products (the
@@ -24,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from offload.kernels import native
+from offload.kernels import choice, native
 from offload.kernels.dispatch import record
 
 UPCAST_MIN_ROWS = 64  # tokens; below this the conversion costs more than the faster GEMM saves
@@ -35,7 +36,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x [tokens, in], w [out, in] (dense, or packed by `pack_weight`), b [out] -> [tokens, out] in x's dtype."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
-    if b is None and native.bf16_mm_fits(x, w):  # a few bfloat16 rows by a dense weight: kernels/native.py's
+    if b is None and native.bf16_mm_fits(x, w) and choice.native("bf16", x.shape[0]):  # timed faster here
         record("linear", "native")
         return native.bf16_mm(x, w)
     if x.device.type != "cpu" or w.dtype == torch.float32 or x.shape[0] < UPCAST_MIN_ROWS:
@@ -46,20 +47,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """An LM head's x [tokens, hidden] @ w.T: in float32 where kernels/native.py's kernel computes it (its float32
-    sums kept: bfloat16 logits between 16 and 32 are 1/8 apart, so a near-tie rounds into a tie that greedy decoding
-    gives to the lower token id, and a perplexity's log-probabilities carry that rounding), for any number of rows
-    (a perplexity window's 512: 113 ms against torch's bfloat16 GEMM's 83 for SmolLM2's head, a one-off timing on 2
-    cores of a Zen 4 EPYC; from 64 rows down as fast or faster), else as `linear` computes it."""
-    if native.bf16_mm_fits(x, w, max_rows=None):
-        record("linear", "native")
+    """An LM head's x [tokens, hidden] @ w.T (w dense) -> float32 [tokens, vocab] on every path: the products'
+    float32 sums are kept, never rounded to a half-precision dtype (bfloat16 logits between 16 and 32 are 1/8 apart,
+    so a near-tie rounds into a tie that greedy decoding gives to the lower token id, and a perplexity's
+    log-probabilities carry that rounding). kernels/native.py's kernel computes them where kernels/choice.py timed it
+    faster; else a float32 GEMM over the weight converted a slice of output features at a time."""
+    if native.bf16_mm_fits(x, w) and choice.native("logits", x.shape[0]):
+        record("logits", "native")
         return native.bf16_mm(x, w, torch.float32)
-    return linear(x, w)
+    record("logits", "torch")
+    if w.dtype == torch.float32:
+        return F.linear(x.float(), w)
+    return _linear_upcast(x, w, None, torch.float32)
 
 
-def _linear_upcast(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _linear_upcast(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x @ w.T + b in float32, w converted SLICE_FEATURES output features at a time -> `out_dtype` (None: x's)."""
     x32 = x.float()
-    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     for start in range(0, w.shape[0], SLICE_FEATURES):
         end = min(start + SLICE_FEATURES, w.shape[0])
         bias = None if b is None else b[start:end].float()

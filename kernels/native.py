@@ -3,21 +3,21 @@ through ctypes, for what torch's CPU operators leave slow. docs/benchmarks.md ("
 against the torch path it replaces (benchmarks/native_cpu.py).
 
 `int4_mm`: x @ W.T for bfloat16 rows and W as int4 codes in torch's CPU packing (the "cpu" layout of
-kernels/quant_linear.py), from INT4_MIN_ROWS to fewer than INT4_DENSE_MIN_ROWS rows, where the time of torch's own
-kernel (`_weight_int4pack_mm_for_cpu`) grows almost as the rows do. kernels/csrc/int4_mm.c decodes each code once
-into bfloat16 (q - 8 is exact there) and multiplies it with every row by AVX-512 BF16's dot product, exact products
-summed in float32, each group's scale and zero applied once per row, the output rounded to bfloat16 once, as torch's
-is. From INT4_DENSE_MIN_ROWS `int4_dequant` writes the weight in bfloat16 for the dense GEMM.
+kernels/quant_linear.py). kernels/csrc/int4_mm.c decodes each code once into bfloat16 (q - 8 is exact there) and
+multiplies it with every row by AVX-512 BF16's dot product, exact products summed in float32, each group's scale and
+zero applied once per row, the output rounded to bfloat16 once, as torch's is. `int4_dequant` writes the weight in
+bfloat16 for the dense GEMM, for a prompt's many rows.
 
-`bf16_mm`: x @ W.T for up to BF16_MAX_ROWS bfloat16 rows and a dense bfloat16 W (an LM head tied to its embedding,
-a streamed layer's matrix: weights not packed for oneDNN), read in place; an LM head's logits kept in float32, for
-any number of rows.
+`bf16_mm`: x @ W.T for bfloat16 rows and a dense bfloat16 W (an LM head tied to its embedding, a streamed layer's
+matrix: weights not packed for oneDNN), read in place; an LM head's logits kept in float32.
 `decode_attention`: one query per row over the paged bfloat16 cache, read in place through the block table
 (kernels/cpu_attention.py makes every query of a batch such a row, a prompt's too). `rms_norm` and `rotary`: in the
 torch references' roundings, on one thread for a decode step's few rows, split over threads for a prefill's.
 `silu_mul`: SwiGLU's silu(gate) * up in one pass over the halves of the fused gate/up product. `argmax`: greedy
 decoding's pick over float32 logits, as torch's argmax picks.
 
+Which of them the engine takes, and for how many rows, is kernels/choice.py's: each timed against torch's path on
+this machine.
 They run where kernels/native_build.py builds them (AVX-512 BF16 and VBMI, a C compiler with OpenMP, OFFLOAD_KERNELS
 not "torch"); anywhere else torch's kernels run. Their OpenMP threads are torch's own (the same libgomp, by
 soname), torch.get_num_threads() of them.
@@ -30,20 +30,13 @@ import functools
 
 import torch
 
+from offload.kernels import choice
 from offload.kernels.native_build import F32, I64, INT, PTR, bind
 from offload.kernels.native_build import cpu_missing as cpu_missing  # asked here by the kernels' callers
 from offload.kernels.native_build import library as library
 
 INT4_CHUNK = 32  # a group must be a multiple (the kernel decodes 16 inputs at a time, torch packs 32s)
 INT4_BLOCK = 64  # output features in one block of torch's CPU int4 packing
-# rows from which int4_mm runs instead of torch's int4 kernel, weights read from memory (benchmarks/results/
-# native_cpu.json, 2 threads of a Zen 4 EPYC: at 1 row 0.97-1.17x over six shapes; from 4 rows 1.25-1.59x)
-INT4_MIN_ROWS = 1
-# rows from which dequantizing to bfloat16 here (`int4_dequant`, 5x torch's dequantization) and the dense GEMM beat
-# int4_mm (the same CPU, weights cached, a one-off timing: 576 -> 3072 at 256 rows 2.63 ms against 2.54, at 384
-# 3.77 against 3.67; 1536 -> 576 at 256 1.33 against 1.47, 576 -> 960 even at 256); kernels/quant_linear.py's
-# INT4_DENSE_MIN_ROWS where torch dequantizes
-INT4_DENSE_MIN_ROWS = 256
 ROWS_SERIAL = 64  # rows (tokens) up to which rms_norm and rotary run on one thread (a decode step's)
 # values up to which silu_mul runs on one thread (16 rows of 1536, a one-off timing on 2 threads of a Zen 4 EPYC:
 # 17 us serial, 9 split; 2 us a call's own cost)
@@ -51,16 +44,21 @@ SILU_SERIAL_VALUES = 4096
 ARGMAX_SERIAL = 1 << 16  # values up to which argmax runs on one thread (a step's logits of 2+ rows are split)
 BF16_TILE = 16  # output features bf16_mm.c computes at a time
 BF16_CHUNK = 32  # inputs its dot products take at a time
-# rows up to which bf16_mm beats torch's bfloat16 GEMM over a dense weight (benchmarks/results/native_cpu.json, the
-# same CPU: 576 -> 49152, an LM head, 1.9-4.9x at 1 to 16 rows; 576 -> 3072 1.9-2.5x); an LM head's float32 logits
-# take it at any number of rows (kernels/linear.py's logits)
-BF16_MAX_ROWS = 16
 
 
 def prepare() -> None:
-    """Build (once per machine) and load every native kernel now, where it can run, so that no step pays for it: the
-    engine calls this as it loads a model for the CPU."""
+    """Build (once per machine) and load every native kernel now, where it can run, so that no step pays for it:
+    the engine calls this, then kernels/timing.py's `ensure`, as it loads a model for the CPU."""
     _int4_mm(), _int4_dequant(), _bf16_mm(), _decode_attention(), _rms_norm(), _rotary(), _silu_mul(), _argmax()
+
+
+def forget() -> None:
+    """Drop what this process built, bound and timed, so that the next call asks again (for tests that change what
+    the CPU reports or the compiler)."""
+    library.cache_clear()
+    for bound in (_int4_mm, _int4_dequant, _bf16_mm, _decode_attention, _rms_norm, _rotary, _silu_mul, _argmax):
+        bound.cache_clear()
+    choice.forget()
 
 
 @functools.cache
@@ -68,13 +66,15 @@ def _argmax() -> ctypes._CFuncPtr | None:
     return bind("rows", "argmax_f32", [PTR, I64, PTR, I64, I64, I64, INT], I64)
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor | None:
-    """Each row's index of its largest value, the first of equal ones, as torch's argmax(-1) gives it, for float32 rows
-    [rows, n] on the CPU -> int64 [rows]; None where the kernel cannot take them or a row holds a NaN (torch's argmax
-    then answers)."""
+def argmax_fits(x: torch.Tensor) -> bool:
+    """Whether `argmax` takes these: float32 rows [rows, n] on the CPU, each row contiguous."""
     plain = x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
-    if not (plain and x.shape[1] > 0 and _argmax() is not None):
-        return None
+    return plain and x.shape[1] > 0 and _argmax() is not None
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's index of its largest value, the first of equal ones, as torch's argmax(-1) gives it -> int64
+    [rows]; None where a row holds a NaN (torch's argmax then answers). `argmax_fits` must hold."""
     out = torch.empty(x.shape[0], dtype=torch.int64)
     nan_rows = _argmax()(
         x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1], ARGMAX_SERIAL, torch.get_num_threads()
@@ -185,9 +185,8 @@ def _bf16_mm() -> ctypes._CFuncPtr | None:
     return bind("bf16_mm", "bf16_mm", [PTR] * 3 + [I64] * 3 + [INT, INT])
 
 
-def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor, max_rows: int | None = BF16_MAX_ROWS) -> bool:
-    """Whether `bf16_mm` multiplies these: bfloat16 rows on the CPU, up to `max_rows` of them (None: any number), by a
-    dense bfloat16 weight of whole tiles."""
+def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `bf16_mm` multiplies these: bfloat16 rows on the CPU by a dense bfloat16 weight of whole tiles."""
     return (
         x.dtype == torch.bfloat16
         and w.dtype == torch.bfloat16
@@ -195,7 +194,6 @@ def bf16_mm_fits(x: torch.Tensor, w: torch.Tensor, max_rows: int | None = BF16_M
         and w.device.type == "cpu"
         and x.dim() == 2
         and w.dim() == 2
-        and (max_rows is None or x.shape[0] <= max_rows)
         and w.shape[0] % BF16_TILE == 0
         and w.shape[1] % BF16_CHUNK == 0
         and w.is_contiguous()
@@ -292,7 +290,7 @@ def int4_dequant(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch
 
 def int4_fits(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int) -> bool:
     """Whether `int4_mm` and `int4_dequant` take these: bfloat16 on the CPU, whole packing blocks, groups of 32s,
-    built kernels. How many rows make either worth it is the caller's choice (INT4_MIN_ROWS, INT4_DENSE_MIN_ROWS)."""
+    built kernels. How many rows make either worth it is kernels/choice.py's."""
     return (
         x.dtype == torch.bfloat16
         and scales.dtype == torch.bfloat16

@@ -2,11 +2,13 @@
 machine with the system's C compiler, called through ctypes.
 
 They run where the CPU has AVX-512 BF16 and VBMI, a C compiler with OpenMP is on the PATH ($CC, else cc) and
-OFFLOAD_KERNELS is not "torch"; anywhere else, or when the build fails (said once on stderr), torch's kernels run.
-Each library is built into cache_dir()/native, named by a digest of its source, the compiler, the flags and the
+OFFLOAD_KERNELS is not "torch"; anywhere else torch's kernels run, and `why_off` says why (the run summary prints
+it). Each library is built into cache_folder(), named by a digest of its source, the compiler, the flags and the
 CPU (-march=native: a cache folder shared with another CPU builds its own), written to a temporary name and renamed
-into place, so concurrent first runs never load half a file; the engine builds them as it loads a model
-(kernels/native.py's `prepare`), not in a step.
+into place, so concurrent first runs never load half a file. A build that fails leaves its log under the same name
+(`.failed.log`): that compiler is not called again for that source, by this process or any other, until the source,
+the compiler or the CPU changes. The engine builds them as it loads a model (kernels/native.py's `prepare`), not in
+a step.
 """
 
 from __future__ import annotations
@@ -21,19 +23,21 @@ import sys
 import tempfile
 from pathlib import Path
 
+from offload.common import environment
 from offload.common.paths import cache_dir
 
 SOURCES = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 CPU_FEATURES = ("avx512bw", "avx512_bf16", "avx512vbmi")  # /proc/cpuinfo's names of what the C sources use
 CPU_KEYS = ("model name", "flags")  # what names the CPU a library is built for
+ENV = environment.KERNELS  # "torch": no native kernel; "native": every one where it runs, untimed (kernels/choice.py)
 PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # the C arguments' types
 
 
 def cpu_missing() -> str | None:
     """Why this CPU cannot run the native kernels, or None when it can."""
-    if os.environ.get("OFFLOAD_KERNELS", "").lower() == "torch":
-        return "OFFLOAD_KERNELS=torch"
+    if environment.get(ENV).lower() == "torch":
+        return f"{ENV}=torch"
     flags = _cpu("flags").split()
     if not flags:
         return "no CPU flags in /proc/cpuinfo"
@@ -51,35 +55,93 @@ def _cpu(key: str) -> str:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")
 
 
+_off: dict[str, str] = {}  # library name -> why it cannot run here
+
+
+def why_off() -> str | None:
+    """Why the native kernels do not run here (the CPU, no compiler, a failed build and its log), or None when they
+    do: asks for every library, building what is not built yet."""
+    if (missing := cpu_missing()) is not None:
+        return missing
+    for name in sorted(p.stem for p in SOURCES.glob("*.c")):
+        library(name)
+    return "; ".join(dict.fromkeys(_off.values())) or None
+
+
+def known_off() -> str | None:
+    """`why_off` as far as this process has asked, building nothing."""
+    return cpu_missing() or "; ".join(dict.fromkeys(_off.values())) or None
+
+
+def built() -> list[str]:
+    """The file names of the libraries this process loaded (each names its digest)."""
+    return sorted(_loaded.values())
+
+
+_loaded: dict[str, str] = {}  # library name -> the file loaded
+
+
+def cache_folder() -> Path:
+    return cache_dir() / "native"
+
+
+def cpu_name() -> str:
+    return _cpu("model name")
+
+
 @functools.cache
 def library(name: str) -> ctypes.CDLL | None:
-    """kernels/csrc/`name`.c built for this machine (once, cached on disk), or None where it cannot be. A built
-    library is found without running anything: its name digests the source and the headers, the flags, the CPU and
-    the compiler's path, size and modification time."""
+    """kernels/csrc/`name`.c built for this machine (once, cached on disk), or None where it cannot be (`why_off`
+    says why). A built library, or a failed build's log, is found without running anything: its name digests the
+    source and the headers, the flags, the CPU and the compiler's path, size and modification time."""
     if cpu_missing() is not None:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    cc = environment.get(environment.COMPILER) or "cc"
+    compiler = shutil.which(cc)
     if compiler is None:
+        _off[name] = f"no C compiler ({cc!r} is not on the PATH; set CC)"
         return None
     source = SOURCES / f"{name}.c"
     stat = os.stat(compiler)
     built_for = "\n".join((compiler, str(stat.st_size), str(stat.st_mtime_ns), " ".join(FLAGS), *map(_cpu, CPU_KEYS)))
     headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))  # what the sources include
     digest = hashlib.sha256(source.read_bytes() + headers + built_for.encode()).hexdigest()[:16]
-    out = cache_dir() / "native" / f"{name}-{digest}.so"
+    out = cache_folder() / f"{name}-{digest}.so"
+    failed_log = out.with_suffix(".failed.log")
+    if failed_log.is_file():
+        _off[name] = f"building {source.name} with {compiler} failed (log: {failed_log})"
+        return None
     if not out.is_file():
         try:
             failed = _build(compiler, source, out)
         except OSError as exc:  # the cache folder cannot be written
             failed = f"{out.parent}: {exc}"
         if failed is not None:
-            print(f"offload: building {source} failed; torch's kernels run instead:\n{failed}", file=sys.stderr)
+            try:
+                write_atomically(failed_log, failed.encode())
+                where = f"log: {failed_log}"
+            except OSError:
+                where = "its log could not be kept"
+            _off[name] = f"building {source.name} with {compiler} failed ({where})"
+            print(f"offload: {_off[name]}; torch's kernels run instead:\n{failed}", file=sys.stderr)
             return None
     try:
-        return ctypes.CDLL(str(out))
+        lib = ctypes.CDLL(str(out))
     except OSError as exc:  # a library this system cannot load
-        print(f"offload: loading {out} failed ({exc}); torch's kernels run instead", file=sys.stderr)
+        _off[name] = f"loading {out} failed ({exc})"
+        print(f"offload: {_off[name]}; torch's kernels run instead", file=sys.stderr)
         return None
+    _loaded[name] = out.name
+    _off.pop(name, None)
+    return lib
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holding `data`, written through a temporary name in its folder, so that no reader sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+        tmp.write(data)
+    os.replace(tmp.name, path)
 
 
 def _build(compiler: str, source: Path, out: Path) -> str | None:

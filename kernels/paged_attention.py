@@ -64,18 +64,21 @@ def paged_attention_ref(
     _check(q, k_cache, v_cache, batch)
     if sinks is not None:
         return _attend_with_sinks(q, k_cache, v_cache, batch, scale, window, sinks)
-    if native.decode_attention_fits(q, k_cache, v_cache):  # every query in one call: kernels/cpu_attention.py
-        record("paged_attention", "native")
-        out, batched = cpu_attention.attend(q, k_cache, v_cache, batch, scale, window)  # but long prompt chunks
+    batched: frozenset[int] = frozenset()
+    if native.decode_attention_fits(q, k_cache, v_cache):  # the queries kernels/choice.py timed faster there
+        out, batched = cpu_attention.attend(q, k_cache, v_cache, batch, scale, window)
+        if batched:
+            record("paged_attention", "native")
     else:
         out = torch.empty_like(q)
-        # decode tokens, one sequence or many: grouped by length, one product per group, the query heads folded into
-        # their KV heads and the mask left out where every slot gathered is attended (at one sequence, 53 us a layer
-        # against 157 for the general path's GQA call with a mask, for 160 positions of SmolLM2's heads)
-        singles = [s for s in range(batch.num_seqs) if batch.query_start[s + 1] - batch.query_start[s] == 1]
-        batched = set(singles)
-        if batched:
-            _attend_single_queries(q, k_cache, v_cache, batch, singles, scale, window, out)
+    # decode tokens, one sequence or many: grouped by length, one product per group, the query heads folded into
+    # their KV heads and the mask left out where every slot gathered is attended (at one sequence, 53 us a layer
+    # against 157 for the general path's GQA call with a mask, for 160 positions of SmolLM2's heads)
+    singles = [s for s in range(batch.num_seqs) if batch.query_start[s + 1] - batch.query_start[s] == 1]
+    singles = [s for s in singles if s not in batched]
+    if singles:
+        _attend_single_queries(q, k_cache, v_cache, batch, singles, scale, window, out)
+        batched = batched | set(singles)
     for s in range(batch.num_seqs):
         if s in batched:
             continue

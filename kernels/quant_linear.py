@@ -5,10 +5,11 @@ The codes and scales follow kernels/quant_matmul.py: int4 is asymmetric per grou
 [K / group, N]). Two layouts of the same codes, so that no pass repacks a weight:
 
 - "cpu": what torch's own CPU kernels consume. int4 codes packed by `_convert_weight_to_int4pack_for_cpu`
-  (multiplied by kernels/native.py's `int4_mm` in bfloat16 where this CPU and a C compiler allow, else by
-  `_weight_int4pack_mm_for_cpu`; both read the packed codes and dequantize in registers; from
-  INT4_DENSE_MIN_ROWS rows, a prefill's, the codes are unpacked and dequantized a slice at a time for the dense GEMM,
-  which is faster there); int8 per output channel only, the one scale per row `_weight_int8pack_mm` takes.
+  (multiplied by kernels/native.py's `int4_mm` in bfloat16, by `_weight_int4pack_mm_for_cpu` (both read the packed
+  codes and dequantize in registers), or, for a prefill's many rows, dequantized a slice at a time for the dense
+  GEMM: where the native kernels run, each range of rows takes the path kernels/choice.py timed fastest on this
+  machine; elsewhere torch's kernel up to INT4_DENSE_MIN_ROWS rows, the dense GEMM from there); int8 per output
+  channel only, the one scale per row `_weight_int8pack_mm` takes.
 - "triton": int4 two codes a byte, even input features in the low nibble ([N, K / 2] uint8); int8 [N, K]. Read by
   the fused Triton kernel on CUDA; elsewhere dequantized, then multiplied (the reference, slow on a CPU).
 
@@ -24,7 +25,7 @@ import hashlib
 import torch
 
 from offload.common.quant import WeightQuant
-from offload.kernels import native
+from offload.kernels import choice, native
 from offload.kernels.dispatch import record
 from offload.kernels.linear import linear
 
@@ -60,9 +61,13 @@ def quant_linear(
             group = codes.shape[1] * 2 // scales.shape[0]
             blocks = codes.shape[0] % CPU_INT4_BLOCK == 0 and _unpacks_cpu_int4()  # codes this file can unpack
             fast = blocks and native.int4_fits(x, codes, scales, group)  # kernels/native.py's, for either path
-            if blocks and x.shape[0] >= (native.INT4_DENSE_MIN_ROWS if fast else INT4_DENSE_MIN_ROWS):
-                y = _dense_int4(x, codes, scales, group, fast)  # native dequantizes 5x faster: dense from fewer rows
-            elif fast and x.shape[0] >= native.INT4_MIN_ROWS:
+            if fast:  # the path timed fastest here for these rows (kernels/choice.py)
+                way = choice.path("int4", x.shape[0])
+            else:
+                way = choice.DENSE if blocks and x.shape[0] >= INT4_DENSE_MIN_ROWS else choice.TORCH
+            if way == choice.DENSE:
+                y = _dense_int4(x, codes, scales, group, fast)  # native dequantizes 5x faster than torch
+            elif way == choice.NATIVE:
                 record("quant_matmul", "native")
                 y = native.int4_mm(x, codes, scales, group)
             else:

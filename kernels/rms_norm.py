@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from offload.kernels import native
+from offload.kernels import choice, native
 from offload.kernels.dispatch import load_triton, record, use_triton
 
 # None where no Triton kernel can run (no CUDA device, no interpreter): the torch path runs, the launcher says why
@@ -143,7 +143,7 @@ def fused_rms_norm(
     """(rms_norm(x + residual), x + residual): the Triton kernel on a CUDA device, the torch reference elsewhere."""
     if use_triton("rms_norm", x.device):
         return rms_norm_residual(x, weight, eps, residual)
-    if native.rms_norm_fits(x, weight, residual):  # bfloat16 rows: kernels/native.py's
+    if native.rms_norm_fits(x, weight, residual) and choice.native("rms_norm", x.numel() // x.shape[-1]):
         record("rms_norm", "native")
         return native.rms_norm(x, weight, eps, residual)
     return rms_norm_residual_ref(x, weight, eps, residual)

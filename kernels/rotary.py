@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.kernels import native
+from offload.kernels import choice, native
 from offload.kernels.dispatch import load_triton, record, use_triton
 from offload.kernels.rms_norm import DTYPES, interpreting, rounded
 
@@ -100,7 +100,7 @@ def apply_rotary_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     if use_triton("rotary", x.device):
         _check(x, x, cos, sin)
         return _launch(x, cos, sin)
-    if native.rotary_fits(x, cos, sin):  # bfloat16 tokens: kernels/native.py's, bit for bit
+    if native.rotary_fits(x, cos, sin) and choice.native("rotary", x.shape[0]):  # bit for bit the reference's
         record("rotary", "native")
         return native.rotary(x, cos, sin)
     return _rotate_ref(x, cos, sin)

@@ -18,7 +18,7 @@ from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
 from offload.convert import check_runnable
 from offload.core import EngineCore
-from offload.kernels import native
+from offload.kernels import native, timing
 from offload.model.engine import Engine
 from offload.model.expert_streaming import expert_caches, layer_experts, model_layouts, read_gates
 from offload.model.loader import load_spec
@@ -197,6 +197,7 @@ def build(
     engine = Engine(spec, family, store, kv, device, dtype, host_kv, routed, where)
     if device.type == "cpu" and dtype == torch.bfloat16:
         native.prepare()  # the CPU kernels built (once per machine) and loaded with the weights, not in a step
+        timing.ensure()  # and timed against torch's paths (once per machine), each path chosen
     limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, max_model_len)
     # loaded with the weights: no generate call pays for it (a first load imports for ~1 s)
     prompts = prompts if prompts is not None else Prompts.load(model_dir)

@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from offload.common import environment
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.knobs import add_flags, from_args
@@ -144,7 +145,7 @@ def _say_plan(llm) -> None:
 
 def _summary(llm, completions) -> str:
     from offload.common.sizes import format_size
-    from offload.kernels import dispatch
+    from offload.kernels import choice, dispatch
 
     s, pl, p = llm.last_run, llm.placement, llm.parts
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(Counter(c.finish_reason for c in completions).items()))
@@ -193,6 +194,8 @@ def _summary(llm, completions) -> str:
     lines.append(io)
     if kernels := dispatch.summary():
         lines.append(f"kernels    {kernels}")
+    if cpu := choice.summary():
+        lines.append(f"cpu paths  {cpu}")
     return "\n".join(lines)
 
 
@@ -348,7 +351,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    import os
 
     from offload.api import LLM
     from offload.common.paths import cache_dir
@@ -368,7 +370,7 @@ def _serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or model_dir.name
     settings = ServeSettings(
         model_name=name,
-        api_key=args.api_key or os.environ.get("OFFLOAD_API_KEY") or None,
+        api_key=args.api_key or environment.get(environment.API_KEY) or None,
         max_waiting=args.max_waiting,
         drain_timeout=args.drain_timeout,
         batch_dir=Path(args.batch_dir).expanduser() if args.batch_dir else cache_dir() / "batches" / name,

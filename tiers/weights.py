@@ -119,7 +119,8 @@ class WeightStore:
             loaded = self._load_staged(groups)
         else:
             tiers = [device_tier, *(self._tier(policy.layer_tiers[i]) for i in resident)]
-            packs = [self.prepack] * len(tiers)  # every group but the embedding may be packed for the CPU's GEMM
+            # the layers may be packed for the CPU's GEMM; the head stays dense, its logits float32 (kernels.linear)
+            packs = [False] + [self.prepack] * len(resident)
             fuses = [None] + [fuse] * len(resident)  # the layers', not the head's
             if self.table is None:  # the embedding is a table of rows, not a product
                 tiers, packs, fuses = [device_tier, *tiers], [False, *packs], [None, *fuses]

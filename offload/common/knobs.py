@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from offload.common import environment
 from offload.common.sizes import parse_size
 
 # the knob groups, in the order --help and the flag reference list them
@@ -165,6 +166,7 @@ def reference(parser: argparse.ArgumentParser) -> str:
             lines.append("")
         while lines[-1] == "":
             lines.pop()
+    lines += ["", *environment.reference()]
     return "\n".join(lines) + "\n"
 
 

@@ -38,6 +38,7 @@ from offload.common.errors import OffloadError
 from offload.common.hardware import CURVES, ComputeUnit, HardwareProfile
 from offload.common.paths import cache_dir
 from offload.common.sizes import format_size, parse_size
+from offload.kernels import timing
 from offload.planner.disk import SMALL_DEPTH, SMALL_READ, SMALL_SPAN, measure_disk
 from offload.planner.profile_text import format_profile
 from offload.planner.profiles import load_profile, local_profile_path, save_profile
@@ -206,7 +207,10 @@ def run_probe(out: str | None, directory: str | None, disk_bytes: str | None, qu
         raise OffloadError(f"{path}: cannot write the profile ({exc.strerror})") from None
     if not os.access(path.parent, os.W_OK):
         raise OffloadError(f"{path}: cannot write the profile (its directory is not writable)")
-    profile = probe(directory, sizes, log=lambda line: print(line, file=sys.stderr, flush=True))
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    say("cpu kernels: each native kernel timed against torch's path again (kept for the engine; the GEMMs take them)")
+    timing.retime()
+    profile = probe(directory, sizes, log=say)
     save_profile(profile, path)
     print(f"saved {path}\n")
     print(format_profile(profile))

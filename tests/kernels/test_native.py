@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload.common.quant import WeightQuant
-from offload.kernels import dispatch, native
+from offload.kernels import choice, dispatch, native, native_build
 from offload.kernels.linear import linear
 from offload.kernels.quant_linear import dequantize_cpu_int4, quant_linear
 
@@ -74,7 +74,7 @@ def test_bf16_mm_is_the_product_rounded_once(n: int, k: int, rows: int):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [3, native.BF16_MAX_ROWS + 24])
+@pytest.mark.parametrize("rows", [3, 40])
 def test_an_lm_heads_logits_keep_their_float32_sums(rows: int):
     """Two logits 1/64 apart near 25: bfloat16 (steps of 1/8 there) rounds them into a tie that greedy decoding
     would give to the lower token id; the head's float32 logits keep them apart, within float32 summation's error,
@@ -108,20 +108,22 @@ def test_products_dispatch_to_the_native_kernels_where_they_fit(monkeypatch):
     monkeypatch.setattr(native, "bf16_mm", lambda x, w: calls.append("bf16") or torch.zeros(x.shape[0], w.shape[0]))
     quant_linear(torch.randn(16, 576).to(torch.bfloat16), codes, scales, fmt)
     assert calls == ["int4"] and dispatch.picked()["quant_matmul"] == "native"
-    quant_linear(torch.randn(native.INT4_MIN_ROWS, 576).to(torch.bfloat16), codes, scales, fmt)  # one row too
+    quant_linear(torch.randn(1, 576).to(torch.bfloat16), codes, scales, fmt)  # one row too
     assert calls == ["int4", "int4"]
     quant_linear(torch.randn(16, 576), codes, scales.float(), fmt)  # float32: torch's kernel
     assert calls == ["int4", "int4"] and dispatch.picked()["quant_matmul"] == "torch"
     w = torch.randn(64, 576).to(torch.bfloat16)
     linear(torch.randn(2, 576).to(torch.bfloat16), w)
     assert calls == ["int4", "int4", "bf16"] and dispatch.picked()["linear"] == "native"
-    linear(torch.randn(native.BF16_MAX_ROWS + 1, 576).to(torch.bfloat16), w)  # more rows: torch's GEMM
+    linear(torch.randn(17, 576).to(torch.bfloat16), w)  # more rows: torch's GEMM (choice.UNMEASURED)
     linear(torch.randn(2, 500).to(torch.bfloat16), w[:, :500].contiguous())  # inputs not a multiple of 32
     assert calls == ["int4", "int4", "bf16"]
 
 
 def test_a_failed_build_falls_back_to_torch_and_says_so(monkeypatch, tmp_path, capsys):
-    """A compiler that fails: the kernels are None (torch's run), one message on stderr, nothing left in the cache."""
+    """A compiler that fails: the kernels are None (torch's run), one message on stderr, no library in the cache but
+    the failure's log, which keeps this compiler from being called again for that source, in this process or the
+    next (tests/kernels/test_choice.py counts the calls across processes); the reason names the log."""
     if native.cpu_missing() is not None:
         pytest.skip(native.cpu_missing())
     compiler = tmp_path / "cc"
@@ -132,8 +134,13 @@ def test_a_failed_build_falls_back_to_torch_and_says_so(monkeypatch, tmp_path, c
     native.library.cache_clear()
     try:
         assert native.library("int4_mm") is None
-        assert "building" in capsys.readouterr().err
-        assert list((tmp_path / "cache" / "native").iterdir()) == []
+        assert "building int4_mm.c" in capsys.readouterr().err
+        (log,) = (tmp_path / "cache" / "native").iterdir()
+        assert log.name.endswith(".failed.log") and "cc: no" in log.read_text()
+        native.library.cache_clear()
+        assert native.library("int4_mm") is None
+        assert capsys.readouterr().err == ""  # remembered: not built again, not said again
+        assert str(log) in native_build.known_off()
     finally:
         native.library.cache_clear()
 
@@ -222,13 +229,13 @@ def test_decode_attention_reads_the_paged_cache_as_dense_attention_would(window,
 @pytest.mark.parametrize("max_chunk", [1024, 8])
 def test_prompt_chunks_take_the_native_kernel_beside_decode_tokens(window, max_chunk: int, monkeypatch):
     """A whole prompt, a later chunk of one (its queries the last of its positions) and decode tokens in one batch:
-    every query one row of the native kernel, or, for chunks of more than MAX_CHUNK queries, torch's SDPA; as dense
+    every query one row of the native kernel, or, for chunks of more than `max_chunk` queries, torch's SDPA; as dense
     attention over what it sees either way; float32 caches stay on torch's path."""
-    from offload.kernels import cpu_attention
     from offload.kernels.paged_attention import paged_attention_ref
     from offload.kernels.paged_batch import PagedBatch
 
-    monkeypatch.setattr(cpu_attention, "MAX_CHUNK", max_chunk)
+    thresholds = ((1, choice.NATIVE), (max_chunk + 1, choice.TORCH))
+    monkeypatch.setitem(choice.UNMEASURED, "prompt_attention", thresholds)
 
     gen = torch.Generator().manual_seed(5)
     k, v, one = _paged([40, 9, 33, 70], 16, gen)
@@ -337,4 +344,4 @@ def test_argmax_names_torchs_index(rows: int, n: int):
     assert sample(x, greedy, [None] * rows) == x.argmax(-1).tolist()
     x[-1, 0] = 0.0
     assert sample(x, greedy, [None] * rows) == x.argmax(-1).tolist() and dispatch.picked()["argmax"] == "native"
-    assert native.argmax(x.to(torch.float64)) is None  # float32 rows only
+    assert not native.argmax_fits(x.to(torch.float64))  # float32 rows only

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload.common.quant import WeightQuant
-from offload.kernels import native
+from offload.kernels import choice, native
 from offload.kernels import quant_linear as ql
 from offload.kernels.quant_matmul import quantize
 
@@ -45,7 +45,8 @@ def test_prefill_sized_products_run_the_dense_gemm_and_agree_with_the_kernel(dty
     gen = torch.Generator().manual_seed(1)
     # from fewer rows where kernels/native.py runs: its dequantization is 5x torch's
     native_runs = native.int4_fits(torch.zeros(8, 160, dtype=dtype), packed, scales.to(dtype), 32)
-    x = torch.randn(native.INT4_DENSE_MIN_ROWS if native_runs else ql.INT4_DENSE_MIN_ROWS, 160, generator=gen).to(dtype)
+    dense_from = next(r for r, p in choice.UNMEASURED["int4"] if p == choice.DENSE) if native_runs else None
+    x = torch.randn(dense_from or ql.INT4_DENSE_MIN_ROWS, 160, generator=gen).to(dtype)
     dense = []
     monkeypatch.setattr(ql, "_dense_int4", lambda *a: dense.append(a) or _dense(*a))
     got = ql.quant_linear(x, packed, scales.to(dtype), CPU_INT4)

@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from conftest import make_checkpoint
 from offload.api import LLM
@@ -256,3 +257,24 @@ def test_io_backend_is_checked():
 def test_expert_prefetch_is_checked():
     with pytest.raises(OffloadError, match="expert_prefetch must be one of router, frequency, got 'lru'"):
         EngineConfig(expert_prefetch="lru")
+
+
+def test_a_cpu_without_the_native_kernels_runs_torchs_paths_and_says_why(model_dir, monkeypatch):
+    """A CPU with neither AVX-512 BF16 nor AMX, simulated by the flags the feature checks read: every kernel takes
+    torch's path, the logits are float32 still, and the run summary says why the native kernels are off."""
+    from offload.cli import _summary
+    from offload.kernels import dispatch, native, native_build
+
+    monkeypatch.delenv("OFFLOAD_KERNELS", raising=False)
+    monkeypatch.setattr(native_build, "_cpu", lambda key: "sse2 avx avx2 fma" if key == "flags" else "a laptop")
+    native.forget()
+    try:
+        llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4, dtype="bfloat16"))
+        completions = llm.generate(PROMPTS[:2], SamplingParams(max_new_tokens=3))
+        picked = dispatch.picked()
+        assert {picked[k] for k in ("rms_norm", "rotary", "argmax", "logits")} == {"torch"}
+        assert "cpu paths  native off (the CPU lacks avx512bw, avx512_bf16, avx512vbmi)" in _summary(llm, completions)
+        assert llm.score([[5, 6, 7, 8]])[0].dtype == torch.float32
+    finally:
+        monkeypatch.undo()
+        native.forget()

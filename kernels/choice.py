@@ -1,0 +1,195 @@
+"""Which path each CPU kernel takes, kernels/native.py's or torch's, chosen by timing both on this machine.
+
+The native kernels were tuned on one CPU; on another torch's path can be the faster one (oneDNN's bfloat16 GEMM and
+SDPA run on AMX tiles where the CPU has them). So nothing is assumed: every kernel that has both paths is timed once
+per machine (kernels/timing.py, through the engine's own entry points with the path forced), and each takes the
+faster. Products (int4, bf16, logits) and attention are timed at several row counts, and each range of rows takes
+the path that won at its lowest count: a `Timing` says which rows it decides for and what it measured.
+
+The timings are kept as JSON in cache_dir()/native beside the built libraries, named by a digest of those
+libraries, torch's version, the CPU, the threads and the plan below, so that a new build, a new torch or another
+CPU times again. Until this process has timings (the engine times, or reads them, as it loads a model for the
+CPU), every kernel takes torch's path. OFFLOAD_KERNELS=native takes every native kernel wherever it runs, at the
+thresholds measured on a Zen 4 EPYC (`UNMEASURED`), without timing; OFFLOAD_KERNELS=torch takes none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from offload.common import environment
+from offload.kernels import native_build
+
+NATIVE, TORCH, DENSE = "native", "torch", "dense"  # dense: int4 codes dequantized for the bfloat16 GEMM
+VERSION = 1  # of this plan and of kernels/timing.py's cases: a change there must bump it, which times again
+# kernel -> (its paths, the row counts it is timed at): each count decides for the rows up to the next one
+PLAN: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
+    "int4": ((NATIVE, TORCH, DENSE), (1, 2, 4, 8, 16, 32, 64, 128, 256)),
+    "bf16": ((NATIVE, TORCH), (1, 2, 4, 8, 16, 32, 64, 256)),
+    "logits": ((NATIVE, TORCH), (1, 4, 16, 64, 256)),
+    "decode_attention": ((NATIVE, TORCH), (1, 16)),
+    "prompt_attention": ((NATIVE, TORCH), (64, 256, 1024, 2048)),
+    "rms_norm": ((NATIVE, TORCH), (1, 16, 256, 2048)),
+    "rotary": ((NATIVE, TORCH), (1, 16, 256, 2048)),
+    "silu_mul": ((NATIVE, TORCH), (1, 16, 256, 2048)),
+    "argmax": ((NATIVE, TORCH), (1, 16)),
+}
+# (kernel, path) -> the fewest rows it is timed at, and a candidate for: dequantizing a whole int4 weight for a few
+# rows reads four times its codes' bytes and writes them again, which no CPU makes up for
+FROM_ROWS = {("int4", DENSE): 64}
+# what OFFLOAD_KERNELS=native takes: kernel -> ((from rows, path), ...), the fixed thresholds native.py measured on
+# 2 threads of a Zen 4 EPYC (benchmarks/results/native_cpu.json there)
+UNMEASURED: dict[str, tuple[tuple[int, str], ...]] = {
+    "int4": ((1, NATIVE), (256, DENSE)),
+    "bf16": ((1, NATIVE), (17, TORCH)),
+    "prompt_attention": ((1, NATIVE), (1025, TORCH)),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One row count of a kernel timed on each path: it decides for `rows` up to the next timing's."""
+
+    rows: int
+    us: dict[str, float]  # path -> microseconds per call, the best of the rounds
+
+    @property
+    def path(self) -> str:
+        return min(self.us, key=self.us.__getitem__)
+
+    @property
+    def speedup(self) -> float:
+        """The path taken against the best of the others: their time over its time."""
+        others = [t for p, t in self.us.items() if p != self.path]
+        return min(others) / self.us[self.path] if others else 1.0
+
+
+@dataclass(frozen=True)
+class Choices:
+    """Every kernel's timings on this machine, and where they are kept."""
+
+    timings: dict[str, tuple[Timing, ...]]
+    file: Path | None = None
+
+    def path(self, kernel: str, rows: int) -> str:
+        chosen = self.timings[kernel][0].path
+        for t in self.timings[kernel]:
+            if rows >= t.rows:
+                chosen = t.path
+        return chosen
+
+    def describe(self, kernel: str) -> str:
+        """e.g. "native 1-15 rows, dense from 16": the row ranges each path takes."""
+        spans: list[tuple[int, str]] = []
+        for t in self.timings[kernel]:
+            if not spans or spans[-1][1] != t.path:
+                spans.append((t.rows, t.path))
+        if len(spans) == 1:
+            return spans[0][1]
+        parts = [f"{p} {r}-{spans[i + 1][0] - 1}" for i, (r, p) in enumerate(spans[:-1])]
+        return ", ".join(parts) + f", {spans[-1][1]} from {spans[-1][0]}"
+
+
+_forced: list[str] = []  # a path every kernel takes while timing (innermost last)
+_adopted: list[Choices] = []  # this process's timings (kernels/timing.py's `ensure`)
+
+
+@contextlib.contextmanager
+def forcing(path: str) -> Iterator[None]:
+    """Every kernel takes `path` inside this block (where it can run: a kernel without it takes torch's)."""
+    _forced.append(path)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def mode() -> str:
+    """ "torch", "native" (OFFLOAD_KERNELS), or "measured": the default."""
+    env = environment.get(environment.KERNELS).lower()
+    return env if env in (TORCH, NATIVE) else "measured"
+
+
+def path(kernel: str, rows: int) -> str:
+    """The path `kernel` takes for `rows` rows on this machine: "native", "torch" (int4 also "dense"). The caller has
+    checked that the native kernel can take these tensors."""
+    if _forced:
+        return _forced[-1] if _forced[-1] in PLAN[kernel][0] else TORCH
+    if (how := mode()) == TORCH:
+        return TORCH
+    if how == NATIVE:
+        return next((p for start, p in reversed(UNMEASURED.get(kernel, ())) if rows >= start), NATIVE)
+    timed = kept()
+    return timed.path(kernel, rows) if timed is not None else TORCH
+
+
+def native(kernel: str, rows: int) -> bool:
+    return path(kernel, rows) == NATIVE
+
+
+def kept() -> Choices | None:
+    """This machine's timings as this process has them (kernels/timing.py's `ensure` reads or makes them); None
+    before that: every kernel then takes torch's path."""
+    return _adopted[-1] if _adopted else None
+
+
+def adopt(timed: Choices) -> None:
+    """Take `timed` for this process's choices."""
+    _adopted[:] = [timed]
+
+
+def forget() -> None:
+    """Drop this process's timings."""
+    _adopted.clear()
+
+
+def read(file: Path) -> Choices | None:
+    """The timings kept in `file`, or None where there are none or they cannot be read (never used then)."""
+    try:
+        data = json.loads(file.read_text())
+        return Choices({k: tuple(Timing(**t) for t in v) for k, v in data["timings"].items()}, file)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def timings_file() -> Path:
+    """Where this machine's timings are kept: named by the libraries timed, torch's version, the CPU, the threads
+    and the plan."""
+    parts = [*native_build.built(), torch.__version__, native_build.cpu_name(), str(torch.get_num_threads())]
+    plan = repr((VERSION, PLAN, FROM_ROWS))
+    digest = hashlib.sha256("\n".join([*parts, plan]).encode()).hexdigest()[:16]
+    return native_build.cache_folder() / f"choices-{digest}.json"
+
+
+def encode(timed: Choices) -> dict:
+    """The JSON kept for `timed`."""
+    return {k: [asdict(t) for t in v] for k, v in timed.timings.items()}
+
+
+def summary() -> str:
+    """The run summary's word on the CPU kernels, as far as this process used them (nothing is built or timed
+    here): how each was chosen, or why none is native; "" where none was asked for."""
+    if (off := native_build.known_off()) is not None:
+        return f"native off ({off}): torch's paths"
+    if mode() == NATIVE:
+        return "native wherever it runs (OFFLOAD_KERNELS=native: thresholds not timed here)"
+    if mode() == TORCH or (timed := kept()) is None:
+        return ""
+    chosen = "; ".join(f"{k} {timed.describe(k)}" for k in timed.timings)
+    return f"timed on this machine ({timed.file}): {chosen}"
+
+
+def timing_table(timed: Choices) -> list[dict]:
+    """One row per kernel and row count: what each path took and which one the engine takes (for benchmarks)."""
+    return [
+        {"kernel": k, "rows": t.rows, "us": dict(t.us), "taken": t.path, "speedup": round(t.speedup, 3)}
+        for k, ts in timed.timings.items()
+        for t in ts
+    ]

@@ -1,0 +1,139 @@
+"""kernels/choice.py: each kernel's path chosen by its timings, kept on disk and read back without timing again;
+OFFLOAD_KERNELS; and a failing compiler called once per source across processes (kernels/native_build.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from offload.kernels import choice, dispatch, native, native_build, timing
+from offload.kernels.linear import logits
+
+INT4 = (
+    choice.Timing(1, {"native": 10.0, "torch": 12.0}),
+    choice.Timing(4, {"native": 13.0, "torch": 12.0}),
+    choice.Timing(16, {"native": 30.0, "torch": 40.0}),
+    choice.Timing(64, {"native": 90.0, "torch": 100.0, "dense": 50.0}),
+)
+
+
+def test_each_range_of_rows_takes_the_path_that_won_at_its_lowest_count():
+    c = choice.Choices({"int4": INT4})
+    assert [c.path("int4", r) for r in (1, 3, 4, 15, 16, 63, 64, 5000)] == [
+        "native", "native", "torch", "torch", "native", "native", "dense", "dense",
+    ]  # fmt: skip
+    assert c.describe("int4") == "native 1-3, torch 4-15, native 16-63, dense from 64"
+    assert INT4[3].path == "dense" and INT4[3].speedup == pytest.approx(90 / 50)
+    assert choice.Choices({"argmax": (choice.Timing(1, {"native": 1.0, "torch": 2.0}),)}).describe("argmax") == "native"
+
+
+def test_forcing_overrides_every_kernel_and_a_path_a_kernel_lacks_is_torchs(monkeypatch):
+    monkeypatch.delenv("OFFLOAD_KERNELS", raising=False)
+    with choice.forcing("dense"):
+        assert choice.path("int4", 1) == "dense" and choice.path("bf16", 1) == "torch"
+        with choice.forcing("native"):
+            assert choice.path("bf16", 1) == "native"
+    monkeypatch.setenv("OFFLOAD_KERNELS", "torch")
+    assert choice.path("int4", 8) == "torch" and choice.mode() == "torch"
+
+
+def test_offload_kernels_native_takes_the_fixed_thresholds(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_KERNELS", "native")
+    assert choice.mode() == "native"
+    assert [choice.path("int4", r) for r in (1, 255, 256)] == ["native", "native", "dense"]
+    assert [choice.path("bf16", r) for r in (16, 17)] == ["native", "torch"]
+    assert choice.path("rms_norm", 4096) == "native"
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    """The timed mode in a cache folder of its own, the timings made up (counted), no native kernel built anew."""
+    if native_build.why_off() is not None:
+        pytest.skip(native_build.why_off())
+    monkeypatch.delenv("OFFLOAD_KERNELS", raising=False)
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_measure():
+        calls.append(1)
+        return {k: (choice.Timing(1, {"native": 2.0, "torch": 1.0}),) for k in choice.PLAN} | {"int4": INT4}
+
+    monkeypatch.setattr(timing, "measure", fake_measure)
+    choice.forget()
+    yield calls
+    choice.forget()
+
+
+def test_timings_are_kept_and_read_back_without_timing_again(measured, tmp_path):
+    assert choice.kept() is None and choice.path("int4", 20) == "torch"  # not timed yet: torch's paths
+    first = timing.ensure()
+    assert measured == [1] and choice.path("int4", 20) == "native" and choice.path("rms_norm", 8) == "torch"
+    kept = json.loads(first.file.read_text())
+    assert first.file.parent == tmp_path / "native" and kept["timings"]["int4"][3]["us"]["dense"] == 50.0
+    choice.forget()  # a new process
+    again = timing.ensure()
+    assert measured == [1] and again.timings == first.timings  # read from the file
+    assert f"timed on this machine ({first.file}): int4 native 1-3, torch 4-15" in choice.summary()
+    first.file.write_text("{not json")  # a damaged file is timed again, never used
+    choice.forget()
+    assert timing.ensure().timings == first.timings and measured == [1, 1]
+    timing.retime()  # `offload probe`: timed again, whatever is kept
+    assert measured == [1, 1, 1]
+
+
+def test_the_engine_takes_the_timed_path(measured):
+    """rms_norm timed slower natively: torch's reference runs it; int4 at 20 rows: the native kernel."""
+    timing.ensure()
+    from offload.common.quant import WeightQuant
+    from offload.kernels.quant_linear import quant_linear
+    from offload.kernels.rms_norm import fused_rms_norm
+
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    fused_rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    assert dispatch.picked()["rms_norm"] == "torch"
+    q = torch.randint(0, 16, (64, 64), dtype=torch.int32)
+    codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales = torch.rand(2, 64, 2).to(torch.bfloat16)
+    quant_linear(torch.randn(20, 64).to(torch.bfloat16), codes, scales, WeightQuant(4, 32, "cpu"))
+    assert dispatch.picked()["quant_matmul"] == "native"
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_logits_are_float32_on_torchs_path_too(rows: int, monkeypatch):
+    """The head's float32 sums on every path: torch's (a float32 GEMM over the converted weight) agrees with the
+    native kernel's to float32 summation's error, and greedy picks the same token."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    w = torch.randn(2000, 576, generator=gen).div(24).to(torch.bfloat16)
+    exact = x.double() @ w.double().t()
+    with choice.forcing("torch"):
+        got = logits(x, w)
+    assert got.dtype == torch.float32 and dispatch.picked()["logits"] == "torch"
+    assert (got.double() - exact).abs().max() <= exact.abs().max() * 2.0**-20
+    if native._bf16_mm() is not None:
+        with choice.forcing("native"):
+            assert torch.equal(logits(x, w).argmax(-1), got.argmax(-1))
+
+
+def test_a_failing_compiler_is_called_once_per_source_across_processes(tmp_path, monkeypatch):
+    """Two processes each ask for every native kernel with a compiler that fails: it is called once per source in
+    all, and both say why the kernels are off, naming the kept log."""
+    if native.cpu_missing() is not None:
+        pytest.skip(native.cpu_missing())
+    count = tmp_path / "calls"
+    compiler = tmp_path / "cc"
+    compiler.write_text(f"#!/bin/sh\necho \"$@\" >> {count}\necho 'cc: no' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {"CC": str(compiler), "OFFLOAD_CACHE_DIR": str(tmp_path / "cache"), "OFFLOAD_KERNELS": ""}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    ask = "from offload.kernels import native_build as b; print(b.why_off())"
+    said = [subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True) for _ in range(2)]
+    sources = sorted(native_build.SOURCES.glob("*.c"))
+    assert len(count.read_text().splitlines()) == len(sources)
+    for run in said:
+        assert "building bf16_mm.c with" in run.stdout and ".failed.log" in run.stdout

@@ -10,15 +10,21 @@ tokenization of each text, no BOS added), the same non-overlapping windows of --
 alone from an empty cache with logits at every position, every token but each window's first predicted,
 log-probabilities summed in float64. Beside it, on the same ids: the engine on the imported codes in bfloat16 (its
 default for an import) and in float32, and transformers on its own float32 dequantization of the file
-(tests/real_model.py). Texts: those of benchmarks/real_accuracy.py. Prints a table and writes
-benchmarks/results/llamacpp_perplexity.json with the machine it ran on.
+(tests/real_model.py). Texts: those of benchmarks/real_accuracy.py. llama.cpp repacks the weights for the CPU's own
+kernels by default; where that kills its process (`repack_runs`, tried in a child process first), it scores with
+repacking off and the report says so. Prints a table and writes benchmarks/results/llamacpp_perplexity.json with the
+machine it ran on.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,14 +36,31 @@ from real_accuracy import TEXTS, real_model, transformers_perplexity
 RESULTS = Path(__file__).parent / "results" / "llamacpp_perplexity.json"
 
 
-def llamacpp_perplexity(gguf: Path, ids: list[int], context: int) -> float:
-    """llama.cpp's perplexity of `gguf` on token ids `ids`, by offload/eval.py's protocol (module docstring)."""
+@functools.cache
+def repack_runs(gguf: Path) -> str | None:
+    """None where llama.cpp's default weight repacking scores a window of `gguf` here; else how its process ended
+    (it dies inside llama.cpp on some CPUs), tried in a child process so that this one survives."""
+    probe = (
+        f"import pathlib, llamacpp_perplexity as m; m.llamacpp_perplexity(pathlib.Path({str(gguf)!r}), [1] * 33, 32)"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=Path(__file__).parent)
+    if run.returncode == 0:
+        return None
+    if run.returncode < 0:
+        return f"killed by {signal.Signals(-run.returncode).name}"
+    return f"exit status {run.returncode}: {(run.stderr.strip().splitlines() or [''])[-1]}"
+
+
+def llamacpp_perplexity(gguf: Path, ids: list[int], context: int, repack: bool = True) -> float:
+    """llama.cpp's perplexity of `gguf` on token ids `ids`, by offload/eval.py's protocol (module docstring);
+    `repack`: its default CPU weight repacking (use_extra_bufts)."""
     import llama_cpp as lc
 
     from offload.eval import scored_windows
 
     lc.llama_backend_init()
     params = lc.llama_model_default_params()
+    params.use_extra_bufts = repack
     model = lc.llama_model_load_from_file(str(gguf).encode(), params)
     ctx_params = lc.llama_context_default_params()
     ctx_params.n_ctx = ctx_params.n_batch = ctx_params.n_ubatch = context
@@ -95,7 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
         rows["ours, imported codes, bfloat16"] = {
             n: llm.perplexity(t, args.context).perplexity for n, t in texts.items()
         }
-    rows["llama.cpp, the file"] = {n: llamacpp_perplexity(gguf, ids[n], args.context) for n in texts}
+    repack_failed = repack_runs(gguf)
+    repack = repack_failed is None
+    rows["llama.cpp, the file"] = {n: llamacpp_perplexity(gguf, ids[n], args.context, repack) for n in texts}
     with tempfile.TemporaryDirectory() as tmp:
         float_dir = real_model().write_float_copy(gguf, Path(tmp) / "float")
         rows["transformers, float32 dequantization"] = {
@@ -114,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine(Path(tempfile.gettempdir())),
         "model": f"SmolLM2-135M-Instruct ({gguf.name})",
         "llama_cpp_python": llama_cpp.__version__,
+        "llama_cpp_repack": "on (its default)" if repack else f"off: with it the process was {repack_failed}",
         "context": args.context,
         "texts": {n: {"path": str(TEXTS[n]), "tokens": len(ids[n])} for n in texts},
         "perplexity": rows,

@@ -11,7 +11,13 @@ prefill's SwiGLU product, RMSNorm with the residual and rotary (kernels/csrc/row
 (SmolLM2's widths; these inputs stay cached). Weights are read from memory,
 not cache, as in a decode step: each product cycles through enough copies of its weight (at least COLD_BYTES) that
 none is still cached when it comes back. The same inputs for both, the same repeats, one process, alternating which
-runs first; the outputs are compared too. Prints a table and writes benchmarks/results/native_cpu.json with the
+runs first; the outputs are compared too. int4 products of 64 rows and more are also timed dequantized for the
+dense GEMM (kernels/quant_linear.py's prefill path), and the LM head as the engine computes it, float32 logits
+(kernels/linear.py's `logits`: the native kernel against a float32 GEMM over the converted weight).
+
+Each row also says which path the engine takes on this machine (kernels/choice.py's timings, measured once per
+machine: "taken") and how the taken path's time compares with the best other one measured here ("taken vs other",
+1.00x or more where the engine chose right). Prints a table and writes benchmarks/results/native_cpu.json with the
 machine.
 
     python benchmarks/native_cpu.py [--repeats 5] [--quick]
@@ -60,13 +66,23 @@ def per_call(fn, weights: list, repeats: int) -> float:
     return statistics.median(passes)
 
 
-def int4_dispatch(rows: int) -> str:
-    """What kernels/quant_linear.py runs for an int4 product of `rows` rows where the native kernels run."""
-    from offload.kernels import native
+KERNEL_OF = {"int4": "int4", "attention": "decode_attention", "prompt": "prompt_attention"}  # kind -> choice's
+ROW_KERNEL = {"silu(gate) * up": "silu_mul", "rms_norm + residual": "rms_norm", "rotary": "rotary"}
 
-    if rows >= native.INT4_DENSE_MIN_ROWS:
-        return "dense GEMM (native dequantization)"
-    return "native" if rows >= native.INT4_MIN_ROWS else "torch"
+
+def taken(row: dict, choices) -> dict:
+    """What the engine takes for this row's kernel and rows on this machine, and its time against the best other
+    path timed here."""
+    kernel = KERNEL_OF.get(row["kind"]) or ROW_KERNEL.get(row["shape"])
+    if kernel is None:
+        kernel = "logits" if row["shape"] == "SmolLM2 LM head" else "bf16"
+    rows = row["rows"] if row["kind"] != "prompt" else row["rows"] // row["sequences"]
+    if row["kind"] == "attention":
+        rows = row["sequences"]
+    path = choices.path(kernel, rows)
+    times = {p: row[f"{p}_us"] for p in ("native", "torch", "dense") if f"{p}_us" in row}
+    others = [t for p, t in times.items() if p != path]
+    return {"kernel": kernel, "taken": path, "taken_vs_other": min(others) / times[path]}
 
 
 def relative_difference(ours, theirs) -> float:
@@ -74,20 +90,24 @@ def relative_difference(ours, theirs) -> float:
     return ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max().clamp(min=1e-30)).item()
 
 
-def measure(kind: str, name: str, rows: int, ours, theirs, weights: list, nbytes: int, repeats: int) -> dict:
+def measure(
+    kind: str, name: str, rows: int, ours, theirs, weights: list, nbytes: int, repeats: int, dense=None
+) -> dict:
     # alternate which goes first, so drift of a shared machine moves both alike
-    first, second = per_call(ours, weights, repeats), per_call(theirs, weights, repeats)
-    second2, first2 = per_call(theirs, weights, repeats), per_call(ours, weights, repeats)
-    native_s, torch_s = min(first, first2), min(second, second2)
+    fns = {"native": ours, "torch": theirs} | ({"dense": dense} if dense is not None else {})
+    took = {p: [] for p in fns}
+    for order in (list(fns), list(fns)[::-1]):
+        for p in order:
+            took[p].append(per_call(fns[p], weights, repeats))
+    best = {p: min(t) for p, t in took.items()}
     return {
         "kind": kind,
         "shape": name,
         "rows": rows,
-        "native_us": native_s * 1e6,
-        "torch_us": torch_s * 1e6,
-        "speedup": torch_s / native_s,
+        **{f"{p}_us": s * 1e6 for p, s in best.items()},
+        "speedup": best["torch"] / best["native"],
         "weight_bytes": nbytes,
-        "native_gb_per_s": nbytes / native_s / 1e9,
+        "native_gb_per_s": nbytes / best["native"] / 1e9,
     }
 
 
@@ -127,10 +147,7 @@ def attention_row(seqs: int, context: int, repeats: int, gen, prompt: bool = Fal
     kind, name = ("prompt", f"{seqs} x {context} tokens") if prompt else ("attention", f"{seqs} x {context} tokens")
     calls = 5 if prompt else 50
     row = measure(kind, name, seqs * q_len, ours, theirs, [None] * calls, nbytes, repeats)
-    from offload.kernels.cpu_attention import MAX_CHUNK
-
-    dispatch = "torch (SDPA: a chunk over MAX_CHUNK)" if q_len > MAX_CHUNK else "native"
-    return row | {"max_relative_difference": diff, "dispatch": dispatch}
+    return row | {"max_relative_difference": diff, "sequences": seqs}
 
 
 def row_ops(rows: int, repeats: int, gen) -> list[dict]:
@@ -163,7 +180,7 @@ def row_ops(rows: int, repeats: int, gen) -> list[dict]:
     for name, (ours, theirs, nbytes) in cases.items():
         diff = relative_difference(ours(None), theirs(None))
         row = measure("rows", name, rows, ours, theirs, [None] * 20, nbytes, repeats)
-        out.append(row | {"max_relative_difference": diff, "dispatch": "native"})
+        out.append(row | {"max_relative_difference": diff})
     return out
 
 
@@ -177,10 +194,15 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from offload.kernels import native
+    from offload.kernels import choice, native, native_build, timing
+    from offload.kernels.linear import _linear_upcast
+    from offload.kernels.quant_linear import _dense_int4
 
-    if native.cpu_missing() is not None or native._int4_mm() is None or native._bf16_mm() is None:
-        raise SystemExit(f"the native kernels cannot run here: {native.cpu_missing() or 'no C compiler with OpenMP'}")
+    if (off := native_build.why_off()) is not None:
+        raise SystemExit(f"the native kernels cannot run here: {off}")
+    if choice.mode() != "measured":
+        raise SystemExit("unset OFFLOAD_KERNELS: the table says what the engine takes by its own timings")
+    choices = timing.ensure()
     gen = torch.Generator().manual_seed(0)
     rows_out = []
     int4_shapes, bf16_shapes, attention, prompts, row_rows = INT4_SHAPES, BF16_SHAPES, ATTENTION, PROMPTS, ROW_OPS_ROWS
@@ -202,23 +224,26 @@ def main() -> None:
             x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
             ours = lambda w, x=x: native.int4_mm(x, w[0], w[1], 32)  # noqa: E731
             theirs = lambda w, x=x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], 32, w[1])  # noqa: E731
+            dense = (lambda w, x=x: _dense_int4(x, w[0], w[1], 32, True)) if rows >= 64 else None  # noqa: E731
             diff = relative_difference(ours(weights[0]), theirs(weights[0]))
-            row = measure("int4", name, rows, ours, theirs, weights, nbytes, args.repeats)
-            rows_out.append(row | {"max_relative_difference": diff, "dispatch": int4_dispatch(rows)})
+            row = measure("int4", name, rows, ours, theirs, weights, nbytes, args.repeats, dense)
+            rows_out.append(row | {"max_relative_difference": diff})
         del weights
     for name, (n, k) in bf16_shapes.items():
         nbytes = n * k * 2
         weights = cold_copies(lambda n=n, k=k: torch.randn(n, k, generator=gen).to(torch.bfloat16), nbytes, cold_bytes)
+        head = name == "SmolLM2 LM head"  # float32 logits, as the engine computes an LM head's
         for rows in bf16_rows:
             x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-            ours = lambda w, x=x: native.bf16_mm(x, w)  # noqa: E731
-            theirs = lambda w, x=x: F.linear(x, w)  # noqa: E731
+            if head:
+                ours = lambda w, x=x: native.bf16_mm(x, w, torch.float32)  # noqa: E731
+                theirs = lambda w, x=x: _linear_upcast(x, w, None, torch.float32)  # noqa: E731
+            else:
+                ours = lambda w, x=x: native.bf16_mm(x, w)  # noqa: E731
+                theirs = lambda w, x=x: F.linear(x, w)  # noqa: E731
             diff = relative_difference(ours(weights[0]), theirs(weights[0]))
             row = measure("bf16", name, rows, ours, theirs, weights, nbytes, args.repeats)
-            rows_out.append(
-                row
-                | {"max_relative_difference": diff, "dispatch": "native" if rows <= native.BF16_MAX_ROWS else "torch"}
-            )
+            rows_out.append(row | {"max_relative_difference": diff})
         del weights
     for seqs, context in attention:
         rows_out.append(attention_row(seqs, context, args.repeats, gen))
@@ -227,12 +252,19 @@ def main() -> None:
     for rows in row_rows:
         rows_out.extend(row_ops(rows, args.repeats, gen))
 
-    print(f"{'kind':<9} {'shape':<19} {'rows':>5} {'native us':>10} {'torch us':>10} {'speedup':>8} {'GB/s':>6}  runs")
+    rows_out = [r | taken(r, choices) for r in rows_out]
+    print(
+        f"{'kind':<9} {'shape':<19} {'rows':>5} {'native us':>10} {'torch us':>10} {'dense us':>9} {'speedup':>8} "
+        f"{'GB/s':>6}  {'taken':<6} {'vs other':>8}"
+    )
     for r in rows_out:
+        dense = f"{r['dense_us']:>9.1f}" if "dense_us" in r else f"{'':>9}"
         print(
-            f"{r['kind']:<9} {r['shape']:<19} {r['rows']:>5} {r['native_us']:>10.1f} {r['torch_us']:>10.1f} "
-            f"{r['speedup']:>7.2f}x {r['native_gb_per_s']:>6.1f}  {r['dispatch']}"
+            f"{r['kind']:<9} {r['shape']:<19} {r['rows']:>5} {r['native_us']:>10.1f} {r['torch_us']:>10.1f} {dense} "
+            f"{r['speedup']:>7.2f}x {r['native_gb_per_s']:>6.1f}  {r['taken']:<6} {r['taken_vs_other']:>7.2f}x"
         )
+    worst = min(rows_out, key=lambda r: r["taken_vs_other"])
+    print(f"worst taken path: {worst['kernel']} at {worst['rows']} rows, {worst['taken_vs_other']:.2f}x the best other")
     report = {
         "benchmark": "native_cpu",
         "date": timestamp(),
@@ -241,7 +273,7 @@ def main() -> None:
         "the better of two runs each, alternating which kernel goes first",
         "cold_bytes": cold_bytes,
         "repeats": args.repeats,
-        "thresholds": {"int4_min_rows": native.INT4_MIN_ROWS, "bf16_max_rows": native.BF16_MAX_ROWS},
+        "choices": {"file": str(choices.file), "timings": choice.timing_table(choices)},
         "rows": rows_out,
     }
     write_report(args.out, report)

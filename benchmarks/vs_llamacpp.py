@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -76,6 +77,7 @@ class Job:
     gguf: str
     model_dir: str  # what ours loads: the import of the file, or the float copy
     budget_bytes: int | None = None
+    repack: bool = True  # llama.cpp's default: weights repacked for the CPU's own kernels (use_extra_bufts)
 
 
 @dataclass(slots=True)
@@ -117,13 +119,14 @@ class Measured:
 class LlamaCpp:
     """The GGUF file in llama.cpp with a context for `seqs` sequences of up to `max_tokens` tokens each."""
 
-    def __init__(self, path: str, seqs: int, max_tokens: int, batch_tokens: int, mmap: bool) -> None:
+    def __init__(self, path: str, seqs: int, max_tokens: int, batch_tokens: int, mmap: bool, repack: bool) -> None:
         import llama_cpp as lc
 
         self.lc = lc
         lc.llama_backend_init()
         params = lc.llama_model_default_params()
         params.load_mode = lc.LLAMA_LOAD_MODE_MMAP if mmap else lc.LLAMA_LOAD_MODE_NONE
+        params.use_extra_bufts = repack
         self.model = lc.llama_model_load_from_file(path.encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp cannot load {path}")
@@ -139,6 +142,7 @@ class LlamaCpp:
         self.params = {"n_ctx": lc.llama_n_ctx(self.ctx), "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch}
         self.params |= {"n_seq_max": seqs, "n_threads": ctx.n_threads, "kv_unified": ctx.kv_unified}
         self.params["load_mode"] = "mmap" if mmap else "none (read into its buffers)"
+        self.params["repack"] = repack
         self.batch = lc.llama_batch_init(batch_tokens, 0, 1)
 
     def close(self) -> None:
@@ -186,7 +190,8 @@ def run_llama_cpp(job: Job) -> Measured:
     before = storage_read_bytes()
     start = time.perf_counter()
     max_tokens = max(map(len, job.prompts)) + job.new_tokens
-    engine = LlamaCpp(job.gguf, job.batch, max_tokens, sum(map(len, job.prompts)), mmap=job.setting == "streamed")
+    prompt_tokens = sum(map(len, job.prompts))
+    engine = LlamaCpp(job.gguf, job.batch, max_tokens, prompt_tokens, mmap=job.setting == "streamed", repack=job.repack)
     loaded = time.perf_counter()
     result = Measured(job.engine, job.setting, job.batch, load_seconds=loaded - start, baseline_rss_bytes=baseline)
     result.load_bytes_read = storage_read_bytes() - before
@@ -283,14 +288,33 @@ def run_job(job: Job, work_dir: Path, evict_paths: list[Path]) -> Measured:
     print(f"running {job.engine}, {job.setting}, batch {job.batch} ...", flush=True)
     proc = subprocess.run([sys.executable, __file__, "--worker", str(job_file)], capture_output=True, text=True)
     if not out.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        result = Measured(job.engine, job.setting, job.batch, status=f"failed: {tail[0]}"[:300])
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+        said = f"; its last line: {tail[0]}" if tail else ""
+        result = Measured(job.engine, job.setting, job.batch, status=f"failed: {how_it_ended(proc.returncode)}{said}")
+        result.status = result.status[:300]
+        result.extra["returncode"] = proc.returncode
     else:
         result = Measured.from_json(json.loads(out.read_text()))
     if result.status != "ok":
         print(f"  {result.status}", flush=True)
         (work_dir / "vs_llamacpp-failed.log").write_text(proc.stdout + proc.stderr)
     return result
+
+
+def how_it_ended(returncode: int) -> str:
+    """A process's end in words: "exit status 1", "killed by SIGSEGV (signal 11)"."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"killed by {name} (signal {-returncode})"
+
+
+def died(result: Measured) -> bool:
+    """Whether the worker died (a signal) rather than failing with an error it could report."""
+    return result.extra.get("returncode", 0) < 0
 
 
 def float_copy(gguf: Path, work_dir: Path) -> Path:
@@ -495,12 +519,25 @@ def main(argv: list[str] | None = None) -> dict | None:
             budget_bytes=budget if streamed else None,
         )
 
+    repack_died: list[str] = []  # how llama.cpp's worker died with its default repacking: then it runs without
+
+    def run(engine: str, setting: str, batch: int) -> Measured:
+        """One process of `engine`; a llama.cpp worker that dies with its default repacking runs again without it,
+        and every later one without it too (the report says so)."""
+        one = replace(job(engine, setting, batch), repack=not repack_died)
+        result = run_job(one, work_dir, own_files[engine])
+        if engine == "llama.cpp" and one.repack and died(result):
+            repack_died.append(result.status)
+            print("  llama.cpp again with its CPU repacking off (use_extra_bufts=False)", flush=True)
+            result = run_job(replace(one, repack=False), work_dir, own_files[engine])
+        return result
+
     def in_turn(setting: str, engines: tuple[str, ...], batch: int) -> list[list[Measured]]:
         """Each engine's processes, one per repeat, run engine after engine, repeat after repeat."""
         per: dict[str, list[Measured]] = {e: [] for e in engines}
         for _ in range(args.repeats):
             for engine in engines:
-                per[engine].append(run_job(job(engine, setting, batch), work_dir, own_files[engine]))
+                per[engine].append(run(engine, setting, batch))
         return [per[e] for e in engines]
 
     groups = [
@@ -514,7 +551,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     same = {f"{e}, batch {b}": agreement(results, e, b) for e in ENGINES[1:] for b in batches}
     print()
     print(table(rows))
-    print("\n".join(notes(asked, budget, args.stream_budget, file_bytes, same)))
+    said = notes(asked, budget, args.stream_budget, file_bytes, same)
+    if repack_died:
+        said.append(
+            f"llama.cpp's default CPU weight repacking (use_extra_bufts) {repack_died[0][len('failed: ') :]} on this "
+            "CPU: every llama.cpp row ran with repacking off"
+        )
+    print("\n".join(said))
     report = {
         "benchmark": "vs_llamacpp",
         "date": timestamp(),
@@ -536,6 +579,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             for r in rows
         ],
         "token_agreement_with_llama_cpp": same,
+        "notes": said,
+        "llama_cpp_repack": "off: the default died here" if repack_died else "on (llama.cpp's default)",
         "processes": [asdict(r) for r in results],
     }
     write_report(args.out, report)

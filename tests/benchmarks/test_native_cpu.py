@@ -24,5 +24,9 @@ def test_a_quick_run_measures_each_kernel_against_torch(tmp_path, monkeypatch, c
     assert kinds == {"int4", "bf16", "attention", "prompt", "rows"} and report["machine"]["threads"] >= 1
     for row in report["rows"]:
         assert row["native_us"] > 0 and row["torch_us"] > 0 and row["max_relative_difference"] < 2.0**-6, row
-    assert {r["dispatch"] for r in report["rows"] if r["kind"] == "int4"} == {"native"}  # 1 and 16 rows
-    assert "speedup" in capsys.readouterr().out
+    # each row names the path the engine takes here, by its own timings, and how that path compares with the others
+    timed = {(t["kernel"], t["rows"]): t["taken"] for t in report["choices"]["timings"]}
+    for row in report["rows"]:
+        assert row["taken"] in ("native", "torch", "dense") and row["taken_vs_other"] > 0, row
+    assert timed[("int4", 1)] == next(r["taken"] for r in report["rows"] if r["kind"] == "int4" and r["rows"] == 1)
+    assert "worst taken path" in capsys.readouterr().out

@@ -15,10 +15,10 @@ runs first; the outputs are compared too. int4 products of 64 rows and more are 
 dense GEMM (kernels/quant_linear.py's prefill path), and the LM head as the engine computes it, float32 logits
 (kernels/linear.py's `logits`: the native kernel against a float32 GEMM over the converted weight).
 
-Each row also says which path the engine takes on this machine (kernels/choice.py's timings, measured once per
-machine: "taken") and how the taken path's time compares with the best other one measured here ("taken vs other",
-1.00x or more where the engine chose right). Prints a table and writes benchmarks/results/native_cpu.json with the
-machine.
+Each row also says which path the engine takes on this machine ("taken": kernels/choice.py's timings, made once
+per machine, the products' at these shapes as a model of them has them timed as it loads) and how the taken path's
+time compares with the best other one measured here ("vs other", 1.00x or more where the engine chose right).
+Prints a table and writes benchmarks/results/native_cpu.json with the machine.
 
     python benchmarks/native_cpu.py [--repeats 5] [--quick]
 """
@@ -79,7 +79,7 @@ def taken(row: dict, choices) -> dict:
     rows = row["rows"] if row["kind"] != "prompt" else row["rows"] // row["sequences"]
     if row["kind"] == "attention":
         rows = row["sequences"]
-    path = choices.path(kernel, rows)
+    path = choices.path(kernel, rows, row.get("matrix"))
     times = {p: row[f"{p}_us"] for p in ("native", "torch", "dense") if f"{p}_us" in row}
     others = [t for p, t in times.items() if p != path]
     return {"kernel": kernel, "taken": path, "taken_vs_other": min(others) / times[path]}
@@ -116,7 +116,7 @@ def attention_row(seqs: int, context: int, repeats: int, gen, prompt: bool = Fal
     (a whole prompt, causal); native against the torch path, the same batch."""
     import torch
 
-    from offload.kernels import native
+    from offload.kernels import choice
     from offload.kernels.paged_attention import paged_attention_ref
     from offload.kernels.paged_batch import PagedBatch
 
@@ -132,15 +132,11 @@ def attention_row(seqs: int, context: int, repeats: int, gen, prompt: bool = Fal
     def batch() -> PagedBatch:  # a fresh batch per call: a step's memo is rebuilt for each step
         return PagedBatch(starts, (context,) * seqs, tables, torch.zeros(seqs * q_len, dtype=torch.int64))
 
-    fits = native.decode_attention_fits
-    ours = lambda _: paged_attention_ref(q, k, v, batch(), d**-0.5)  # noqa: E731
-
-    def theirs(_):
-        native.decode_attention_fits = lambda *a: False
-        try:
+    def attend(path: str):
+        with choice.forcing(path):
             return paged_attention_ref(q, k, v, batch(), d**-0.5)
-        finally:
-            native.decode_attention_fits = fits
+
+    ours, theirs = (lambda _: attend("native")), (lambda _: attend("torch"))
 
     diff = relative_difference(ours(None), theirs(None))
     nbytes = 2 * blocks * block_size * hkv * d * 2
@@ -202,7 +198,6 @@ def main() -> None:
         raise SystemExit(f"the native kernels cannot run here: {off}")
     if choice.mode() != "measured":
         raise SystemExit("unset OFFLOAD_KERNELS: the table says what the engine takes by its own timings")
-    choices = timing.ensure()
     gen = torch.Generator().manual_seed(0)
     rows_out = []
     int4_shapes, bf16_shapes, attention, prompts, row_rows = INT4_SHAPES, BF16_SHAPES, ATTENTION, PROMPTS, ROW_OPS_ROWS
@@ -211,6 +206,10 @@ def main() -> None:
         cold_bytes, int4_rows, bf16_rows = 8 << 20, (1, 16), (1, 16)
         int4_shapes, bf16_shapes = {"SmolLM2 o": (576, 576)}, {"576 -> 3072": (3072, 576)}
         attention, prompts, row_rows = ((2, 40),), ((2, 40),), (16,)
+    # the engine times a model's own matrices as it loads: these shapes, as a model of them would have them timed
+    shapes = [("int4", n, k) for n, k in int4_shapes.values()]
+    shapes += [("logits" if name == "SmolLM2 LM head" else "bf16", n, k) for name, (n, k) in bf16_shapes.items()]
+    choices = timing.ensure(shapes)
     for name, (n, k) in int4_shapes.items():
         nbytes = n * k // 2 + n * (k // 32) * 4  # codes, then a bfloat16 scale and zero per group
 
@@ -227,7 +226,7 @@ def main() -> None:
             dense = (lambda w, x=x: _dense_int4(x, w[0], w[1], 32, True)) if rows >= 64 else None  # noqa: E731
             diff = relative_difference(ours(weights[0]), theirs(weights[0]))
             row = measure("int4", name, rows, ours, theirs, weights, nbytes, args.repeats, dense)
-            rows_out.append(row | {"max_relative_difference": diff})
+            rows_out.append(row | {"max_relative_difference": diff, "matrix": (n, k)})
         del weights
     for name, (n, k) in bf16_shapes.items():
         nbytes = n * k * 2
@@ -243,7 +242,7 @@ def main() -> None:
                 theirs = lambda w, x=x: F.linear(x, w)  # noqa: E731
             diff = relative_difference(ours(weights[0]), theirs(weights[0]))
             row = measure("bf16", name, rows, ours, theirs, weights, nbytes, args.repeats)
-            rows_out.append(row | {"max_relative_difference": diff})
+            rows_out.append(row | {"max_relative_difference": diff, "matrix": (n, k)})
         del weights
     for seqs, context in attention:
         rows_out.append(attention_row(seqs, context, args.repeats, gen))

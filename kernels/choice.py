@@ -44,6 +44,9 @@ PLAN: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
 # (kernel, path) -> the fewest rows it is timed at, and a candidate for: dequantizing a whole int4 weight for a few
 # rows reads four times its codes' bytes and writes them again, which no CPU makes up for
 FROM_ROWS = {("int4", DENSE): 64}
+PRODUCTS = ("int4", "bf16", "logits")  # timed again at each model's own matrix shapes: see `key`
+# row counts a product is timed at for one matrix shape
+SHAPE_ROWS = {"int4": (1, 4, 8, 16, 32, 64, 128, 256), "bf16": (1, 4, 8, 16, 32, 64), "logits": (1, 16, 64, 256)}
 # what OFFLOAD_KERNELS=native takes: kernel -> ((from rows, path), ...), the fixed thresholds native.py measured on
 # 2 threads of a Zen 4 EPYC (benchmarks/results/native_cpu.json there)
 UNMEASURED: dict[str, tuple[tuple[int, str], ...]] = {
@@ -78,9 +81,13 @@ class Choices:
     timings: dict[str, tuple[Timing, ...]]
     file: Path | None = None
 
-    def path(self, kernel: str, rows: int) -> str:
-        chosen = self.timings[kernel][0].path
-        for t in self.timings[kernel]:
+    def path(self, kernel: str, rows: int, shape: tuple[int, int] | None = None) -> str:
+        """The path taken at `rows` rows: by the timings at this matrix shape ([out, in] features) where there
+        are some, else by the kernel's own."""
+        timings = self.timings.get(key(kernel, shape)) if shape is not None else None
+        timings = timings or self.timings[kernel]
+        chosen = timings[0].path
+        for t in timings:
             if rows >= t.rows:
                 chosen = t.path
         return chosen
@@ -96,8 +103,16 @@ class Choices:
         parts = [f"{p} {r}-{spans[i + 1][0] - 1}" for i, (r, p) in enumerate(spans[:-1])]
         return ", ".join(parts) + f", {spans[-1][1]} from {spans[-1][0]}"
 
+    def shown(self, name: str) -> bool:
+        """Whether the summary names `name`'s timings: every kernel's own, but the products' only where this
+        process's model had no shapes timed (`shaped`: those shapes' instead)."""
+        if " " in name:
+            return name in _shaped
+        return name not in PRODUCTS or not _shaped
+
 
 _forced: list[str] = []  # a path every kernel takes while timing (innermost last)
+_shaped: set[str] = set()  # the timings of this process's model's own product shapes (for the summary)
 _adopted: list[Choices] = []  # this process's timings (kernels/timing.py's `ensure`)
 
 
@@ -117,9 +132,15 @@ def mode() -> str:
     return env if env in (TORCH, NATIVE) else "measured"
 
 
-def path(kernel: str, rows: int) -> str:
-    """The path `kernel` takes for `rows` rows on this machine: "native", "torch" (int4 also "dense"). The caller has
-    checked that the native kernel can take these tensors."""
+def key(kernel: str, shape: tuple[int, int]) -> str:
+    """The timings' name for product `kernel` at a matrix of `shape` [out, in] features: "int4 3072x576"."""
+    return f"{kernel} {shape[0]}x{shape[1]}"
+
+
+def path(kernel: str, rows: int, shape: tuple[int, int] | None = None) -> str:
+    """The path `kernel` takes for `rows` rows on this machine: "native", "torch" (int4 also "dense"); a product's
+    by its timings at its weight's `shape` [out, in] where the model's shapes were timed. The caller has checked
+    that the native kernel can take these tensors."""
     if _forced:
         return _forced[-1] if _forced[-1] in PLAN[kernel][0] else TORCH
     if (how := mode()) == TORCH:
@@ -127,11 +148,11 @@ def path(kernel: str, rows: int) -> str:
     if how == NATIVE:
         return next((p for start, p in reversed(UNMEASURED.get(kernel, ())) if rows >= start), NATIVE)
     timed = kept()
-    return timed.path(kernel, rows) if timed is not None else TORCH
+    return timed.path(kernel, rows, shape) if timed is not None else TORCH
 
 
-def native(kernel: str, rows: int) -> bool:
-    return path(kernel, rows) == NATIVE
+def native(kernel: str, rows: int, shape: tuple[int, int] | None = None) -> bool:
+    return path(kernel, rows, shape) == NATIVE
 
 
 def kept() -> Choices | None:
@@ -145,9 +166,15 @@ def adopt(timed: Choices) -> None:
     _adopted[:] = [timed]
 
 
+def shaped(names: set[str]) -> None:
+    """Say that this process's model computes products of these timings' shapes (kernels/timing.py)."""
+    _shaped.update(names)
+
+
 def forget() -> None:
     """Drop this process's timings."""
     _adopted.clear()
+    _shaped.clear()
 
 
 def read(file: Path) -> Choices | None:
@@ -182,7 +209,7 @@ def summary() -> str:
         return "native wherever it runs (OFFLOAD_KERNELS=native: thresholds not timed here)"
     if mode() == TORCH or (timed := kept()) is None:
         return ""
-    chosen = "; ".join(f"{k} {timed.describe(k)}" for k in timed.timings)
+    chosen = "; ".join(f"{k} {timed.describe(k)}" for k in timed.timings if timed.shown(k))
     return f"timed on this machine ({timed.file}): {chosen}"
 
 

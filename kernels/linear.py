@@ -36,7 +36,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x [tokens, in], w [out, in] (dense, or packed by `pack_weight`), b [out] -> [tokens, out] in x's dtype."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
-    if b is None and native.bf16_mm_fits(x, w) and choice.native("bf16", x.shape[0]):  # timed faster here
+    if b is None and native.bf16_mm_fits(x, w) and choice.native("bf16", x.shape[0], w.shape):  # timed faster here
         record("linear", "native")
         return native.bf16_mm(x, w)
     if x.device.type != "cpu" or w.dtype == torch.float32 or x.shape[0] < UPCAST_MIN_ROWS:
@@ -52,7 +52,7 @@ def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     so a near-tie rounds into a tie that greedy decoding gives to the lower token id, and a perplexity's
     log-probabilities carry that rounding). kernels/native.py's kernel computes them where kernels/choice.py timed it
     faster; else a float32 GEMM over the weight converted a slice of output features at a time."""
-    if native.bf16_mm_fits(x, w) and choice.native("logits", x.shape[0]):
+    if native.bf16_mm_fits(x, w) and choice.native("logits", x.shape[0], w.shape):
         record("logits", "native")
         return native.bf16_mm(x, w, torch.float32)
     record("logits", "torch")

@@ -62,7 +62,7 @@ def quant_linear(
             blocks = codes.shape[0] % CPU_INT4_BLOCK == 0 and _unpacks_cpu_int4()  # codes this file can unpack
             fast = blocks and native.int4_fits(x, codes, scales, group)  # kernels/native.py's, for either path
             if fast:  # the path timed fastest here for these rows (kernels/choice.py)
-                way = choice.path("int4", x.shape[0])
+                way = choice.path("int4", x.shape[0], (codes.shape[0], x.shape[1]))
             else:
                 way = choice.DENSE if blocks and x.shape[0] >= INT4_DENSE_MIN_ROWS else choice.TORCH
             if way == choice.DENSE:

@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -36,32 +36,38 @@ COLD_BYTES = 16 << 20  # weights a product's pass reads
 GIVE_UP = 2.0
 
 
-def ensure() -> Choices | None:
+def ensure(products: Iterable[tuple[str, int, int]] = ()) -> Choices | None:
     """This machine's timings, adopted for this process's choices: read where kept, else measured now and kept;
-    None where no native kernel runs (native_build.why_off says why) or OFFLOAD_KERNELS chose."""
+    with `products` ((kernel, out, in) of the model's own matrices: "int4", "bf16", "logits"), each of those
+    shapes not timed yet is timed now too and kept beside them. None where no native kernel runs
+    (native_build.why_off says why) or OFFLOAD_KERNELS chose."""
     if choice.mode() != "measured" or native_build.why_off() is not None:
         return None
-    if (timed := choice.kept()) is not None:
-        return timed
-    timed = choice.read(choice.timings_file()) or _measure_and_keep()
+    timed = choice.kept() or choice.read(choice.timings_file()) or _keep(Choices(measure(), choice.timings_file()))
+    wanted = {choice.key(k, (n, i)): (k, n, i) for k, n, i in products if _native_fits(k, n, i)}
+    missing = {name: shape for name, shape in wanted.items() if name not in timed.timings}
+    if missing:
+        extra = {name: _timings(k, choice.SHAPE_ROWS[k], _shape_case(k, n, i)) for name, (k, n, i) in missing.items()}
+        timed = _keep(Choices(timed.timings | extra, timed.file))
     choice.adopt(timed)
+    choice.shaped(set(wanted))
     return timed
 
 
 def retime() -> Choices | None:
-    """Time every kernel again now, keep the timings in place of the old ones and adopt them; None where no native
-    kernel runs."""
+    """Time every kernel again now (the shapes of models timed before are timed again as their models load), keep
+    the timings in place of the old ones and adopt them; None where no native kernel runs."""
     if choice.mode() != "measured" or native_build.why_off() is not None:
         return None
-    timed = _measure_and_keep()
+    choice.forget()
+    timed = _keep(Choices(measure(), choice.timings_file()))
     choice.adopt(timed)
     return timed
 
 
-def _measure_and_keep() -> Choices:
-    file = choice.timings_file()
-    choice.forget()  # measured on no earlier choice
-    timed = Choices(measure(), file)
+def _keep(timed: Choices) -> Choices:
+    """`timed`, written to its file (a failure to write is said, and the timings are used all the same)."""
+    file = timed.file
     data = {"cpu": native_build.cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
     data["load_average"] = os.getloadavg()[0]  # a busy machine's timings are worth timing again (`retime`)
     data["timings"] = choice.encode(timed)
@@ -73,30 +79,34 @@ def _measure_and_keep() -> Choices:
     return timed
 
 
-def measure(rounds: int = 3) -> dict[str, tuple[Timing, ...]]:
-    """Time every kernel of choice.PLAN on each of its paths: per row count the best of `rounds` rounds, the paths
-    alternating within a round so that a shared machine's drift falls on each alike. A row count whose winner
-    differs from both its neighbours' (one path faster at 4 and at 16 rows, the other at 8) is more likely a
-    slow spell than a crossing: it is timed for twice as many rounds more, its best times the best of all."""
-    out = {}
-    for kernel, (paths, row_counts) in choice.PLAN.items():
-        timings: list[Timing] = []
-        for rows in row_counts:
-            candidates = [p for p in paths if rows >= choice.FROM_ROWS.get((kernel, p), 0)]
-            if len(timings) >= 2 and all(_lost(t, NATIVE) for t in timings[-2:]):
-                candidates.remove(NATIVE)
-            timings.append(_time(kernel, rows, candidates, rounds))
-        for i in range(1, len(timings) - 1):
-            before, this, after = timings[i - 1 : i + 2]
-            if before.path == after.path != this.path:
-                again = _time(kernel, this.rows, list(this.us), 2 * rounds)
-                timings[i] = Timing(this.rows, {p: min(t, again.us[p]) for p, t in this.us.items()})
-        out[kernel] = tuple(timings)
-    return out
+def measure() -> dict[str, tuple[Timing, ...]]:
+    """Time every kernel of choice.PLAN on each of its paths at its row counts, on this module's mid-sized layer."""
+    return {k: _timings(k, rows, functools.partial(case, k)) for k, (_, rows) in choice.PLAN.items()}
 
 
-def _time(kernel: str, rows: int, paths: list[str], rounds: int) -> Timing:
-    call = case(kernel, rows)
+def _timings(
+    kernel: str, row_counts: tuple[int, ...], make: Callable[[int], Callable[[], object]], rounds: int = 3
+) -> tuple[Timing, ...]:
+    """`kernel` timed on each of its paths at each row count (`make(rows)` gives the call): the best of `rounds`
+    rounds, the paths alternating within a round so that a shared machine's drift falls on each alike. A row count
+    whose winner differs from both its neighbours' (one path faster at 4 and at 16 rows, the other at 8) is more
+    likely a slow spell than a crossing: it is timed for twice as many rounds more, its best times the best of all."""
+    paths = choice.PLAN[kernel][0]
+    timings: list[Timing] = []
+    for rows in row_counts:
+        candidates = [p for p in paths if rows >= choice.FROM_ROWS.get((kernel, p), 0)]
+        if len(timings) >= 2 and all(_lost(t, NATIVE) for t in timings[-2:]):
+            candidates.remove(NATIVE)
+        timings.append(_time(make(rows), rows, candidates, rounds))
+    for i in range(1, len(timings) - 1):
+        before, this, after = timings[i - 1 : i + 2]
+        if before.path == after.path != this.path:
+            again = _time(make(this.rows), this.rows, list(this.us), 2 * rounds)
+            timings[i] = Timing(this.rows, {p: min(t, again.us[p]) for p, t in this.us.items()})
+    return tuple(timings)
+
+
+def _time(call: Callable[[], object], rows: int, paths: list[str], rounds: int) -> Timing:
     best = dict.fromkeys(paths, float("inf"))
     for r in range(rounds + 1):  # the first round warms each path up, untimed
         for p in paths[r % len(paths) :] + paths[: r % len(paths)]:
@@ -167,6 +177,41 @@ def _attention(seqs: int, q_len: int) -> Callable[[], object]:
         paged_attention_ref(q, k, v, PagedBatch(starts, (context,) * seqs, tables, slots), HEAD_DIM**-0.5)
 
     return call
+
+
+def _native_fits(kernel: str, n: int, k: int) -> bool:
+    """Whether the native kernel takes a matrix of [n, k] (kernels/native.py's conditions on the weight)."""
+    from offload.kernels import native
+
+    if kernel == "int4":
+        return n % native.INT4_BLOCK == 0 and k % GROUP == 0
+    return n % native.BF16_TILE == 0 and k % native.BF16_CHUNK == 0
+
+
+@functools.cache
+def _shape_weights(kernel: str, n: int, k: int) -> list[tuple[torch.Tensor, ...]]:
+    """Copies of a weight of [n, k] in `kernel`'s storage (int4 codes and scales, or bfloat16), values drawn in
+    their own dtype (no float32 copy of a large head)."""
+    gen = _gen()
+    if kernel == "int4":
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)  # any bytes are codes
+        scales = torch.empty(k // GROUP, n, 2, dtype=torch.bfloat16).uniform_(-0.02, 0.02, generator=gen)
+        return _copies((codes, scales))
+    return _copies((torch.empty(n, k, dtype=torch.bfloat16).uniform_(-0.05, 0.05, generator=gen),))
+
+
+def _shape_case(kernel: str, n: int, k: int) -> Callable[[int], Callable[[], object]]:
+    """`make(rows)` for product `kernel` at the model's own [n, k]."""
+    from offload.common.quant import WeightQuant
+    from offload.kernels import linear, quant_linear
+
+    weights = _shape_weights(kernel, n, k)
+    if kernel == "int4":
+        fmt = WeightQuant(bits=4, group_size=GROUP, layout="cpu")
+        fn = lambda x, c, s: quant_linear.quant_linear(x, c, s, fmt)  # noqa: E731
+    else:
+        fn = linear.logits if kernel == "logits" else linear.linear
+    return lambda rows: _products(fn, weights, _rows(rows, k))
 
 
 def case(kernel: str, rows: int) -> Callable[[], object]:

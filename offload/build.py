@@ -19,6 +19,7 @@ from offload.common.model_config import ModelSpec
 from offload.convert import check_runnable
 from offload.core import EngineCore
 from offload.kernels import native, timing
+from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.model.engine import Engine
 from offload.model.expert_streaming import expert_caches, layer_experts, model_layouts, read_gates
 from offload.model.loader import load_spec
@@ -32,6 +33,7 @@ from offload.scheduler.cost import Prediction, Workload
 from offload.tiers.blocks import BlockTables
 from offload.tiers.checkpoint import Checkpoint
 from offload.tiers.device import DeviceTier
+from offload.tiers.embedding import HEAD
 from offload.tiers.expert_slots import DeviceExperts
 from offload.tiers.experts import ExpertCache
 from offload.tiers.host import HostTier
@@ -197,7 +199,7 @@ def build(
     engine = Engine(spec, family, store, kv, device, dtype, host_kv, routed, where)
     if device.type == "cpu" and dtype == torch.bfloat16:
         native.prepare()  # the CPU kernels built (once per machine) and loaded with the weights, not in a step
-        timing.ensure()  # and timed against torch's paths (once per machine), each path chosen
+        timing.ensure(product_shapes(store))  # and timed against torch's paths (once per machine and shape)
     limits = BatchLimits(config.max_num_seqs, config.max_step_tokens, config.micro_batch_tokens, max_model_len)
     # loaded with the weights: no generate call pays for it (a first load imports for ~1 s)
     prompts = prompts if prompts is not None else Prompts.load(model_dir)
@@ -257,3 +259,32 @@ def make_kv_cache(
             f"({config.device_memory} bytes)"
         )
     return kv
+
+
+def product_shapes(store: WeightStore) -> set[tuple[str, int, int]]:
+    """(kernel, out, in) of the matrices the model multiplies on the CPU, as kernels/timing.py times them: int4 codes
+    of the cpu layout ("int4"), dense float matrices computed in bfloat16 ("bf16": resident ones packed for oneDNN
+    are not), the LM head ("logits"). Resident layers as loaded (projections stacked), streamed ones as stored."""
+    shapes = set()
+    for w in store.resident.values():
+        for name, t in w.items():
+            if t.dim() != 2 or name.endswith(SCALES_SUFFIX) or t.is_mkldnn:
+                continue
+            if t.dtype == torch.uint8 and name + SCALES_SUFFIX in w:
+                shapes.add(("int4", t.shape[0], t.shape[1] * 2))
+            elif t.is_floating_point():
+                shapes.add(("bf16", *t.shape))
+    streamed = [i for i in range(len(store.layouts)) if i not in store.resident]
+    for layout in (store.layouts[i] for i in streamed[:1]):  # every layer has the same matrices
+        names = {t.short for t in layout.tensors}
+        for t in layout.tensors:
+            if len(t.shape) != 2 or t.short.endswith(SCALES_SUFFIX):
+                continue
+            if t.dtype == "U8" and t.short + SCALES_SUFFIX in names:
+                shapes.add(("int4", t.shape[0], t.shape[1] * 2))
+            elif t.dtype in ("BF16", "F16", "F32"):
+                shapes.add(("bf16", *t.shape))
+    head = store.head.get(HEAD)
+    if head is not None and head.dim() == 2:
+        shapes.add(("logits", *head.shape))
+    return shapes

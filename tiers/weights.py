@@ -233,6 +233,11 @@ class WeightStore:
         rows, index = self.table.lookup(torch.cat(token_ids))
         return {TABLE: rows}, list(index.split([len(t) for t in token_ids]))
 
+    @property
+    def resident(self) -> dict[int, Weights]:
+        """The layers kept in memory for the whole run, by index: their weights as computed with."""
+        return dict(self._resident)
+
     def acquire(self, layer: int) -> Weights:
         """Layer `layer`'s weights on the device, usable by compute issued from now on; waits only if its read is
         not done yet (a copy is waited for by the compute stream, not by the host)."""

@@ -137,3 +137,24 @@ def test_a_failing_compiler_is_called_once_per_source_across_processes(tmp_path,
     assert len(count.read_text().splitlines()) == len(sources)
     for run in said:
         assert "building bf16_mm.c with" in run.stdout and ".failed.log" in run.stdout
+
+
+def test_a_models_own_shapes_are_timed_once_and_decide_its_products(measured, monkeypatch):
+    """The model's matrices are timed at their own shapes as it loads (once: kept beside the kernel's timings), and
+    a product of that shape takes their path; other shapes take the kernel's own timings."""
+    made = []
+    fake = {"native": 1.0, "torch": 2.0}
+
+    def fake_timings(kernel, rows, make, rounds=3):
+        made.append(kernel)
+        return (choice.Timing(1, dict(fake)), choice.Timing(8, {"native": 3.0, "torch": 2.0}))
+
+    monkeypatch.setattr(timing, "_timings", fake_timings)
+    timed = timing.ensure([("int4", 128, 64), ("int4", 100, 64)])  # 100 rows of codes: not the native kernel's
+    assert made == ["int4"] and "int4 128x64" in timed.timings and "int4 100x64" not in timed.timings
+    assert choice.path("int4", 4, (128, 64)) == "native" and choice.path("int4", 8, (128, 64)) == "torch"
+    assert choice.path("int4", 20, (256, 64)) == "native"  # not timed: INT4's 16-63 rows
+    assert "int4 128x64 native 1-7, torch from 8" in choice.summary() and "int4 native 1-3" not in choice.summary()
+    choice.forget()
+    timing.ensure([("int4", 128, 64)])
+    assert made == ["int4"]  # read back

@@ -30,7 +30,11 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 2048, 16, 4, 128, 5632, 32768
 GROUP = 32  # int4 group size
 BLOCK = 16  # KV cache block size
 CONTEXT = 512  # a decode step's context
-COLD_BYTES = 16 << 20  # weights a product's pass reads
+# weights a product's pass reads: past what a core's caches keep close (a 3072 x 576 int4 product at one row, on a
+# 2-core AMX Xeon VM: torch's kernel 0.85x the native one's time from 64 MiB of copies, as from 256; from 16 MiB
+# the two were even), at most MAX_COPIES of them (a tiny matrix stays cached in use anyway)
+COLD_BYTES = 64 << 20
+MAX_COPIES = 256
 # a native kernel twice this much slower than the best path at two row counts in a row is not timed at more rows:
 # what it does per row (a register tile of rows against the weight read once) only loses more ground with rows
 GIVE_UP = 2.0
@@ -85,7 +89,7 @@ def measure() -> dict[str, tuple[Timing, ...]]:
 
 
 def _timings(
-    kernel: str, row_counts: tuple[int, ...], make: Callable[[int], Callable[[], object]], rounds: int = 3
+    kernel: str, row_counts: tuple[int, ...], make: Callable[[int], Callable[[], object]], rounds: int = 5
 ) -> tuple[Timing, ...]:
     """`kernel` timed on each of its paths at each row count (`make(rows)` gives the call): the best of `rounds`
     rounds, the paths alternating within a round so that a shared machine's drift falls on each alike. A row count
@@ -130,7 +134,7 @@ def _gen() -> torch.Generator:
 
 def _copies(t: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
     nbytes = sum(x.numel() * x.element_size() for x in t)
-    return [t] + [tuple(x.clone() for x in t) for _ in range(COLD_BYTES // nbytes)]
+    return [t] + [tuple(x.clone() for x in t) for _ in range(min(COLD_BYTES // nbytes, MAX_COPIES))]
 
 
 @functools.cache
@@ -152,8 +156,12 @@ def _rows(rows: int, width: int) -> torch.Tensor:
 
 
 def _products(fn: Callable, weights: list, x: torch.Tensor) -> Callable[[], object]:
+    """A pass of `fn(x, *w)` over the copies of w: all of them up to 16 rows of x, a share of them falling as the
+    rows grow past that (the product is then bound by its arithmetic, not by where its weight comes from)."""
+    share = weights[: max(2, len(weights) * 16 // max(x.shape[0], 16))]
+
     def call() -> None:
-        for w in weights:
+        for w in share:
             fn(x, *w)
 
     return call

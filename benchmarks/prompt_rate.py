@@ -2,7 +2,8 @@
 
 A prompt's work is GEMMs and attention, so a prefill can run near the rate of torch's bfloat16 GEMM (oneDNN: AMX
 tiles where the CPU has them, AVX-512 BF16 elsewhere) only if every part of it takes the fastest path this CPU has.
-This runs one prompt of --prompt-tokens (default 2048) through every layer of offload_vs_peers.py's 1.1B-shaped
+This runs one prompt of --prompt-tokens (default 2047: the checkpoint's 2048 positions hold it and its one new
+token) through every layer of offload_vs_peers.py's 1.1B-shaped
 checkpoint (TinyLlama's shape, random bfloat16 weights, every weight in RAM) and counts the FLOP of its layers:
 the seven projections (2 x tokens x their weights) and causal attention (4 x heads x head_dim x tokens x (tokens + 1)
 / 2). Its rate, FLOP over the prefill's seconds (RunStats: the step's wall time, embedding and head included), is
@@ -14,7 +15,7 @@ default: kernels/choice.py's timings on this machine) and "native" (OFFLOAD_KERN
 thresholds fixed on a Zen 4 EPYC). Each process prefills once untimed, then once timed. Prints a table and writes
 benchmarks/results/prompt_rate.json with the machine.
 
-    python benchmarks/prompt_rate.py [--layers 22] [--prompt-tokens 2048] [--repeats 2]
+    python benchmarks/prompt_rate.py [--layers 22] [--prompt-tokens 2047] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -86,14 +87,16 @@ def worker(model_dir: Path, tokens: int) -> dict:
     from offload.kernels import choice
 
     gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, SHAPE["vocab_size"], (tokens,), generator=gen).tolist()
+    # two prompts: the timed one shares no block with the warm-up's (no prefix cache hit)
+    warmup, prompt = (torch.randint(3, SHAPE["vocab_size"], (tokens,), generator=gen).tolist() for _ in range(2))
     config = EngineConfig(dtype="bfloat16", max_step_tokens=max(tokens, 4096), micro_batch_tokens=max(tokens, 2048))
     with LLM(model_dir, config) as llm:
         params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-        llm.generate([prompt], params)  # warm-up: kernels chosen, pages faulted in
+        llm.generate([warmup], params)  # warm-up: kernels chosen, pages faulted in
         rate = gemm_rate(tokens)
         llm.generate([prompt], params)
         stats = llm.last_run
+    assert stats.prefill_tokens == tokens, f"{stats.prefill_tokens} of {tokens} prompt tokens computed"
     flop = layer_flop(tokens, SHAPE_LAYERS[0])
     return {
         "prefill_seconds": stats.prefill_seconds,
@@ -126,7 +129,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/offload/bench")
     p.add_argument("--layers", type=int, default=22)
-    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--prompt-tokens", type=int, default=2047)
     p.add_argument("--repeats", type=int, default=2, help="processes per mode, taken in turn")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prompt_rate.json")

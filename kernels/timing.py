@@ -101,7 +101,9 @@ def _timings(
         candidates = [p for p in paths if rows >= choice.FROM_ROWS.get((kernel, p), 0)]
         if len(timings) >= 2 and all(_lost(t, NATIVE) for t in timings[-2:]):
             candidates.remove(NATIVE)
-        timings.append(_time(make(rows), rows, candidates, rounds))
+        # a few rows take microseconds a product, where a shared machine's jitter is as large as the paths' gap:
+        # more rounds there, which cost little
+        timings.append(_time(make(rows), rows, candidates, rounds if rows > 16 else 2 * rounds))
     for i in range(1, len(timings) - 1):
         before, this, after = timings[i - 1 : i + 2]
         if before.path == after.path != this.path:

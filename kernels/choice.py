@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,7 +47,7 @@ PLAN: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
 FROM_ROWS = {("int4", DENSE): 64}
 PRODUCTS = ("int4", "bf16", "logits")  # timed again at each model's own matrix shapes: see `key`
 # row counts a product is timed at for one matrix shape
-SHAPE_ROWS = {"int4": (1, 4, 8, 16, 32, 64, 128, 256), "bf16": (1, 4, 8, 16, 32, 64), "logits": (1, 16, 64, 256)}
+SHAPE_ROWS = {"int4": (1, 4, 8, 16, 32, 64, 128, 256), "bf16": (1, 4, 8, 16, 32, 64, 256), "logits": (1, 16, 64, 256)}
 # what OFFLOAD_KERNELS=native takes: kernel -> ((from rows, path), ...), the fixed thresholds native.py measured on
 # 2 threads of a Zen 4 EPYC (benchmarks/results/native_cpu.json there)
 UNMEASURED: dict[str, tuple[tuple[int, str], ...]] = {
@@ -113,6 +114,7 @@ class Choices:
 
 _forced: list[str] = []  # a path every kernel takes while timing (innermost last)
 _shaped: set[str] = set()  # the timings of this process's model's own product shapes (for the summary)
+_memo: dict[tuple, str] = {}  # (OFFLOAD_KERNELS, kernel, rows, shape) -> path, for the timings adopted
 _adopted: list[Choices] = []  # this process's timings (kernels/timing.py's `ensure`)
 
 
@@ -140,9 +142,16 @@ def key(kernel: str, shape: tuple[int, int]) -> str:
 def path(kernel: str, rows: int, shape: tuple[int, int] | None = None) -> str:
     """The path `kernel` takes for `rows` rows on this machine: "native", "torch" (int4 also "dense"); a product's
     by its timings at its weight's `shape` [out, in] where the model's shapes were timed. The caller has checked
-    that the native kernel can take these tensors."""
+    that the native kernel can take these tensors. Asked for every kernel of every layer: answers are memoized."""
     if _forced:
         return _forced[-1] if _forced[-1] in PLAN[kernel][0] else TORCH
+    asked = (os.environ.get(environment.KERNELS), kernel, rows, shape)
+    if (known := _memo.get(asked)) is None:
+        known = _memo[asked] = _decide(kernel, rows, shape)
+    return known
+
+
+def _decide(kernel: str, rows: int, shape: tuple[int, int] | None) -> str:
     if (how := mode()) == TORCH:
         return TORCH
     if how == NATIVE:
@@ -164,6 +173,7 @@ def kept() -> Choices | None:
 def adopt(timed: Choices) -> None:
     """Take `timed` for this process's choices."""
     _adopted[:] = [timed]
+    _memo.clear()
 
 
 def shaped(names: set[str]) -> None:
@@ -175,6 +185,7 @@ def forget() -> None:
     """Drop this process's timings."""
     _adopted.clear()
     _shaped.clear()
+    _memo.clear()
 
 
 def read(file: Path) -> Choices | None:
@@ -190,7 +201,7 @@ def timings_file() -> Path:
     """Where this machine's timings are kept: named by the libraries timed, torch's version, the CPU, the threads
     and the plan."""
     parts = [*native_build.built(), torch.__version__, native_build.cpu_name(), str(torch.get_num_threads())]
-    plan = repr((VERSION, PLAN, FROM_ROWS))
+    plan = repr((VERSION, PLAN, FROM_ROWS, SHAPE_ROWS))
     digest = hashlib.sha256("\n".join([*parts, plan]).encode()).hexdigest()[:16]
     return native_build.cache_folder() / f"choices-{digest}.json"
 

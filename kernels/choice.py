@@ -29,7 +29,7 @@ from offload.common import environment
 from offload.kernels import native_build
 
 NATIVE, TORCH, DENSE = "native", "torch", "dense"  # dense: int4 codes dequantized for the bfloat16 GEMM
-VERSION = 2  # of this plan and of kernels/timing.py's cases: a change there must bump it, which times again
+VERSION = 3  # of this plan and of kernels/timing.py's cases: a change there must bump it, which times again
 # kernel -> (its paths, the row counts it is timed at): each count decides for the rows up to the next one
 PLAN: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
     "int4": ((NATIVE, TORCH, DENSE), (1, 2, 4, 8, 16, 32, 64, 128, 256)),

@@ -26,7 +26,7 @@ import torch
 from offload.kernels import choice, native_build
 from offload.kernels.choice import NATIVE, Choices, Timing
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 2048, 16, 4, 128, 5632, 32768
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 2048, 16, 4, 128, 5632, 16384
 GROUP = 32  # int4 group size
 BLOCK = 16  # KV cache block size
 CONTEXT = 512  # a decode step's context
@@ -53,6 +53,7 @@ def ensure(products: Iterable[tuple[str, int, int]] = ()) -> Choices | None:
     if missing:
         extra = {name: _timings(k, choice.SHAPE_ROWS[k], _shape_case(k, n, i)) for name, (k, n, i) in missing.items()}
         timed = _keep(Choices(timed.timings | extra, timed.file))
+    _drop_inputs()
     choice.adopt(timed)
     choice.shaped(set(wanted))
     return timed
@@ -65,8 +66,15 @@ def retime() -> Choices | None:
         return None
     choice.forget()
     timed = _keep(Choices(measure(), choice.timings_file()))
+    _drop_inputs()
     choice.adopt(timed)
     return timed
+
+
+def _drop_inputs() -> None:
+    """Free the timed weights' copies (up to COLD_BYTES each kind and shape): the model needs the memory."""
+    for cached in (_int4_weights, _bf16_weights, _shape_weights):
+        cached.cache_clear()
 
 
 def _keep(timed: Choices) -> Choices:
@@ -201,8 +209,11 @@ def _native_fits(kernel: str, n: int, k: int) -> bool:
 @functools.cache
 def _shape_weights(kernel: str, n: int, k: int) -> list[tuple[torch.Tensor, ...]]:
     """Copies of a weight of [n, k] in `kernel`'s storage (int4 codes and scales, or bfloat16), values drawn in
-    their own dtype (no float32 copy of a large head)."""
+    their own dtype; of at most COLD_BYTES, its first output features where the whole is larger (a large LM head:
+    the time per feature is the same past a few thousand, and loading a model must not hold a second head)."""
     gen = _gen()
+    row_bytes = k // 2 + k // GROUP * 4 if kernel == "int4" else 2 * k
+    n = min(n, max(64, COLD_BYTES // row_bytes // 64 * 64))
     if kernel == "int4":
         codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)  # any bytes are codes
         scales = torch.empty(k // GROUP, n, 2, dtype=torch.bfloat16).uniform_(-0.02, 0.02, generator=gen)

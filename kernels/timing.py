@@ -35,6 +35,9 @@ CONTEXT = 512  # a decode step's context
 # the two were even), at most MAX_COPIES of them (a tiny matrix stays cached in use anyway)
 COLD_BYTES = 64 << 20
 MAX_COPIES = 256
+# a matrix with fewer weights than this takes its kernel's own timings, not timed at its shape: its products take
+# microseconds, about the calls' own cost (SmolLM2's smallest, 576 x 576, has 331,776)
+MIN_SHAPE_ELEMENTS = 1 << 18
 # a native kernel twice this much slower than the best path at two row counts in a row is not timed at more rows:
 # what it does per row (a register tile of rows against the weight read once) only loses more ground with rows
 GIVE_UP = 2.0
@@ -48,7 +51,8 @@ def ensure(products: Iterable[tuple[str, int, int]] = ()) -> Choices | None:
     if choice.mode() != "measured" or native_build.why_off() is not None:
         return None
     timed = choice.kept() or choice.read(choice.timings_file()) or _keep(Choices(measure(), choice.timings_file()))
-    wanted = {choice.key(k, (n, i)): (k, n, i) for k, n, i in products if _native_fits(k, n, i)}
+    timed_at = [(k, n, i) for k, n, i in products if _native_fits(k, n, i) and n * i >= MIN_SHAPE_ELEMENTS]
+    wanted = {choice.key(k, (n, i)): (k, n, i) for k, n, i in timed_at}
     missing = {name: shape for name, shape in wanted.items() if name not in timed.timings}
     if missing:
         extra = {name: _timings(k, choice.SHAPE_ROWS[k], _shape_case(k, n, i)) for name, (k, n, i) in missing.items()}

@@ -150,8 +150,11 @@ def test_a_models_own_shapes_are_timed_once_and_decide_its_products(measured, mo
         return (choice.Timing(1, dict(fake)), choice.Timing(8, {"native": 3.0, "torch": 2.0}))
 
     monkeypatch.setattr(timing, "_timings", fake_timings)
-    timed = timing.ensure([("int4", 128, 64), ("int4", 100, 64)])  # 100 rows of codes: not the native kernel's
-    assert made == ["int4"] and "int4 128x64" in timed.timings and "int4 100x64" not in timed.timings
+    monkeypatch.setattr(timing, "MIN_SHAPE_ELEMENTS", 128 * 64)
+    # 100 rows of codes: not the native kernel's; 64 x 64: too small to time
+    timed = timing.ensure([("int4", 128, 64), ("int4", 100, 64), ("int4", 64, 64)])
+    assert made == ["int4"] and "int4 128x64" in timed.timings
+    assert "int4 100x64" not in timed.timings and "int4 64x64" not in timed.timings
     assert choice.path("int4", 4, (128, 64)) == "native" and choice.path("int4", 8, (128, 64)) == "torch"
     assert choice.path("int4", 20, (256, 64)) == "native"  # not timed: INT4's 16-63 rows
     assert "int4 128x64 native 1-7, torch from 8" in choice.summary() and "int4 native 1-3" not in choice.summary()

@@ -85,24 +85,14 @@ class Choices:
     def path(self, kernel: str, rows: int, shape: tuple[int, int] | None = None) -> str:
         """The path taken at `rows` rows: by the timings at this matrix shape ([out, in] features) where there
         are some, else by the kernel's own."""
-        timings = self.timings.get(key(kernel, shape)) if shape is not None else None
-        timings = timings or self.timings[kernel]
-        chosen = timings[0].path
-        for t in timings:
-            if rows >= t.rows:
-                chosen = t.path
-        return chosen
+        name = key(kernel, shape) if shape is not None and key(kernel, shape) in self.timings else kernel
+        (few, many), switch = split(self.timings[name])
+        return few if rows < switch else many
 
-    def describe(self, kernel: str) -> str:
-        """e.g. "native 1-15 rows, dense from 16": the row ranges each path takes."""
-        spans: list[tuple[int, str]] = []
-        for t in self.timings[kernel]:
-            if not spans or spans[-1][1] != t.path:
-                spans.append((t.rows, t.path))
-        if len(spans) == 1:
-            return spans[0][1]
-        parts = [f"{p} {r}-{spans[i + 1][0] - 1}" for i, (r, p) in enumerate(spans[:-1])]
-        return ", ".join(parts) + f", {spans[-1][1]} from {spans[-1][0]}"
+    def describe(self, name: str) -> str:
+        """e.g. "native 1-127, dense from 128": the row ranges each path takes."""
+        (few, many), switch = split(self.timings[name])
+        return few if few == many else f"{few} 1-{switch - 1}, {many} from {switch}"
 
     def shown(self, name: str) -> bool:
         """Whether the summary names `name`'s timings: every kernel's own, but the products' only where this
@@ -110,6 +100,28 @@ class Choices:
         if " " in name:
             return name in _shaped
         return name not in PRODUCTS or not _shaped
+
+
+def split(timings: tuple[Timing, ...]) -> tuple[tuple[str, str], int]:
+    """((the path up to the switch, the path from it), the switch's rows): at most one switch, where the two paths
+    together cost the least, each row count timed weighing alike (its time over the best there). One switch, not
+    one a timing: a near-tie that flips from count to count would make a sequence's tokens depend on how many
+    others share its step (greedy answers are batch-invariant only where every batch size takes the same path)."""
+
+    def cost(t: Timing, p: str) -> float:
+        return t.us[p] / min(t.us.values()) if p in t.us else float("inf")
+
+    best, chosen = float("inf"), ((timings[0].path, timings[0].path), timings[0].rows)
+    paths = list(dict.fromkeys(p for t in timings for p in t.us))
+    for i in range(len(timings)):  # the switch at timing i (i = 0: one path throughout)
+        for few in paths:
+            for many in paths:
+                if (i == 0) != (few == many):
+                    continue
+                total = sum(cost(t, few) for t in timings[:i]) + sum(cost(t, many) for t in timings[i:])
+                if total < best - 1e-12:
+                    best, chosen = total, ((few, many), timings[i].rows if i else 1)
+    return chosen
 
 
 _forced: list[str] = []  # a path every kernel takes while timing (innermost last)

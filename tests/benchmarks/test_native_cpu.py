@@ -25,10 +25,12 @@ def test_a_quick_run_measures_each_kernel_against_torch(tmp_path, monkeypatch, c
     for row in report["rows"]:
         assert row["native_us"] > 0 and row["torch_us"] > 0 and row["max_relative_difference"] < 2.0**-6, row
     # each row names the path the engine takes here, by its own timings, and how that path compares with the others
-    timed = {(t["kernel"], t["rows"]): t["taken"] for t in report["choices"]["timings"]}
+    from offload.kernels import choice
+
     for row in report["rows"]:
         assert row["taken"] in ("native", "torch", "dense") and row["taken_vs_other"] > 0, row
     # the quick run's int4 matrix (576 x 576) timed at its own shape, as a model of it would have it timed
+    timed = [choice.Timing(t["rows"], t["us"]) for t in report["choices"]["timings"] if t["kernel"] == "int4 576x576"]
     taken = next(r["taken"] for r in report["rows"] if r["kind"] == "int4" and r["rows"] == 1)
-    assert timed[("int4 576x576", 1)] == taken
+    assert choice.Choices({"int4 576x576": tuple(timed)}).path("int4", 1, (576, 576)) == taken
     assert "worst taken path" in capsys.readouterr().out

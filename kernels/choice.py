@@ -237,9 +237,11 @@ def summary() -> str:
 
 
 def timing_table(timed: Choices) -> list[dict]:
-    """One row per kernel and row count: what each path took and which one the engine takes (for benchmarks)."""
-    return [
-        {"kernel": k, "rows": t.rows, "us": dict(t.us), "taken": t.path, "speedup": round(t.speedup, 3)}
-        for k, ts in timed.timings.items()
-        for t in ts
-    ]
+    """One row per kernel and row count: what each path took and which one the engine takes there (`split`'s, for
+    benchmarks)."""
+    rows = []
+    for name, ts in timed.timings.items():
+        (few, many), switch = split(ts)
+        for t in ts:
+            rows.append({"kernel": name, "rows": t.rows, "us": dict(t.us), "taken": few if t.rows < switch else many})
+    return rows

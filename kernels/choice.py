@@ -85,7 +85,8 @@ class Choices:
     def path(self, kernel: str, rows: int, shape: tuple[int, int] | None = None) -> str:
         """The path taken at `rows` rows: by the timings at this matrix shape ([out, in] features) where there
         are some, else by the kernel's own."""
-        name = key(kernel, shape) if shape is not None and key(kernel, shape) in self.timings else kernel
+        name = key(kernel, shape) if shape is not None else kernel
+        name = name if name in self.timings else kernel
         (few, many), switch = split(self.timings[name])
         return few if rows < switch else many
 

@@ -36,7 +36,7 @@ def prompts(n: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     from offload.api import LLM
-    from offload.batch import run_job
+    from offload.batch.job import run_job
     from offload.common.config import EngineConfig, SamplingParams
     from offload.demo import ensure_demo_model
 

@@ -39,7 +39,7 @@ def predict_point(model_dir: Path, hw, result: peers.EngineResult, batch: int, w
     """The cost model's prediction for the placement and micro-batching our engine actually ran."""
     from offload.common.config import Policy
     from offload.planner.models import load_model_spec
-    from offload.scheduler.cost import Budgets, Candidate, Workload, predict
+    from offload.scheduler.cost.predict import Budgets, Candidate, Workload, predict
 
     policy = Policy(tuple(result.extra["layer_tiers"]), result.extra["ring_slots"])  # the engine's own
     micro_batches = math.ceil(batch * workload.prompt_tokens / result.extra["micro_batch_tokens"])

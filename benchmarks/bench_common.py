@@ -134,7 +134,7 @@ def kv_block_bytes(model_dir: Path, block_size: int, kv_dtype: str = "auto") -> 
     import torch
 
     from offload.model.loader import load_spec
-    from offload.tiers.kv import KVCache
+    from offload.tiers.kv.kv_cache import KVCache
 
     spec, _ = load_spec(model_dir)
     dims = (spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)

@@ -255,7 +255,7 @@ def run_ours(
     from offload.model.sampling import sample
     from offload.scheduler.batcher import Batcher, BatchLimits
     from offload.scheduler.sequence import Sequence
-    from offload.tiers.kv import KVCache
+    from offload.tiers.kv.kv_cache import KVCache
 
     spec, _ = load_spec(model_dir)
     per_block = KVCache.block_bytes(spec.num_layers, block, spec.num_kv_heads, spec.head_dim, torch.bfloat16)

@@ -75,8 +75,8 @@ MARGIN = 16  # a 16th of the budget (at most 16 MiB) is left beside the resident
 
 def checkpoint_bytes(model_dir: Path) -> tuple[int, int]:
     """(bytes of the routed experts' tensors, bytes of every other tensor) from the safetensors headers."""
-    from offload.tiers.checkpoint import Checkpoint
     from offload.tiers.io.buffered import BufferedReader
+    from offload.tiers.weights.checkpoint import Checkpoint
 
     with BufferedReader() as reader:
         extents = Checkpoint(model_dir, reader).extents.values()
@@ -180,10 +180,10 @@ def row(rounds: list[EngineResult], limit_gbps: float, resident: EngineResult | 
 
 def predicted_bytes_per_token(model_dir: Path, cache_bytes: int, batch: int, prompt: int, new_tokens: int) -> float:
     """The cost model's bytes read per generated token for expert streaming with a cache of `cache_bytes`
-    (scheduler/moe_cost.py: uniform routing, the cache's share of every expert as its hit rate): a prefill step of
+    (scheduler/cost/moe_cost.py: uniform routing, the cache's share of every expert as its hit rate): a prefill step of
     batch * prompt tokens, then new_tokens - 1 decode steps of `batch` tokens."""
     from offload.model.loader import load_spec
-    from offload.scheduler.moe_cost import expert_params, read_bytes, sparse_layers
+    from offload.scheduler.cost.moe_cost import expert_params, read_bytes, sparse_layers
 
     spec, _ = load_spec(model_dir)
     one = expert_params(spec) * 2  # bf16
@@ -234,9 +234,9 @@ def planned_tokens_per_second(model_dir: Path, hw, batch: int, new_tokens: int, 
     """The planner's tokens/s for this engine at `batch` under the device budget the run had (`budget` plus the KV
     cache), its experts streamed through a cache of `cache` bytes (0: with their layers)."""
     from offload.planner.models import load_model_spec
-    from offload.scheduler.cost import Budgets
-    from offload.scheduler.cost import Workload as PlanWorkload
-    from offload.scheduler.search import search
+    from offload.scheduler.cost.predict import Budgets
+    from offload.scheduler.cost.predict import Workload as PlanWorkload
+    from offload.scheduler.cost.search import search
 
     config = ours_config(model_dir, budget, Workload(prompts=batch, prompt_tokens=PROMPT_TOKENS, new_tokens=new_tokens))
     spec = load_model_spec(str(model_dir))

@@ -95,15 +95,15 @@ def raw_bandwidth(files: list[Path], request: int = 64 * MiB, depth: int = 4, re
 
 
 def streamed_read(model_dir: Path, layer_tiers: list[str], passes: int, depth: int = 4, repeats: int = 2) -> dict:
-    """The bytes our engine streams (the "nvme" layers' read runs, as tiers/layout.py plans them) read with O_DIRECT
-    `passes` times in the engine's cyclic order, `depth` layers in flight; the best of `repeats`, in GB/s."""
+    """The bytes our engine streams (the "nvme" layers' read runs, as tiers/weights/layout.py plans them) read with
+    O_DIRECT `passes` times in the engine's cyclic order, `depth` layers in flight; the best of `repeats`, in GB/s."""
     from offload.model.loader import load_spec
     from offload.model.registry import model_tensors
-    from offload.tiers.checkpoint import Checkpoint
     from offload.tiers.io.backends import make_backend
     from offload.tiers.io.base import aligned_buffer
     from offload.tiers.io.buffered import BufferedReader
-    from offload.tiers.layout import model_layout
+    from offload.tiers.weights.checkpoint import Checkpoint
+    from offload.tiers.weights.layout import model_layout
 
     spec, family = load_spec(model_dir)
     with BufferedReader() as reader:

@@ -202,7 +202,7 @@ def ours_config(model_dir: Path, budget: int | None, workload: Workload) -> Engi
 
     from offload.common.config import EngineConfig
     from offload.model.loader import load_spec
-    from offload.tiers.kv import KVCache
+    from offload.tiers.kv.kv_cache import KVCache
 
     spec, _ = load_spec(model_dir)
     block = 16

@@ -14,7 +14,7 @@ served.py's at_rate (a thread and a plain http.client connection each: the light
 Measured, client-side (served.py's rate_stats): time to first token (send to the first chunk with a token) and each
 stream's decode tokens/s (its tokens after the first over the time from its first chunk to its last), p50 over the
 requests after the first quarter, as the simulation reports them; and, over capacity, the completion rate while the
-queue is full: the largest rate the server sustains. Predicted: scheduler/queueing.py's simulation at the same
+queue is full: the largest rate the server sustains. Predicted: scheduler/cost/queueing.py's simulation at the same
 rates and arrival times, with the served engine's own step, stream, prompt-token and request costs that `offload
 probe` measured (the profile's "serving"); for the streamed model also at the disk rate the engine's weight reads
 had during that rate's run (/metrics: bytes read from disk over the seconds reads were in flight), which tells the
@@ -61,8 +61,8 @@ def plan(model: Path, prompt_len: int, gen_len: int, budget: int | None, work_di
     from offload.planner.commands import planned_config
     from offload.planner.models import load_model_spec
     from offload.planner.probe import ProbeSizes, local_profile, remeasure
-    from offload.scheduler.cost import Budgets, Workload, make_context
-    from offload.scheduler.search import search
+    from offload.scheduler.cost.predict import Budgets, Workload, make_context
+    from offload.scheduler.cost.search import search
 
     # the disk, for the streamed model: the median of three reads of the full probe's 1 GiB file (single reads of
     # this VM's virtual disk differ widely within minutes)
@@ -85,8 +85,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     from offload.common.config import EngineConfig
     from offload.common.knobs import to_flags
     from offload.demo import ensure_demo_model
-    from offload.scheduler.cost import make_context
-    from offload.scheduler.queueing import arrival_times, max_rate, simulate
+    from offload.scheduler.cost.predict import make_context
+    from offload.scheduler.cost.queueing import arrival_times, max_rate, simulate
 
     prompt_len, gen_len, budget, requests, _ = SETTINGS[name]
     requests = args.requests or requests

@@ -135,7 +135,7 @@ def agreement(prompts, ref_tokens, quant_tokens, ref_logits) -> dict:
 
 def evaluate(name: str, model_dir: Path, prompts: list[list[int]], formats, work: Path, new_tokens: int) -> dict:
     from offload.common.quant import WeightQuant
-    from offload.convert import convert
+    from offload.convert.quantize import convert
 
     ref_tokens, scored, ref_logits = run_model(model_dir, prompts, new_tokens)
     source_bytes = weight_bytes(model_dir)

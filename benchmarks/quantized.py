@@ -62,7 +62,7 @@ def format_dir(base: Path, name: str, work_dir: Path) -> tuple[Path, float | Non
     if FORMATS[name] is None:
         return base, None
     from offload.common.quant import WeightQuant
-    from offload.convert import convert
+    from offload.convert.quantize import convert
 
     quant = WeightQuant(*FORMATS[name])
     out = work_dir / f"{base.name}-{quant.name}"

@@ -94,8 +94,8 @@ def real_model():
 def make_source(source: str, float_dir: Path, gguf: Path, work: Path) -> Path:
     """The model directory a row runs: the float copy, a conversion of it, or the GGUF file imported."""
     from offload.common.quant import WeightQuant
-    from offload.convert import convert
-    from offload.gguf_import import import_gguf
+    from offload.convert.quantize import convert
+    from offload.gguf.importer import import_gguf
 
     out = work / source
     if source == "float":

@@ -381,7 +381,7 @@ class RateResult:
 def rate_phase(server: Server, args: argparse.Namespace) -> RateResult:
     import random
 
-    from offload.scheduler.queueing import arrival_times
+    from offload.scheduler.cost.queueing import arrival_times
 
     rng = random.Random(0)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]

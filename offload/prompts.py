@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from offload.common.errors import OffloadError
-from offload.tool_calls import render, template_has_tools
+from offload.openai.tool_calls import render, template_has_tools
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -62,7 +62,7 @@ class Prompts:
     def encode_chat(self, messages: list[dict], index: int | str = 0, tools: list[dict] | None = None) -> list[int]:
         """The token ids of `messages` under the chat template, ready for the assistant's turn. `tools`: the
         functions the reply may call (OpenAI's function objects), through the template where it has a tools section,
-        else through the default tool prompt (offload/tool_calls.py)."""
+        else through the default tool prompt (offload/openai/tool_calls.py)."""
         if not messages or not all(isinstance(m, dict) and (m.get("content") or m.get("tool_calls")) for m in messages):
             raise OffloadError(f"conversation {index} is empty or has a message without content")
         if not self.has_chat_template:

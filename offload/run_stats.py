@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offload.tiers.experts import ExpertStats
+from offload.tiers.experts.expert_cache import ExpertStats
 
 KV_COUNTERS = (
     "prefill_tokens",

@@ -14,7 +14,7 @@ step is preempted, possibly the one asking: its blocks are freed and it waits at
 to be recomputed from scratch (prompt and outputs so far). No sequence is admitted in a step that
 preempted one.
 
-With prefix reuse (tables with a chain root, tiers/blocks.py), a sequence is admitted at the end of its longest
+With prefix reuse (tables with a chain root, tiers/kv/blocks.py), a sequence is admitted at the end of its longest
 cached prefix and computes only the rest; among the waiting sequences of the head's class the one with the longest
 cached prefix goes first, unless one ahead of it has been passed over MAX_SKIPS times; a sequence whose next block
 a chunk of this step is computing waits one step and then shares it. The cached blocks that only a lower tier
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from offload.scheduler.kv_prices import KVPrices
 from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from offload.scheduler.sequence import SeqState, Sequence
-from offload.tiers.blocks import BlockTables
-from offload.tiers.kv_events import Tier
+from offload.tiers.kv.blocks import BlockTables
+from offload.tiers.kv.events import Tier
 
 LOOKAHEAD = 64  # waiting sequences compared by cached prefix at each admission
 MAX_SKIPS = 16  # admissions a waiting sequence may be passed over for a longer cached prefix

@@ -16,7 +16,7 @@ PREFILL_WEIGHT = 0.2  # of the newest prefill step in the running prefill rate (
 
 
 class MovedRates(Protocol):
-    """What the KV tiers measured so far (tiers/kv_tiers.py's KVTierCounters); None until measured."""
+    """What the KV tiers measured so far (tiers/kv/lower_tiers.py's KVTierCounters); None until measured."""
 
     @property
     def seconds_per_block_moved(self) -> float | None: ...

@@ -50,17 +50,21 @@ def test_the_wheel_holds_one_top_level_name_and_every_module(wheel):
             assert f"{package.replace('.', '/')}/{source.relative_to(ROOT / folder).as_posix()}" in names, source
 
 
-def test_hugging_face_kernels_and_transformers_import_beside_the_engine(tmp_path):
-    """Run where the repository's folders are not on sys.path, as an installed engine is: `kernels` is Hugging Face's,
-    transformers' integration with it imports, and the engine's kernels are offload.kernels."""
+@pytest.mark.parametrize("where", ["elsewhere", "the repository root"])
+def test_hugging_face_kernels_and_transformers_import_beside_the_engine(tmp_path, where):
+    """`kernels` is Hugging Face's, transformers' integration with it imports, and the engine's kernels are
+    offload.kernels: where the repository's folders are not on sys.path, as an installed engine runs, and from the
+    repository root, which `python -c` and `python -m` put first on sys.path (kernels/ holds no __init__.py, so the
+    installed distribution wins)."""
     pytest.importorskip("kernels")
     code = (
-        "import kernels, transformers.integrations.hub_kernels, offload.kernels.dispatch, offload.tiers.ring;"
+        "import kernels, transformers.integrations.hub_kernels, offload.kernels.dispatch, offload.tiers.weights.ring;"
         "import offload.scheduler.batcher;"
         "print(kernels.__file__); print(offload.kernels.dispatch.__file__)"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    cwd = tmp_path if where == "elsewhere" else ROOT
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     hf, ours = out.stdout.split()
     assert Path(hf).parent.parent.name == "site-packages"
-    assert Path(ours) == ROOT / "kernels" / "dispatch.py"
+    assert Path(ours).resolve() == ROOT / "kernels" / "dispatch.py"

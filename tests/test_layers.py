@@ -4,9 +4,11 @@ two modules import each other, directly or through others (lazy imports inside f
 The layers, bottom first, as docs/ARCHITECTURE.md draws them. A module belongs to the first layer whose prefix
 names it (the longest prefix wins); everything under offload/ not claimed by a lower layer is the face.
 
-Packages form no cycle either: collapsed to its units (each subpackage of offload, such as offload.tiers or
-offload.server, and each of offload's own top-level modules, such as offload.api or offload.batch_io), the graph
-is still acyclic, so no two packages import each other even where no two of their modules do.
+Packages form no cycle either: collapsed to its units (the package that holds a module, down to the rooms of a
+folder such as offload.tiers.kv or offload.scheduler.cost, and each of offload's own top-level modules, such as
+offload.api), the graph is still acyclic, so no two packages import each other even where no two of their modules do.
+
+No two modules share a name, wherever they are: a name says which module it is.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# each source folder and the package it installs as (pyproject's package-dir)
+# each source folder and the package it installs as (offload/kernels, offload/tiers and offload/scheduler link them)
 PACKAGES = {
     "offload": "offload",
     "kernels": "offload.kernels",
@@ -45,7 +47,12 @@ def module_name(path: Path) -> str:
 
 
 def source_modules() -> dict[str, Path]:
-    return {module_name(p): p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))}
+    found = {}
+    for folder in PACKAGES:
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            if not any(part.is_symlink() for part in [p, *p.parents] if ROOT in part.parents):
+                found[module_name(p)] = p
+    return found
 
 
 def layer_of(module: str) -> int:
@@ -120,9 +127,13 @@ def cycles(graph: dict[str, set[str]]) -> list[str]:
 
 
 def unit_of(module: str) -> str:
-    """The unit `module` belongs to: offload's subpackage or top-level module that holds it (offload.tiers.io.base:
-    offload.tiers; offload.batch_io: itself), or offload itself for the package's __init__."""
-    return ".".join(module.split(".")[:2])
+    """The unit `module` belongs to: the package that holds it, two levels below offload at most
+    (offload.tiers.io.base: offload.tiers.io; offload.tiers.copy: offload.tiers; offload.batch.job: offload.batch),
+    or itself for offload's own top-level modules and offload."""
+    parts = module.split(".")
+    if len(parts) <= 2:
+        return module
+    return ".".join(parts[: min(len(parts) - 1, 3)])
 
 
 def collapse(graph: dict[str, set[str]]) -> dict[str, set[str]]:
@@ -162,30 +173,36 @@ def test_no_import_cycles_between_packages():
 
 
 def test_the_checks_catch_what_they_look_for():
-    assert upward({"offload.tiers.weights": {"offload.model.registry"}}) == [
-        "offload.tiers.weights (tiers) imports offload.model.registry (model)"
+    assert upward({"offload.tiers.weights.weight_store": {"offload.model.registry"}}) == [
+        "offload.tiers.weights.weight_store (tiers) imports offload.model.registry (model)"
     ]
-    assert upward({"offload.api": {"offload.tiers.kv"}, "offload.tiers.kv": {"offload.tiers.io.base"}}) == []
+    assert (
+        upward({"offload.api": {"offload.tiers.kv.kv_cache"}, "offload.tiers.kv.kv_cache": {"offload.tiers.io.base"}})
+        == []
+    )
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
     assert cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
     # no two modules import each other here, but their packages do
     planted = {
-        "offload.batch_io": {"offload.server.protocol"},
-        "offload.server.batches": {"offload.batch_io", "offload.server.front"},
+        "offload.batch.job_files": {"offload.server.protocol"},
+        "offload.server.batches": {"offload.batch.job_files", "offload.server.front"},
         "offload.server.protocol": {"offload.core"},
         "offload.tiers.io.base": set(),
-        "offload.tiers.kv": {"offload.tiers.io.base"},
+        "offload.tiers.kv.kv_cache": {"offload.tiers.io.base"},
     }
     assert cycles(planted) == []
     assert collapse(planted) == {
-        "offload.batch_io": {"offload.server"},
-        "offload.server": {"offload.batch_io", "offload.core"},
-        "offload.tiers": set(),
+        "offload.batch": {"offload.server"},
+        "offload.server": {"offload.batch", "offload.core"},
+        "offload.tiers.io": set(),
+        "offload.tiers.kv": {"offload.tiers.io"},
     }
-    assert cycles(collapse(planted)) == ["offload.batch_io -> offload.server -> offload.batch_io"]
-    assert [unit_of(m) for m in ("offload", "offload.api", "offload.tiers.io.base", "offload.kernels")] == [
+    assert cycles(collapse(planted)) == ["offload.batch -> offload.server -> offload.batch"]
+    units = ("offload", "offload.api", "offload.tiers.io.base", "offload.tiers.copy", "offload.kernels.linear")
+    assert [unit_of(m) for m in units] == [
         "offload",
         "offload.api",
+        "offload.tiers.io",
         "offload.tiers",
         "offload.kernels",
     ]
@@ -212,3 +229,12 @@ def test_modules_stay_readable():
         if lines > 400 and "Over 400 lines" not in (ast.get_docstring(ast.parse(text)) or ""):
             too_long.append(f"{m}: {lines} lines")
     assert not too_long, "\n".join(too_long)
+
+
+def test_no_two_modules_share_a_name():
+    names: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            names.setdefault(path.stem, []).append(module)
+    shared = {name: found for name, found in names.items() if len(found) > 1}
+    assert not shared, shared

@@ -10,8 +10,8 @@ from offload.tiers.memory import MemoryTier
 
 class HostTier(MemoryTier):
     """Host RAM for weights under the --host-memory budget: layers placed in host RAM and, on the staged path
-    (tiers/weights.py), the pinned staging buffers disk reads land in on their way to the device, all charged
-    here against one budget. capacity None (--host-memory 0, the default: no budget given) keeps no layer in
+    (tiers/weights/weight_store.py), the pinned staging buffers disk reads land in on their way to the device, all
+    charged here against one budget. capacity None (--host-memory 0, the default: no budget given) keeps no layer in
     host RAM, and staging then takes what it needs: a bounded amount (`ring_slots` buffers of the largest
     streamed layer, and one of the largest resident group while loading), counted in `used` and `peak`."""
 

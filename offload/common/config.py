@@ -18,7 +18,8 @@ from offload.common.knobs import knob
 
 TIERS = ("device", "host", "nvme")
 EMBED_TIERS = ("device", "nvme")  # where a token embedding may live (Policy.embed_tier)
-EMBED_READ_BUFFER = 2 << 20  # bytes; a stored embedding reads its rows through a buffer this big (tiers/embedding.py)
+# bytes; a stored embedding reads its rows through a buffer this big (tiers/weights/embedding.py)
+EMBED_READ_BUFFER = 2 << 20
 READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py)
 IO_BACKENDS = ("auto", *READ_BACKENDS)  # what io_backend may say; "auto" resolves to a read backend
 EXPERT_PREFETCH = ("router", "frequency")  # how the next sparse layer's experts are chosen for prefetch
@@ -40,12 +41,13 @@ def embed_read_buffer(row_bytes: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """Where each decoder layer's weights live. Placement is data; tiers/weights.py moves bytes to match it."""
+    """Where each decoder layer's weights live. Placement is data; tiers/weights/weight_store.py moves bytes to match
+    it."""
 
     layer_tiers: tuple[str, ...]  # per layer: "device" (resident), "host" (RAM copy), "nvme" (streamed)
     ring_slots: int = 0  # device buffers that streamed layers pass through; 0 when nothing streams
     # where the token embedding lives: "device" (resident), or "nvme" (left in storage, each step reading its
-    # tokens' rows: tiers/embedding.py), which frees its bytes for layers when some layer streams anyway
+    # tokens' rows: tiers/weights/embedding.py), which frees its bytes for layers when some layer streams anyway
     embed_tier: str = "device"
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """The dtypes the engine computes in and reads weights in, by the names config.json and users give them.
 
-(Safetensors' own dtype codes, "BF16" and the like, are the checkpoint reader's: tiers/checkpoint.py.)
+(Safetensors' own dtype codes, "BF16" and the like, are the checkpoint reader's: tiers/weights/checkpoint.py.)
 """
 
 from __future__ import annotations

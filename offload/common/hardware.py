@@ -33,7 +33,7 @@ class ComputeUnit:
     # bandwidth and the GEMM rate). On a CPU these run far below the memory roofline: a float32 RMS norm or a
     # 128-token causal attention is a chain of small kernels, not one streaming pass.
     # rows -> bytes/s: a layer's non-GEMM work (norms, rotary, SiLU * up, residual adds, KV write) at that many
-    # rows, as the bytes the cost model counts for it (scheduler.rates.elementwise_bytes) per second
+    # rows, as the bytes the cost model counts for it (scheduler.cost.gemm_rates.elementwise_bytes) per second
     elementwise_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # prompt tokens -> FLOP/s: causal attention of whole prompts of that length, one call per sequence
     prefill_attention_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)

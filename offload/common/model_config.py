@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from offload.common.config_fields import REQUIRED, eos, flag, integer, model_dtype
-from offload.common.deepseek import V2, V3, LatentAttention, Routing, deepseek_fields
+from offload.common.deepseek_shape import V2, V3, LatentAttention, Routing, deepseek_fields
 from offload.common.dtypes import DTYPES
 from offload.common.errors import OffloadError
-from offload.common.gpt_oss import gpt_oss_fields
+from offload.common.gpt_oss_shape import gpt_oss_fields
 from offload.common.quant import WeightQuant, parse_quant
 from offload.common.rope_spec import RopeSpec, parse_rope
 
@@ -34,8 +34,8 @@ LLAMA_LIKE = (
     "Qwen3MoeForCausalLM",
 )
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-DEEPSEEK = (V2, V3)  # their shape read by offload/common/deepseek.py
-GPT_OSS = "GptOssForCausalLM"  # its shape read by offload/common/gpt_oss.py
+DEEPSEEK = (V2, V3)  # their shape read by offload/common/deepseek_shape.py
+GPT_OSS = "GptOssForCausalLM"  # its shape read by offload/common/gpt_oss_shape.py
 SUPPORTED = (*LLAMA_LIKE, *DEEPSEEK, GPT_OSS, "OPTForCausalLM")
 
 

@@ -22,7 +22,7 @@ class WeightQuant:
     group_size: int  # input features sharing a scale: 32 | 64 | 128, or 0 for one scale per output channel
     layout: str  # "cpu" | "triton"
     # checkpoint names of projection weights ("model.layers.3.mlp.down_proj.weight") kept in a float dtype: a GGUF
-    # import keeps there the matrices this format cannot hold exactly (offload/gguf_import.py)
+    # import keeps there the matrices this format cannot hold exactly (offload/gguf/importer.py)
     unquantized: frozenset[str] = field(default=frozenset())
 
     def __post_init__(self) -> None:

@@ -41,8 +41,8 @@ from offload.kernels.rotary import apply_rotary
 from offload.model.llama import LlamaFamily, project, rms_norm, swiglu
 from offload.model.moe import EXPERT_MATRICES, routed_experts, sub_weights
 from offload.model.registry import LayerInput
-from offload.tiers.checkpoint import TensorSpec
-from offload.tiers.layout import Weights
+from offload.tiers.weights.checkpoint import TensorSpec
+from offload.tiers.weights.layout import Weights
 
 UNPACKED = ("kv_b", "router")  # not multiplied through linear(): viewed per head, or cast to float32 first
 

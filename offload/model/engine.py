@@ -12,8 +12,8 @@ from offload.model.host_attention import HostAttention, Staging, staging
 from offload.model.registry import ExpertSource, Family, LayerInput
 from offload.model.rope import attention_scale, cos_sin, inverse_frequencies
 from offload.scheduler.plan import MicroBatch, StepPlan
-from offload.tiers.kv import KVCache
-from offload.tiers.weights import WeightStore
+from offload.tiers.kv.kv_cache import KVCache
+from offload.tiers.weights.weight_store import WeightStore
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Expert streaming: a mixture's routed experts leave their layers' groups for an ExpertCache (tiers/experts.py).
+"""Expert streaming: a mixture's routed experts leave their layers' groups for an ExpertCache
+(tiers/experts/expert_cache.py).
 
 Each sparse layer's group keeps its dense part (attention, norms, router, shared expert), placed and streamed by
 the WeightStore like a dense layer; every "expert{e}.*" tensor goes to the group of (layer, e), named by its bare
@@ -8,8 +9,8 @@ Prefetch starts reads for the next sparse layer while this one computes (EngineC
 "router" (the default) guesses its experts with a copy of that layer's router and input norm (`Gate`, a few KiB to
 a few MiB, resident on the device): when a layer fetches its experts it runs the next layer's router on its own
 residual stream (the next layer's input, less one attention and one MLP output) and starts reading each token's
-first choice there as a guess (tiers/experts.py). "frequency" prefetches the next layer's experts selected most
-often instead. The last sparse layer's next is the first one at the next step, whose hidden state does not exist
+first choice there as a guess (tiers/experts/expert_cache.py). "frequency" prefetches the next layer's experts selected
+most often instead. The last sparse layer's next is the first one at the next step, whose hidden state does not exist
 yet: it always prefetches by frequency. How often the guesses are right, and what each kind is worth, is measured
 by benchmarks/moe.py (docs/benchmarks.md).
 """
@@ -26,13 +27,13 @@ from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
 from offload.kernels.rms_norm import fused_rms_norm
 from offload.model.registry import Family, model_tensors
-from offload.tiers.checkpoint import Checkpoint, ModelTensors, TensorGroup
 from offload.tiers.copy import make_copy_engine
-from offload.tiers.expert_slots import DeviceExperts
-from offload.tiers.experts import ExpertCache, Key, slot_cost
+from offload.tiers.experts.expert_cache import ExpertCache, Key, slot_cost
+from offload.tiers.experts.expert_slots import DeviceExperts
 from offload.tiers.io.base import ReadBackend
-from offload.tiers.layout import GroupLayout, ModelLayout, Weights, group_layout, model_layout
 from offload.tiers.memory import MemoryTier
+from offload.tiers.weights.checkpoint import Checkpoint, ModelTensors, TensorGroup
+from offload.tiers.weights.layout import GroupLayout, ModelLayout, Weights, group_layout, model_layout
 
 _EXPERT = re.compile(r"expert(\d+)\.(.+)")
 PREFETCH_FACTOR = 2  # experts prefetched by frequency for the first sparse layer: experts_per_token times this
@@ -130,7 +131,7 @@ class ColdExperts:
     """Where a chosen expert that is not in the device slots runs on the staged path (a CUDA device): "device"
     copies it there from the host cache; "cpu" runs it on the CPU from the host cache, moving its tokens' rows and
     not its weights (Fiddler's choice for cold experts); "auto" prices both for the expert's rows by the cost
-    model (scheduler/moe_cost.py) each time a step chooses it."""
+    model (scheduler/cost/moe_cost.py) each time a step chooses it."""
 
     mode: str  # "auto", "device" or "cpu" (COLD_EXPERTS)
     cpu_seconds: Callable[[int], float] | None = None  # rows -> one expert on the CPU, its rows moved both ways

@@ -28,8 +28,8 @@ from offload.kernels.mxfp4_linear import mxfp4_linear
 from offload.model.llama import LlamaFamily
 from offload.model.moe import routed_experts
 from offload.model.registry import LayerInput
-from offload.tiers.checkpoint import TensorSpec
-from offload.tiers.layout import Weights
+from offload.tiers.weights.checkpoint import TensorSpec
+from offload.tiers.weights.layout import Weights
 
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")  # one row each per expert
 MXFP4_TENSORS = (

@@ -6,8 +6,8 @@ over the link would). "device": the blocks the micro-batch reads are gathered fr
 compute device (as stored: a quantized cache moves its records) and attended there; the step's new keys and values
 are still written to the host cache, their home. A prompt chunk's attention does work in proportion to its queries
 times its context, which a GPU does far faster than a CPU, so copying pays there; a decode query's does not.
-"auto" compares both with the cost model's prices (scheduler/attention_cost.py) from this
-machine's saved CUDA profile (offload/planner/host_attention.py); without one, it stages micro-batches holding
+"auto" compares both with the cost model's prices (scheduler/cost/attention_cost.py) from this
+machine's saved CUDA profile (offload/planner/host_attention_prices.py); without one, it stages micro-batches holding
 prompt chunks and keeps decode-only ones on the CPU.
 
 On a CPU device both parts are the same RAM and "auto" never stages; "device" still can, which is how the staging
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.kernels.paged_batch import PagedBatch
-from offload.tiers.kv import QuantizedKV
+from offload.tiers.kv.kv_cache import QuantizedKV
 
 # (query tokens, sequences, context tokens over the sequences) -> seconds one layer's attention takes that way
 Price = Callable[[int, int, int], float]

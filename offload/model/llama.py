@@ -19,8 +19,8 @@ from offload.kernels.quant_linear import SCALES_SUFFIX, quant_linear, stack_outp
 from offload.kernels.rms_norm import fused_rms_norm
 from offload.kernels.rotary import apply_rotary, apply_rotary_heads
 from offload.model.registry import LayerInput
-from offload.tiers.checkpoint import TensorSpec
-from offload.tiers.layout import Weights
+from offload.tiers.weights.checkpoint import TensorSpec
+from offload.tiers.weights.layout import Weights
 
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")  # what offload/model/rope.py computes
 # projections of one input that run as one product where a layer's weights are held whole (`LlamaFamily.fuse`):

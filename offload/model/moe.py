@@ -25,8 +25,8 @@ from offload.common.model_config import ModelSpec
 from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.model.llama import LlamaFamily, project, swiglu
 from offload.model.registry import ExpertSource, LayerInput
-from offload.tiers.checkpoint import TensorSpec
-from offload.tiers.layout import Weights
+from offload.tiers.weights.checkpoint import TensorSpec
+from offload.tiers.weights.layout import Weights
 
 EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")
 # the checkpoint's names for an expert's gate, up and down matrices

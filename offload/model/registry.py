@@ -18,9 +18,9 @@ from offload.common.quant import WeightQuant
 from offload.kernels.paged_batch import PagedBatch
 from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.model.host_attention import Staging
-from offload.tiers.checkpoint import ModelTensors, TensorGroup, TensorSpec
-from offload.tiers.kv import KVLayer
-from offload.tiers.layout import Weights
+from offload.tiers.kv.kv_cache import KVLayer
+from offload.tiers.weights.checkpoint import ModelTensors, TensorGroup, TensorSpec
+from offload.tiers.weights.layout import Weights
 
 ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "offload.model.deepseek",

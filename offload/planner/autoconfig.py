@@ -6,7 +6,7 @@ become what they mean when unset (no host layers, no KV tiers below the device, 
 the KV cache, where the user fixed neither, are sized by `autoconfigure` whenever there is a budget to size them in,
 else get their defaults.
 
-When the user fixes neither the batch nor the KV cache, the engine asks scheduler/cost.py which batch gives
+When the user fixes neither the batch nor the KV cache, the engine asks scheduler/cost/predict.py which batch gives
 the highest predicted throughput within the device budget, among the policies this engine runs (the checkpoint's
 weight width, KV cache on the device), and sizes the KV cache, the step and the micro-batches to match: the KV cache
 holds the whole batch at its longest, every prompt is prefilled in one pass over the weights, and micro-batches are
@@ -31,9 +31,9 @@ from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.common.sizes import format_size
-from offload.scheduler.cost import Budgets, Candidate, Prediction, Workload, make_context, tier_memory
-from offload.scheduler.search import best, search
-from offload.tiers.kv import KVCache
+from offload.scheduler.cost.predict import Budgets, Candidate, Prediction, Workload, make_context, tier_memory
+from offload.scheduler.cost.search import best, search
+from offload.tiers.kv.kv_cache import KVCache
 
 # bytes of a process's peak RSS beyond its RSS when it planned and the device bytes the cost model predicted (weights,
 # KV cache, ring, activations, logits): allocator slack, decode attention's copy of a layer's K/V, the read threads,

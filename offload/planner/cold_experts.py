@@ -7,16 +7,16 @@ import torch
 
 from offload.common.model_config import ModelSpec
 from offload.model.expert_streaming import ColdExperts
+from offload.planner.measured_rates import measure_expert_units
 from offload.planner.profiles import load_profile, local_profile_path
-from offload.planner.rates import measure_expert_units
-from offload.scheduler.moe_cost import cold_expert_seconds, copied_expert_seconds
+from offload.scheduler.cost.moe_cost import cold_expert_seconds, copied_expert_seconds
 
 
 def cold_experts(
     mode: str, spec: ModelSpec, dtype: torch.dtype, device: torch.device, expert_bytes: int
 ) -> ColdExperts:
     """The choice for `mode` ("auto", "device" or "cpu"). "auto" prices one expert of `expert_bytes` over its rows
-    both ways (scheduler/moe_cost.py) with the host's and the device's GEMM curves and the host-to-device link:
+    both ways (scheduler/cost/moe_cost.py) with the host's and the device's GEMM curves and the host-to-device link:
     those of the saved profile when it is a CUDA machine's and has this dtype's curves, else measured now at the
     expert's shape (about a second). On a CPU device (the staged path forced, as tests do) there is no link to
     price: "auto" copies."""

@@ -23,7 +23,7 @@ from offload.common.dtypes import DTYPE_BYTES
 from offload.common.hardware import HardwareProfile
 from offload.common.knobs import to_flags
 from offload.common.model_config import ModelSpec
-from offload.scheduler.cost import Budgets, Prediction, Workload, capacity
+from offload.scheduler.cost.predict import Budgets, Prediction, Workload, capacity
 
 
 def planned_config(

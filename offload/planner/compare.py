@@ -10,8 +10,8 @@ from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.planner.rows import candidate_json
-from offload.scheduler.cost import Budgets, Workload
-from offload.scheduler.search import best, search
+from offload.scheduler.cost.predict import Budgets, Workload
+from offload.scheduler.cost.search import best, search
 
 AMORTIZE_HOURS = 3 * 365 * 24.0
 # NVMe and SATA classes to combine with a profile (--disk): read and write GB/s, 0.85 x a typical drive's sequential

@@ -1,7 +1,7 @@
 """The probe's disk test: a file written with O_DIRECT and fsync, dropped from the page cache, then read back cold
 through each read backend (the pread pool, and aio where its op is already built), several large requests in
 flight, into the buffers the engine's ring would read into (page-locked by the aio op where RLIMIT_MEMLOCK allows,
-tiers/landing.py); the file is always removed. The fastest backend's rate is what io_backend="auto" takes.
+tiers/weights/landing.py); the file is always removed. The fastest backend's rate is what io_backend="auto" takes.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from offload.common.sizes import format_size
 from offload.tiers.io.aio import aio_built
 from offload.tiers.io.backends import make_backend
 from offload.tiers.io.base import ALIGN, O_DIRECT, aligned_buffer, aligned_span, evict_page_cache
-from offload.tiers.landing import LandingBuffers
 from offload.tiers.memory import MemoryTier
+from offload.tiers.weights.landing import LandingBuffers
 
 MiB = 1 << 20
 DISK_HEADROOM = 64 * MiB  # bytes the disk test leaves free beyond its own file

@@ -1,5 +1,5 @@
 """`offload plan --qps R`: each batch size's best policy at a request rate, its latency as the simulation of the
-engine's continuous batching predicts it (scheduler/queueing.py), the targets it meets or misses, and the `offload
+engine's continuous batching predicts it (scheduler/cost/queueing.py), the targets it meets or misses, and the `offload
 serve` command that runs it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.planner.commands import command, planned_config
 from offload.planner.rows import candidate_json, per_batch
-from offload.scheduler.cost import Budgets, Prediction, Workload, make_context
-from offload.scheduler.queueing import simulate
+from offload.scheduler.cost.predict import Budgets, Prediction, Workload, make_context
+from offload.scheduler.cost.queueing import simulate
 
 
 def latency_rows(

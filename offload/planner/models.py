@@ -13,8 +13,8 @@ from pathlib import Path
 
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec, parse_model_config, read_config
-from offload.scheduler.cost import MXFP4_BITS
-from offload.scheduler.moe_cost import routed_params
+from offload.scheduler.cost.moe_cost import routed_params
+from offload.scheduler.cost.predict import MXFP4_BITS
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 

@@ -8,7 +8,7 @@ import sys
 from collections import defaultdict
 
 from offload.common.errors import OffloadError
-from offload.scheduler.cost import Prediction
+from offload.scheduler.cost.predict import Prediction
 
 
 def plot(predictions: list[Prediction], path: str, title: str) -> None:

@@ -1,5 +1,5 @@
 """`offload probe`: measure this machine into a HardwareProfile, through the engine's own I/O and compute paths
-(the compute rates are offload.planner.rates).
+(the compute rates are offload.planner.measured_rates).
 
 - disk: a test file written with O_DIRECT and fsync, dropped from the page cache, then read back cold through each
   backend (offload.tiers.io: the pread pool, and aio where its op is built, which the probe never waits to do) in
@@ -40,9 +40,7 @@ from offload.common.paths import cache_dir
 from offload.common.sizes import format_size, parse_size
 from offload.kernels import timing
 from offload.planner.disk import SMALL_DEPTH, SMALL_READ, SMALL_SPAN, measure_disk
-from offload.planner.profile_text import format_profile
-from offload.planner.profiles import load_profile, local_profile_path, save_profile
-from offload.planner.rates import (
+from offload.planner.measured_rates import (
     MIN_REPEATS,
     layer_shape,
     measure_attention,
@@ -53,6 +51,8 @@ from offload.planner.rates import (
     measure_links,
     measure_matmul,
 )
+from offload.planner.profile_text import format_profile
+from offload.planner.profiles import load_profile, local_profile_path, save_profile
 from offload.planner.served_step import STREAMS, measure_served_step
 from offload.tiers.io.base import ALIGN
 

@@ -1,7 +1,7 @@
 """`offload plan`: what fits where and how fast it will run, before anything is loaded or bought.
 
 Reads a model's shape (a public name or a local directory) and a hardware profile, asks the cost model
-(scheduler/cost.py) for every policy, and prints the best ones, why the others lose and what does not fit.
+(scheduler/cost/predict.py) for every policy, and prints the best ones, why the others lose and what does not fit.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from offload.planner.compare import (
 )
 from offload.planner.latency import latency_report, latency_rows
 from offload.planner.rows import candidate_json, per_batch
-from offload.scheduler.cost import Budgets, Prediction, Workload, capacity
-from offload.scheduler.queueing import ARRIVALS
-from offload.scheduler.search import best, search
+from offload.scheduler.cost.predict import Budgets, Prediction, Workload, capacity
+from offload.scheduler.cost.queueing import ARRIVALS
+from offload.scheduler.cost.search import best, search
 
 GB = 1e9
 
@@ -266,8 +266,8 @@ def _experts_lines(
     shape: ModelSpec, hw: HardwareProfile, workload: Workload, dtype: str, winner: Prediction
 ) -> list[str]:
     """What a step touches of a mixture's experts, and what the best policy's expert cache holds."""
-    from offload.scheduler.cost import make_context
-    from offload.scheduler.moe_cost import distinct_experts, hit_rate, sparse_layers
+    from offload.scheduler.cost.moe_cost import distinct_experts, hit_rate, sparse_layers
+    from offload.scheduler.cost.predict import make_context
 
     c = winner.candidate
     ctx = make_context(shape, hw, dtype, BLOCK_SIZE)

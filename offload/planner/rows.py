@@ -3,7 +3,7 @@ latency.py)."""
 
 from __future__ import annotations
 
-from offload.scheduler.cost import Candidate, Prediction
+from offload.scheduler.cost.predict import Candidate, Prediction
 
 
 def per_batch(predictions: list[Prediction]) -> dict[int, Prediction]:

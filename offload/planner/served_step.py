@@ -40,7 +40,7 @@ import torch
 
 from offload.common.errors import OffloadError
 from offload.common.hardware import ServedStep
-from offload.planner.rates import measure_layer_floor, tiny_model_config
+from offload.planner.measured_rates import measure_layer_floor, tiny_model_config
 
 STREAMS = 8  # the larger number of concurrent streams measured (the smaller is one)
 PROMPT = 16  # tokens of each prompt (random ids)
@@ -116,8 +116,8 @@ def _served(folder: Path, dtype: str):
     # the batch and KV cache given (nothing to plan) and a read backend named: the server never reads the saved
     # profile, which this probe is about to replace
     command += ["--kv-cache-memory", "8MiB", "--served-model-name", "probe", "--io-backend", "pread"]
-    with log.open("w") as out:  # in the folder: `python -m` puts its working directory first on sys.path
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + READY_BOUND
         while not _healthy(port):

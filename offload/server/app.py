@@ -20,10 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from offload import openai_protocol as protocol
 from offload.common.errors import OffloadError
 from offload.core import Delta
-from offload.openai_protocol import ChatRequest, CompletionRequest, RequestError
+from offload.openai import protocol
+from offload.openai.protocol import ChatRequest, CompletionRequest, RequestError
 from offload.server.batches import BatchRunner, BatchStore, add_batch_routes
 from offload.server.front import AsyncFront, Draining, QueueFull, RequestStream
 from offload.server.metrics import Metrics

@@ -6,7 +6,7 @@
 
 Files and batch objects live under one folder (--batch-dir): files/<id>.jsonl with files/<id>.json, and
 batches/<id>.json, each JSON rewritten atomically on every change. A batch runs through the same formats, output
-and fingerprint as `offload batch` (offload/batch_io.py): its output file is appended as requests finish and
+and fingerprint as `offload batch` (offload/batch/job_files.py): its output file is appended as requests finish and
 resumes after a restart, which restarts every batch not yet ended. Its requests go to the core through the front
 at priority class 1, behind every interactive request, with at most `window` of them in the core at once.
 """
@@ -25,7 +25,7 @@ import aiofiles
 from fastapi import File, Form, Request, UploadFile
 from fastapi.responses import Response
 
-from offload.batch_io import (
+from offload.batch.job_files import (
     Appender,
     BadLine,
     JobRequest,
@@ -38,7 +38,7 @@ from offload.batch_io import (
     write_errors,
 )
 from offload.core import Delta
-from offload.openai_protocol import RequestError
+from offload.openai.protocol import RequestError
 from offload.server.front import AsyncFront, Draining
 
 BACKGROUND = 1  # the priority class of batch requests: behind interactive ones (0)

@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from offload import openai_protocol as protocol
 from offload.common.errors import OffloadError
 from offload.core import Delta
-from offload.openai_protocol import RequestError
+from offload.openai import protocol
+from offload.openai.protocol import RequestError
+from offload.openai.tool_calls import CallStream, ToolUse
 from offload.server.front import RequestStream
-from offload.tool_calls import CallStream, ToolUse
 
 
 def join_deltas(deltas: list[Delta]) -> Delta:

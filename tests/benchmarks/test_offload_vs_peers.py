@@ -74,9 +74,9 @@ def test_over_budget_counts_what_the_weight_budget_and_kv_cache_do_not_allow(pee
 def test_streamed_read_reads_exactly_the_streamed_bytes_each_pass(peers, tmp_path, monkeypatch):
     from offload.model.loader import load_spec
     from offload.model.registry import model_tensors
-    from offload.tiers.checkpoint import Checkpoint
     from offload.tiers.io.buffered import BufferedReader
-    from offload.tiers.layout import model_layout
+    from offload.tiers.weights.checkpoint import Checkpoint
+    from offload.tiers.weights.layout import model_layout
 
     make_checkpoint(tmp_path, "llama")
     monkeypatch.setattr(peers, "drop_page_cache", lambda paths: "none")

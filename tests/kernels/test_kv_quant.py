@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-import offload.tiers.kv as kv_module
+import offload.tiers.kv.kv_cache as kv_module
 from offload.kernels import native
 from offload.kernels.kv_quant import KVQuantFormat, dequantize_kv, quantize_kv
 from offload.kernels.paged_attention import PagedBatch, paged_attention_ref
-from offload.tiers.kv import QuantizedKV
+from offload.tiers.kv.kv_cache import QuantizedKV
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 KINDS = ["int8", "int4", pytest.param("fp8", marks=pytest.mark.skipif(not HAS_FP8, reason="torch lacks float8"))]

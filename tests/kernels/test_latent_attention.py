@@ -12,7 +12,7 @@ from conftest import interpreted
 from offload.kernels.kv_quant import KVQuantFormat, quantize_kv
 from offload.kernels.latent_attention import latent_attention, latent_attention_ref
 from offload.kernels.paged_attention import PagedBatch
-from offload.tiers.kv import QuantizedKV
+from offload.tiers.kv.kv_cache import QuantizedKV
 
 # (context_len, query_len): prefills, a chunk mid-context, decodes of several lengths (one group padded)
 SEQS = ((7, 7), (13, 5), (1, 1), (20, 1), (33, 1), (18, 2))

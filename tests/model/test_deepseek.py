@@ -15,7 +15,7 @@ from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.model_config import parse_model_config
 from offload.common.quant import WeightQuant
-from offload.convert import convert
+from offload.convert.quantize import convert
 from offload.kernels.paged_batch import PagedBatch
 from offload.model.deepseek import absorbed, decompressed
 

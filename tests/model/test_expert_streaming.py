@@ -13,13 +13,13 @@ from offload.cli import _placement_table, _summary
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.quant import WeightQuant
-from offload.convert import convert
+from offload.convert.quantize import convert
 from offload.model.expert_streaming import Gate, model_layouts
 from offload.model.loader import load_spec
-from offload.tiers.checkpoint import Checkpoint
 from offload.tiers.device import DeviceTier
 from offload.tiers.io.buffered import BufferedReader
-from offload.tiers.placement import group_cost
+from offload.tiers.weights.checkpoint import Checkpoint
+from offload.tiers.weights.placement import group_cost
 
 KV_BYTES = 1 << 22
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)

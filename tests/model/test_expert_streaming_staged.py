@@ -19,13 +19,13 @@ from offload.common.hardware import ComputeUnit
 from offload.model.expert_streaming import ColdExperts, expert_caches, model_layouts
 from offload.model.loader import load_spec
 from offload.planner.cold_experts import cold_experts
-from offload.scheduler.moe_cost import cold_expert_seconds, copied_expert_seconds
-from offload.tiers.checkpoint import Checkpoint
+from offload.scheduler.cost.moe_cost import cold_expert_seconds, copied_expert_seconds
 from offload.tiers.copy import CpuCopyEngine
 from offload.tiers.device import DeviceTier
-from offload.tiers.expert_slots import DeviceExperts
+from offload.tiers.experts.expert_slots import DeviceExperts
 from offload.tiers.io.buffered import BufferedReader
-from offload.tiers.slot import slot_layout
+from offload.tiers.weights.checkpoint import Checkpoint
+from offload.tiers.weights.slot import slot_layout
 
 KV_BYTES = 1 << 22
 PARAMS = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -117,7 +117,7 @@ def llm_slot_cost(path) -> int:
     spec, family = load_spec(path)
     with BufferedReader() as reader:
         _, experts = model_layouts(Checkpoint(path, reader), family, spec, split=True)
-    from offload.tiers.experts import slot_cost
+    from offload.tiers.experts.expert_cache import slot_cost
     from offload.tiers.host import HostTier
 
     return slot_cost(experts, HostTier(None), torch.float32)
@@ -200,7 +200,7 @@ class _Copier(CpuCopyEngine):
 def test_device_slots_copy_in_order_of_events_and_evict_only_what_the_fetch_does_not_use(tmp_path):
     from safetensors.torch import save_file
 
-    from offload.tiers.layout import group_layout
+    from offload.tiers.weights.layout import group_layout
 
     save_file({f"e{i}": torch.full((64,), float(i)) for i in range(4)}, tmp_path / "model.safetensors")
     with BufferedReader() as reader:

@@ -100,7 +100,7 @@ def test_bfloat16_packs_linear_weights_and_keeps_the_experts_input_major(gpt_oss
     import functools
 
     from offload import build
-    from offload.tiers.weights import WeightStore
+    from offload.tiers.weights.weight_store import WeightStore
 
     path, model = gpt_oss
     ids = prompts((30,))[0]
@@ -150,8 +150,8 @@ def test_mxfp4_experts_run_as_stored_and_compute_their_dequantized_values(gpt_os
 def test_mxfp4_experts_stream_by_expert_at_4_25_bits_a_weight(gpt_oss_mxfp4):
     from offload.model.expert_streaming import model_layouts
     from offload.model.registry import get_family
-    from offload.tiers.checkpoint import Checkpoint
     from offload.tiers.io.buffered import BufferedReader
+    from offload.tiers.weights.checkpoint import Checkpoint
 
     path, reference = gpt_oss_mxfp4
     with LLM(path, EngineConfig(kv_cache_bytes=1 << 22, dtype="float32", expert_cache_memory=1 << 16)) as llm:
@@ -183,8 +183,8 @@ def test_other_quantization_methods_are_refused_by_name(gpt_oss, tmp_path):
 
 
 def test_a_row_of_a_stacked_tensor_is_its_own_extent_and_bad_rows_are_named(gpt_oss):
-    from offload.tiers.checkpoint import Checkpoint
     from offload.tiers.io.buffered import BufferedReader
+    from offload.tiers.weights.checkpoint import Checkpoint
 
     path, model = gpt_oss
     name = "model.layers.1.mlp.experts.down_proj"
@@ -207,7 +207,7 @@ def test_convert_writes_the_experts_in_mxfp4_as_published(gpt_oss, gpt_oss_mxfp4
     from safetensors import safe_open
 
     from offload.cli import main
-    from offload.convert import verify
+    from offload.convert.quantize import verify
 
     path, _ = gpt_oss
     out = tmp_path / "converted"

@@ -14,17 +14,17 @@ from conftest import make_checkpoint
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.model_config import parse_model_config
-from offload.convert import convert
+from offload.convert.quantize import convert
 from offload.kernels.quant_linear import WeightQuant
 from offload.kernels.quant_matmul import dequantize
 from offload.model.loader import load_spec
 from offload.model.moe import experts_forward
 from offload.model.registry import model_tensors
-from offload.tiers.checkpoint import Checkpoint
 from offload.tiers.device import DeviceTier
 from offload.tiers.io.buffered import BufferedReader
-from offload.tiers.layout import model_layout
-from offload.tiers.placement import group_cost
+from offload.tiers.weights.checkpoint import Checkpoint
+from offload.tiers.weights.layout import model_layout
+from offload.tiers.weights.placement import group_cost
 
 ATOL = 1e-4  # fp32 logits, max abs
 KV_BYTES = 1 << 22

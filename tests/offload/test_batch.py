@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from offload.api import LLM
-from offload.batch import run_job
-from offload.batch_io import meta_path
+from offload.batch.job import run_job
+from offload.batch.job_files import meta_path
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 
@@ -155,13 +155,11 @@ def test_refused_before_any_work(llm, tiny_llama, tmp_path):
 
 
 def _batch(model: Path, src: Path, out: Path) -> subprocess.Popen:
-    """`offload batch` in a process of its own, run in the output's folder: `python -m` puts its working directory
-    first on sys.path, and the repository root's kernels/ folder would hide the `kernels` distribution that
-    transformers imports."""
+    """`offload batch` in a process of its own."""
     command = [sys.executable, "-m", "offload", "batch", "--model", str(model), "--input", str(src)]
     command += ["--output", str(out), "--no-progress", "--kv-cache-memory", "4MiB", "--block-size", "4"]
     command += ["--fsync-interval", "0"]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=out.parent)
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def _lines(path: Path) -> int:

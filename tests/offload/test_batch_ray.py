@@ -9,7 +9,7 @@ import sys
 import pytest
 from test_batch import BOUND, comparable, records, write_input
 
-from offload.batch_ray import shard_of
+from offload.batch.ray_shards import shard_of
 
 
 def test_shards_are_stable_and_cover_every_worker():

@@ -16,14 +16,14 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, quants
 from safetensors import safe_open
 
-from offload import gguf_import
 from offload.api import LLM
 from offload.cli import main
 from offload.common.config import EngineConfig, SamplingParams
-from offload.convert import MANIFEST, verify
-from offload.gguf_codes import engine_int4, int4_groups
-from offload.gguf_config import open_gguf
-from offload.gguf_import import import_gguf
+from offload.convert.quantize import MANIFEST, verify
+from offload.gguf import importer as gguf_import
+from offload.gguf.codes import engine_int4, int4_groups
+from offload.gguf.importer import import_gguf
+from offload.gguf.metadata import open_gguf
 from offload.kernels.quant_matmul import dequantize
 from real_model import reference_perplexity
 

@@ -22,8 +22,8 @@ from test_gguf import SPECIALS, _alphabet, _one_line_error, add_tokenizer, exper
 from conftest import make_checkpoint, mxfp4_copy
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
-from offload.convert import verify
-from offload.gguf_import import import_gguf
+from offload.convert.quantize import verify
+from offload.gguf.importer import import_gguf
 from offload.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 TOKENS = SPECIALS + _alphabet() + ["\u0120t"]

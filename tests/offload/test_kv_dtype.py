@@ -28,7 +28,7 @@ from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.demo import DEMO_PROMPTS
-from offload.tiers.kv import KVCache
+from offload.tiers.kv.kv_cache import KVCache
 
 STEPS = 32
 GREEDY = SamplingParams(max_new_tokens=STEPS, ignore_eos=True)

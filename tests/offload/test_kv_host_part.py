@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import offload.planner.host_attention as planner_host_attention
+import offload.planner.host_attention_prices as planner_host_attention
 from offload.api import LLM
 from offload.cli import _summary
 from offload.common.config import EngineConfig, SamplingParams
@@ -18,9 +18,9 @@ from offload.kernels.kv_quant import KVQuantFormat
 from offload.kernels.paged_batch import PagedBatch
 from offload.model.host_attention import HostAttention, staging
 from offload.model.loader import load_spec
-from offload.planner.host_attention import choose_host_attention
+from offload.planner.host_attention_prices import choose_host_attention
 from offload.scheduler.kv_prices import KVPrices
-from offload.tiers.kv import QuantizedKV
+from offload.tiers.kv.kv_cache import QuantizedKV
 
 HARDWARE = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import make_checkpoint
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
-from offload.tiers.kv_disk_threads import ReadAhead
+from offload.tiers.kv.disk_threads import ReadAhead
 
 SYSTEMS = [list(range(3 + 50 * s, 3 + 50 * s + 45)) for s in range(3)]  # three 45-token prefixes: 11 full blocks each
 PROMPTS = [system + [200 + s, 7] for s, system in enumerate(SYSTEMS)]

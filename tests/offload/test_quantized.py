@@ -16,23 +16,23 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_checkpoint
-from offload import convert as convert_module
 from offload.api import LLM
 from offload.cli import main
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.quant import WeightQuant
-from offload.convert import ALIGN, MANIFEST, convert, read_manifest, verify
+from offload.convert import quantize as convert_module
+from offload.convert.quantize import ALIGN, MANIFEST, convert, read_manifest, verify
 from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.kernels.quant_matmul import dequantize
 from offload.model.llama import LlamaFamily
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
-from offload.tiers.checkpoint import Checkpoint
 from offload.tiers.device import DeviceTier
 from offload.tiers.io.buffered import BufferedReader
-from offload.tiers.layout import model_layout
-from offload.tiers.placement import group_cost
+from offload.tiers.weights.checkpoint import Checkpoint
+from offload.tiers.weights.layout import model_layout
+from offload.tiers.weights.placement import group_cost
 
 FORMATS = [
     WeightQuant(4, 32, "cpu"),

@@ -16,7 +16,7 @@ from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.planner import autoconfig
 from offload.planner.autoconfig import needs_plan, resolve
 from offload.prompts import Prompts
-from offload.scheduler.cost import Workload
+from offload.scheduler.cost.predict import Workload
 
 PROMPTS = ["the quick brown fox", "jumps over the lazy dog again"]
 

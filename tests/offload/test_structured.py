@@ -14,7 +14,7 @@ from llguidance import LLMatcher
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
-from offload.tool_calls import CallStream, ToolUse
+from offload.openai.tool_calls import CallStream, ToolUse
 
 # nesting, enums, arrays with bounds, integers with bounds, an optional field. The scores are integers: a sampled
 # reply may draw digits of a JSON number without end (any length is valid), and so run out of tokens by chance

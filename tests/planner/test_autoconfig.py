@@ -14,8 +14,8 @@ from offload.common.sizes import format_size, parse_size
 from offload.planner import autoconfig
 from offload.planner.autoconfig import autoconfigure
 from offload.planner.models import load_model_spec
-from offload.scheduler.cost import Workload
-from offload.tiers.kv import KVCache
+from offload.scheduler.cost.predict import Workload
+from offload.tiers.kv.kv_cache import KVCache
 
 
 def slow_disk_cpu(disk_read: float = 1e8) -> HardwareProfile:
@@ -226,7 +226,7 @@ def test_cli_memory_plans_like_device_memory(model_dir, held, capsys, monkeypatc
 def test_a_quantized_checkpoint_is_planned_at_its_own_width(model_dir, tmp_path):
     """An int4 checkpoint: the cost model prices 4-bit layers (smaller: a larger batch fits the same budget)."""
     from offload.common.quant import WeightQuant
-    from offload.convert import convert
+    from offload.convert.quantize import convert
 
     out = tmp_path / "int4"
     convert(model_dir, out, WeightQuant(4, 32, "cpu"))

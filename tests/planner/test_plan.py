@@ -9,8 +9,8 @@ import pytest
 from offload.cli import main
 from offload.planner.models import load_model_spec
 from offload.planner.profiles import load_profile
-from offload.scheduler.cost import Budgets, Workload
-from offload.scheduler.search import RING_SLOTS, best, search
+from offload.scheduler.cost.predict import Budgets, Workload
+from offload.scheduler.cost.search import RING_SLOTS, best, search
 
 FLEXGEN_OPT175B_T4 = 0.69  # tokens/s FlexGen published for OPT-175B on a T4, 208 GB DRAM, SSD; prompt 512, gen 32
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import offload.planner.disk as disk_mod
+import offload.planner.measured_rates as rates
 import offload.planner.probe as probe_mod
-import offload.planner.rates as rates
 from offload.cli import main
 from offload.common.errors import OffloadError
 from offload.common.hardware import ServedStep
@@ -99,7 +99,7 @@ def test_attention_rates_count_the_work_the_cost_model_counts(monkeypatch):
     # 3 sequences each reading K and V (bf16) of their whole context
     assert decode == ((4, 3 * 4 * 2 * kv_heads * d * 2), (32, 3 * 32 * 2 * kv_heads * d * 2))
     elementwise = rates.measure_elementwise(torch.device("cpu"), "float32", (1, 8), 256, 16, 0.0)
-    from offload.scheduler.rates import elementwise_bytes
+    from offload.scheduler.cost.gemm_rates import elementwise_bytes
 
     per_row = elementwise_bytes(256, 256, 64, 704, 4)
     assert elementwise == ((1, per_row), (8, 8 * per_row))

@@ -12,9 +12,9 @@ from offload.common.config import SamplingParams
 from offload.scheduler.batcher import Batcher, BatchLimits
 from offload.scheduler.plan import MicroBatch, SeqChunk, StepPlan, split_micro_batches
 from offload.scheduler.sequence import SeqState, Sequence
-from offload.tiers.blocks import BlockPool, BlockTables
-from offload.tiers.kv_events import MovedUp, Tier
-from offload.tiers.prefix import chain_root, extend_chain
+from offload.tiers.kv.blocks import BlockPool, BlockTables
+from offload.tiers.kv.events import MovedUp, Tier
+from offload.tiers.kv.prefix import chain_root, extend_chain
 
 EOS = 2
 

@@ -1,4 +1,5 @@
-"""offload.scheduler.cost and scheduler.search: hand-computed step times, layer placement under budgets, the ranking."""
+"""offload.scheduler.cost.predict and .search: hand-computed step times, layer placement under budgets, the
+ranking."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from conftest import toy_spec
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
-from offload.scheduler.attention_cost import SEQ_OVERHEAD
-from offload.scheduler.cost import LAYER_OVERHEAD, Budgets, Candidate, Workload, matmul_rate, predict
-from offload.scheduler.search import RING_SLOTS, best, place_layers, search
+from offload.scheduler.cost.attention_cost import SEQ_OVERHEAD
+from offload.scheduler.cost.predict import LAYER_OVERHEAD, Budgets, Candidate, Workload, matmul_rate, predict
+from offload.scheduler.cost.search import RING_SLOTS, best, place_layers, search
 
 MB = 10**6
 
@@ -171,7 +172,7 @@ def test_a_measured_layer_floor_binds_small_layers_only():
 
 
 def test_a_measured_floor_curve_prices_each_row_count_and_a_mixed_step_counts_it_once():
-    from offload.scheduler.cost import layer_floor_seconds, make_context, mixed_step_seconds
+    from offload.scheduler.cost.predict import layer_floor_seconds, make_context, mixed_step_seconds
 
     plain = cpu_machine(flops=1e13)  # the work itself far under any floor
     curve = {"bfloat16": ((1, 1e3), (128, 64e3))}  # rows/s: 1 ms at one row, 2 ms at 128

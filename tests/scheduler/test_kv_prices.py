@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from offload.scheduler.kv_prices import KVPrices
-from offload.tiers.kv_tiers import KVTierCounters
+from offload.tiers.kv.lower_tiers import KVTierCounters
 
 BLOCK = 16  # tokens per block
 

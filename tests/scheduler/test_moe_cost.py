@@ -1,4 +1,4 @@
-"""offload.scheduler.moe_cost and the cost model's mixtures: experts touched per step, the expert cache's hit rate,
+"""offload.scheduler.cost.moe_cost and the cost model's mixtures: experts touched per step, the expert cache's hit rate,
 the bytes expert streaming reads, and the search and report offering it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from test_cost import MB, cpu_machine, gpu_machine
 from offload.common.config import Policy
 from offload.common.model_config import parse_model_config
 from offload.planner.report import report
-from offload.scheduler.cost import Budgets, Candidate, Workload, predict
-from offload.scheduler.moe_cost import distinct_experts, expert_params, hit_rate, routed_params, sparse_layers
-from offload.scheduler.search import AUTO_EXPERT_CACHE, best, place_layers, search
+from offload.scheduler.cost.moe_cost import distinct_experts, expert_params, hit_rate, routed_params, sparse_layers
+from offload.scheduler.cost.predict import Budgets, Candidate, Workload, predict
+from offload.scheduler.cost.search import AUTO_EXPERT_CACHE, best, place_layers, search
 
 MIXTRAL = parse_model_config(
     {
@@ -60,8 +60,8 @@ def test_expert_streaming_reads_the_misses_of_the_touched_experts_and_waits_for_
     assert p.resources["disk"] == pytest.approx(reads / 1e6)
     # the reads overlap no other work, and the experts' compute only as a pipeline would: of each layer's two
     # experts, one computes while the other is read (20 layer steps)
-    from offload.scheduler.moe_cost import EXPERT_OVERHEAD
-    from offload.scheduler.rates import gemm_seconds
+    from offload.scheduler.cost.gemm_rates import gemm_seconds
+    from offload.scheduler.cost.moe_cost import EXPERT_OVERHEAD
 
     one = gemm_seconds(hw.device, "bfloat16", expert_params(MIXTRAL), EXPERT_BYTES, 1) + EXPERT_OVERHEAD
     assert p.round_seconds == pytest.approx(p.resources["disk"] + p.resources["compute"] - 20 * one)
@@ -132,7 +132,7 @@ def test_the_plan_names_the_expert_cache_flag_and_what_a_step_touches():
 
 def test_misses_read_at_the_small_read_rate_up_to_its_size_and_the_large_rate_from_the_extent():
     from offload.common.hardware import LARGE_READ_BYTES, SMALL_READ_BYTES
-    from offload.scheduler.moe_cost import expert_read_rate
+    from offload.scheduler.cost.moe_cost import expert_read_rate
 
     hw = dataclasses.replace(cpu_machine(), disk_read=2e9, disk_read_small=0.5e9)
     assert expert_read_rate(hw, 100_000) == expert_read_rate(hw, SMALL_READ_BYTES) == 0.5e9
@@ -146,8 +146,8 @@ def test_the_placed_layers_lose_the_average_layers_routed_experts():
     """DeepSeek-V3's leading dense layers hold no experts: the average layer (which ParamCounts counts) has fewer
     routed parameters than a sparse one, and expert streaming takes out only those."""
     from offload.planner.models import load_model_spec
-    from offload.scheduler.cost import make_context
-    from offload.scheduler.moe_cost import average_routed_params
+    from offload.scheduler.cost.moe_cost import average_routed_params
+    from offload.scheduler.cost.predict import make_context
 
     spec = load_model_spec("deepseek-v3")
     assert average_routed_params(spec) == routed_params(spec) * 58 / 61
@@ -157,7 +157,7 @@ def test_the_placed_layers_lose_the_average_layers_routed_experts():
 
 
 def test_expert_reads_pipeline_with_the_experts_compute():
-    from offload.scheduler.moe_cost import ExpertStep, expert_wait
+    from offload.scheduler.cost.moe_cost import ExpertStep, expert_wait
 
     step = ExpertStep(compute_seconds=8.0, read_bytes=1.0, one_seconds=1.0)  # 8 experts of 1 s each
     assert expert_wait(step, 4.0, 0.5) == 0.5  # reads hidden but the first one's
@@ -170,8 +170,8 @@ def test_gpt_oss_s_published_mxfp4_experts_are_priced_at_4_25_bits_and_only_they
     their layers or stream by expert at 4.25 bits a weight, the rest at the compute dtype's width; 8- and 4-bit
     candidates would need a conversion that refuses gpt-oss."""
     from offload.planner.models import load_model_spec
-    from offload.scheduler.cost import make_context
-    from offload.scheduler.moe_cost import average_routed_params
+    from offload.scheduler.cost.moe_cost import average_routed_params
+    from offload.scheduler.cost.predict import make_context
 
     spec = load_model_spec("gpt-oss-120b")
     assert spec.mxfp4_experts

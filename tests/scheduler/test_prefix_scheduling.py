@@ -7,8 +7,8 @@ from __future__ import annotations
 from offload.common.config import SamplingParams
 from offload.scheduler.batcher import MAX_SKIPS, Batcher, BatchLimits
 from offload.scheduler.sequence import SeqState, Sequence
-from offload.tiers.blocks import BlockPool, BlockTables
-from offload.tiers.prefix import chain_root
+from offload.tiers.kv.blocks import BlockPool, BlockTables
+from offload.tiers.kv.prefix import chain_root
 
 SHARED = list(range(10, 22))  # 12 tokens: three blocks of 4
 

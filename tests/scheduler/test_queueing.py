@@ -10,9 +10,9 @@ import pytest
 from offload.cli import main
 from offload.planner.models import load_model_spec
 from offload.planner.profiles import load_profile
-from offload.scheduler.cost import Workload, _step, make_context, mixed_step_seconds
-from offload.scheduler.queueing import arrival_times, simulate
-from offload.scheduler.search import search
+from offload.scheduler.cost.predict import Workload, _step, make_context, mixed_step_seconds
+from offload.scheduler.cost.queueing import arrival_times, simulate
+from offload.scheduler.cost.search import search
 
 SHAPE = load_model_spec("llama-3.1-8b")
 HW = load_profile("rtx4090-24gb")

@@ -66,14 +66,11 @@ class Served:
 
 def start_server(model_dir: Path, log: Path, *flags: str) -> Served:
     """`offload serve` on a free port, once /health says it is ready (the first start imports torch and
-    transformers). It runs in the log's folder: `python -m` puts its working directory first on sys.path, and the
-    repository root's kernels/ folder would hide the `kernels` distribution that transformers imports."""
+    transformers)."""
     port = free_port()
     command = [sys.executable, "-m", "offload", "serve", "--model", str(model_dir), "--port", str(port), *flags]
     with log.open("w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=log.parent
-        )
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     served = Served(process, f"http://127.0.0.1:{port}", log)
 
     def ready() -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offload.tiers.blocks import BlockPool, BlockTables
+from offload.tiers.kv.blocks import BlockPool, BlockTables
 
 # --- BlockPool ---------------------------------------------------------------------------------
 

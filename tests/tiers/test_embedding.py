@@ -16,13 +16,13 @@ from offload.api import LLM
 from offload.common.config import EngineConfig, Policy, SamplingParams
 from offload.common.errors import OffloadError
 from offload.model.registry import model_tensors
-from offload.tiers.checkpoint import Checkpoint
 from offload.tiers.device import DeviceTier
-from offload.tiers.embedding import StoredEmbedding, read_buffer_bytes, storable
 from offload.tiers.io.buffered import BufferedReader
 from offload.tiers.io.direct import PreadBackend
-from offload.tiers.layout import model_layout
-from offload.tiers.placement import group_cost, place_weights
+from offload.tiers.weights.checkpoint import Checkpoint
+from offload.tiers.weights.embedding import StoredEmbedding, read_buffer_bytes, storable
+from offload.tiers.weights.layout import model_layout
+from offload.tiers.weights.placement import group_cost, place_weights
 
 VOCAB = 32768  # x hidden 64 x 4 bytes: an 8 MiB table, worth dozens of this model's layers
 LAYERS = 6
@@ -142,7 +142,7 @@ def test_a_head_tied_to_the_table_keeps_it_resident(tmp_path):
 @pytest.mark.parametrize("path", ["direct", "staged"])
 def test_a_model_with_its_table_in_storage_generates_what_the_resident_model_does(wide_vocab, resident, path):
     from offload import build
-    from offload.tiers.weights import WeightStore
+    from offload.tiers.weights.weight_store import WeightStore
 
     c = costs(wide_vocab)
     budget = KV + c["head"] + (RING + 2) * c["layer"]  # no room for the table

@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import save_file
 
 from offload.common.errors import OffloadError
-from offload.tiers.checkpoint import Checkpoint
 from offload.tiers.device import DeviceTier
-from offload.tiers.experts import ExpertCache
+from offload.tiers.experts.expert_cache import ExpertCache
 from offload.tiers.io.backends import make_backend
 from offload.tiers.io.buffered import BufferedReader
-from offload.tiers.layout import group_layout
+from offload.tiers.weights.checkpoint import Checkpoint
+from offload.tiers.weights.layout import group_layout
 
 LAYERS, EXPERTS = 2, 4
 SHAPES = {"gate_proj": (8, 128), "up_proj": (8, 128), "down_proj": (128, 8)}  # 4 KiB each in float32

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from offload.kernels.kv_quant import dequantize_kv, quantize_kv
-from offload.tiers.kv import KVCache
+from offload.tiers.kv.kv_cache import KVCache
 
 # --- KVCache -----------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The disk part of the KV cache (tiers/kv_store.py): round trips, restarts, keys, every kind of damage, the budget
+"""The disk part of the KV cache (tiers/kv/disk_store.py): round trips, restarts, keys, every kind of damage, the budget
 and its LRU order, the folder lock, and a writer killed with SIGKILL mid-put."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from offload.common.errors import OffloadError
 from offload.tiers.io.base import ALIGN
 from offload.tiers.io.direct import PreadBackend
-from offload.tiers.kv_store import HEADER, MAGIC, MANIFEST, KVDiskStore
+from offload.tiers.kv.disk_store import HEADER, MAGIC, MANIFEST, KVDiskStore
 
 NBYTES = 5000  # bytes per block: not a multiple of ALIGN, so the payload is padded
 FILE = ALIGN + 8192  # bytes per block file: the header page, then the payload's pages
@@ -370,7 +370,7 @@ def test_a_full_disk_fails_the_put_cleanly(tmp_path, monkeypatch):
 
 WRITER = """
 import hashlib, sys, torch
-from offload.tiers.kv_store import KVDiskStore
+from offload.tiers.kv.disk_store import KVDiskStore
 store = KVDiskStore(sys.argv[1], {key!r}, {nbytes}, {capacity})
 i = 0
 while True:

@@ -1,4 +1,4 @@
-"""The KV pool below the device (tiers/kv_tiers.py, tiers/kv_disk_threads.py). Read-ahead: what is read lands
+"""The KV pool below the device (tiers/kv/lower_tiers.py, tiers/kv/disk_threads.py). Read-ahead: what is read lands
 byte-identical above the disk, within its room, stops at the first block the disk lacks, skips bad blocks, and never
 lets a pending write-through read a block the landing reused. Moves: a running sequence's blocks copied down or up
 land byte-identical, and the copies down are timed (the scheduler prices them, scheduler/kv_prices.py). Disk blocks
@@ -10,10 +10,10 @@ import hashlib
 
 import torch
 
-from offload.tiers.blocks import BlockPool, BlockTables
-from offload.tiers.kv import KVCache
-from offload.tiers.kv_store import KVDiskStore
-from offload.tiers.kv_tiers import KVTiers
+from offload.tiers.kv.blocks import BlockPool, BlockTables
+from offload.tiers.kv.disk_store import KVDiskStore
+from offload.tiers.kv.kv_cache import KVCache
+from offload.tiers.kv.lower_tiers import KVTiers
 from offload.tiers.memory import MemoryTier
 
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8

@@ -1,6 +1,6 @@
-"""The buffers a ring's reads land in (tiers/landing.py): on a CPU device the aio backend's reads land in buffers its
-op page-locked, charged exactly to the tier and given back on close; where RLIMIT_MEMLOCK cannot hold them, plain
-buffers, said once; the backend counts as bounced only reads into memory the op has not locked."""
+"""The buffers a ring's reads land in (tiers/weights/landing.py): on a CPU device the aio backend's reads land in
+buffers its op page-locked, charged exactly to the tier and given back on close; where RLIMIT_MEMLOCK cannot hold them,
+plain buffers, said once; the backend counts as bounced only reads into memory the op has not locked."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from offload.tiers.io import aio as aio_mod
 from offload.tiers.io.aio import AioBackend, aio_unavailable
 from offload.tiers.io.base import aligned_buffer, aligned_span, evict_page_cache
 from offload.tiers.io.direct import PreadBackend
-from offload.tiers.layout import GroupLayout, Run, TensorAt
 from offload.tiers.memory import MemoryTier
-from offload.tiers.placement import group_cost
-from offload.tiers.ring import DirectRing, StagedRing
+from offload.tiers.weights.layout import GroupLayout, Run, TensorAt
+from offload.tiers.weights.placement import group_cost
+from offload.tiers.weights.ring import DirectRing, StagedRing
 
 CPU = torch.device("cpu")
 LAYERS = 4
@@ -204,9 +204,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def streaming(model_dir) -> tuple[int, int, list[list[int]]]:
     """(a device budget that streams every layer through a 2-slot ring, a ring slot's bytes, the resident tokens)."""
-    from offload.tiers.checkpoint import Checkpoint
     from offload.tiers.io.buffered import BufferedReader
-    from offload.tiers.layout import model_layout
+    from offload.tiers.weights.checkpoint import Checkpoint
+    from offload.tiers.weights.layout import model_layout
 
     base = LLM(model_dir, EngineConfig(kv_cache_bytes=KV))
     spec, family = load_spec(model_dir)

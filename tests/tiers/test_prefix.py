@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from offload.tiers.blocks import BlockPool, BlockTables
-from offload.tiers.kv_events import Computed, Evicted, MovedDown, MovedUp, Promoted
-from offload.tiers.prefix import chain_root, extend_chain
+from offload.tiers.kv.blocks import BlockPool, BlockTables
+from offload.tiers.kv.events import Computed, Evicted, MovedDown, MovedUp, Promoted
+from offload.tiers.kv.prefix import chain_root, extend_chain
 
 ROOT = chain_root({"model": "test"})
 

@@ -1,5 +1,5 @@
-"""Spill files (tiers/spill.py): layout and round trip, checksums, reuse, failure modes that leave nothing behind,
-and the engine streaming converted layers from --offload-dir: a float32 checkpoint run in bfloat16."""
+"""Spill files (tiers/spill/spilling.py): layout and round trip, checksums, reuse, failure modes that leave nothing
+behind, and the engine streaming converted layers from --offload-dir: a float32 checkpoint run in bfloat16."""
 
 from __future__ import annotations
 
@@ -23,15 +23,15 @@ from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
-from offload.tiers.checkpoint import Checkpoint
 from offload.tiers.io.base import ALIGN, aligned_buffer
 from offload.tiers.io.buffered import BufferedReader
 from offload.tiers.io.direct import PreadBackend
-from offload.tiers.layout import model_layout
-from offload.tiers.placement import group_cost, place_weights
-from offload.tiers.ring import read
-from offload.tiers.spill_store import MANIFEST, SpillStore, plan_file
-from offload.tiers.weights import WeightStore
+from offload.tiers.spill.spill_store import MANIFEST, SpillStore, plan_file
+from offload.tiers.weights.checkpoint import Checkpoint
+from offload.tiers.weights.layout import model_layout
+from offload.tiers.weights.placement import group_cost, place_weights
+from offload.tiers.weights.ring import read
+from offload.tiers.weights.weight_store import WeightStore
 
 KV = 1 << 20
 LAYERS = 12  # enough that the converted layers do not all fit where the checkpoint's stream

@@ -18,12 +18,12 @@ from offload.common.errors import OffloadError
 from offload.model.llama import FAMILY
 from offload.model.loader import load_spec
 from offload.model.registry import model_tensors
-from offload.tiers import weights
 from offload.tiers.copy import DONE, CopyEngine, CudaCopyEngine, Event
 from offload.tiers.io.base import aligned_span
-from offload.tiers.placement import group_cost, place_weights
-from offload.tiers.slot import slot_layout
-from offload.tiers.weights import WeightStore
+from offload.tiers.weights import weight_store as weights
+from offload.tiers.weights.placement import group_cost, place_weights
+from offload.tiers.weights.slot import slot_layout
+from offload.tiers.weights.weight_store import WeightStore
 
 RING = 3  # ring slots these tests budget for (the default is smaller)
 KV = 1 << 20
@@ -82,9 +82,9 @@ def landed(group) -> int:
 
 
 def llm_layout(llm: LLM):
-    from offload.tiers.checkpoint import Checkpoint
     from offload.tiers.io.buffered import BufferedReader
-    from offload.tiers.layout import model_layout
+    from offload.tiers.weights.checkpoint import Checkpoint
+    from offload.tiers.weights.layout import model_layout
 
     _, family = load_spec(llm.model_dir)
     with BufferedReader() as reader:
@@ -548,7 +548,7 @@ def test_a_group_converted_whole_is_read_a_piece_at_a_time(model_dir, monkeypatc
     """float32 weights run in bfloat16: a group whose every tensor converts is read through a buffer of one piece,
     each piece converted before the next is read, so loading never holds the float32 copy beside the bfloat16 one.
     The weights are the ones the whole-slot read gives, and the device's peak is lower by what the buffer saves."""
-    from offload.tiers import layout as layout_module
+    from offload.tiers.weights import layout as layout_module
 
     config = EngineConfig(ring_slots=RING, kv_cache_bytes=KV, dtype="bfloat16")
     whole = LLM(model_dir, config)

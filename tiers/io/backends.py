@@ -30,8 +30,8 @@ def choose_backend(name: str, measured: Mapping[str, float] | None = None) -> Ba
     the faster (pread on a tie, or where aio's op is not built: an automatic choice never waits minutes for
     DeepSpeed's JIT build, `make aio-op` does it); without both rates, the default rule: aio only
     on CUDA machines, where buffers are page-locked. On a CPU-only machine torch pins nothing: a ring's buffers are
-    the op's own locked ones where RLIMIT_MEMLOCK allows (tiers/landing.py), which the probe measures as the engine
-    uses them; elsewhere the op copies through a bounce buffer per read, measured slower than pread
+    the op's own locked ones where RLIMIT_MEMLOCK allows (tiers/weights/landing.py), which the probe measures as the
+    engine uses them; elsewhere the op copies through a bounce buffer per read, measured slower than pread
     (benchmarks/results/io_bandwidth.json)."""
     if name in READ_BACKENDS:
         return BackendChoice(name, "asked")

@@ -1,0 +1,1 @@
+"""Offline batch jobs: `offload batch`, every result exactly once, resumable, optionally sharded over Ray."""

@@ -190,13 +190,14 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
+    from offload.common import environment
     from offload.kernels import choice, native, native_build, timing
     from offload.kernels.linear import _linear_upcast
     from offload.kernels.quant_linear import _dense_int4
 
     if (off := native_build.why_off()) is not None:
         raise SystemExit(f"the native kernels cannot run here: {off}")
-    if choice.mode() != "measured":
+    if environment.kernel_mode() != "measured":
         raise SystemExit("unset OFFLOAD_KERNELS: the table says what the engine takes by its own timings")
     gen = torch.Generator().manual_seed(0)
     rows_out = []

@@ -3,19 +3,14 @@ operand is a ValueError naming it before any kernel runs."""
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from offload.common import environment
 
 MAX_HEAD_DIM = 256
 LATENT_MAX_DIM = 1024  # a latent cache's width: DeepSeek-V3's 512 + 64, padded to 1024 in the decode kernel
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (set before triton is imported)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_operands(
@@ -44,7 +39,7 @@ def check_operands(
 
 def check_device(device: torch.device, **tensors: torch.Tensor) -> None:
     """Raise ValueError unless every tensor is on `device`, a CUDA device or (under the interpreter) the CPU."""
-    if device.type != "cuda" and not interpreting():
+    if device.type != "cuda" and not environment.interpreting():
         raise ValueError(f"q is on {device}: Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on a CPU")
     for name, t in tensors.items():
         if t.device != device:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -127,7 +126,7 @@ def split(timings: tuple[Timing, ...]) -> tuple[tuple[str, str], int]:
 
 _forced: list[str] = []  # a path every kernel takes while timing (innermost last)
 _shaped: set[str] = set()  # the timings of this process's model's own product shapes (for the summary)
-_memo: dict[tuple, str] = {}  # (OFFLOAD_KERNELS, kernel, rows, shape) -> path, for the timings adopted
+_memo: dict[tuple, str] = {}  # (OFFLOAD_KERNELS' mode, kernel, rows, shape) -> path, for the timings adopted
 _adopted: list[Choices] = []  # this process's timings (kernels/timing.py's `ensure`)
 
 
@@ -141,12 +140,6 @@ def forcing(path: str) -> Iterator[None]:
         _forced.pop()
 
 
-def mode() -> str:
-    """ "torch", "native" (OFFLOAD_KERNELS), or "measured": the default."""
-    env = environment.get(environment.KERNELS).lower()
-    return env if env in (TORCH, NATIVE) else "measured"
-
-
 def key(kernel: str, shape: tuple[int, int]) -> str:
     """The timings' name for product `kernel` at a matrix of `shape` [out, in] features: "int4 3072x576"."""
     return f"{kernel} {shape[0]}x{shape[1]}"
@@ -158,14 +151,14 @@ def path(kernel: str, rows: int, shape: tuple[int, int] | None = None) -> str:
     that the native kernel can take these tensors. Asked for every kernel of every layer: answers are memoized."""
     if _forced:
         return _forced[-1] if _forced[-1] in PLAN[kernel][0] else TORCH
-    asked = (os.environ.get(environment.KERNELS), kernel, rows, shape)
+    asked = (environment.kernel_mode(), kernel, rows, shape)
     if (known := _memo.get(asked)) is None:
         known = _memo[asked] = _decide(kernel, rows, shape)
     return known
 
 
 def _decide(kernel: str, rows: int, shape: tuple[int, int] | None) -> str:
-    if (how := mode()) == TORCH:
+    if (how := environment.kernel_mode()) == TORCH:
         return TORCH
     if how == NATIVE:
         return next((p for start, p in reversed(UNMEASURED.get(kernel, ())) if rows >= start), NATIVE)
@@ -229,9 +222,9 @@ def summary() -> str:
     here): how each was chosen, or why none is native; "" where none was asked for."""
     if (off := native_build.known_off()) is not None:
         return f"native off ({off}): torch's paths"
-    if mode() == NATIVE:
+    if environment.kernel_mode() == NATIVE:
         return "native wherever it runs (OFFLOAD_KERNELS=native: thresholds not timed here)"
-    if mode() == TORCH or (timed := kept()) is None:
+    if environment.kernel_mode() == TORCH or (timed := kept()) is None:
         return ""
     chosen = "; ".join(f"{k} {timed.describe(k)}" for k in timed.timings if timed.shown(k))
     return f"timed on this machine ({timed.file}): {chosen}"

@@ -14,16 +14,14 @@ import torch
 
 from offload.common import environment
 
-ENV = environment.KERNELS  # "torch": never launch a Triton kernel
-
 _picked: dict[str, str] = {}  # kernel name -> "triton" | "torch", for the kernels that have run
 
 
 @functools.cache
 def triton_missing() -> str | None:
     """Why Triton cannot run here, or None when it can (a CUDA device and an importable triton)."""
-    if environment.get(ENV).lower() == "torch":
-        return f"{ENV}=torch"
+    if environment.kernel_mode() == "torch":  # never launch a Triton kernel
+        return f"{environment.KERNELS}=torch"
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
@@ -36,7 +34,7 @@ def triton_missing() -> str | None:
 def load_triton() -> tuple[ModuleType | None, ModuleType | None]:
     """(triton, triton.language) where a Triton kernel can run: a CUDA device, or Triton's CPU interpreter
     (TRITON_INTERPRET=1, which the tests set); else (None, None), so that the torch paths never import triton."""
-    if not torch.cuda.is_available() and environment.get(environment.TRITON_INTERPRET) != "1":
+    if not torch.cuda.is_available() and not environment.interpreting():
         return None, None
     try:
         import triton

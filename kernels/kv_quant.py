@@ -27,13 +27,13 @@ reads like the cache tensor paged attention gathers from, dequantizing only the 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from offload.common import environment
 from offload.common.config import KV_GROUP_SIZE, KV_GROUP_SIZES
 from offload.kernels.dispatch import record, use_triton
 
@@ -212,7 +212,7 @@ def dequantize_kv_triton(records: torch.Tensor, fmt: KVQuantFormat, dtype: torch
         # no fused multiply-add: code * scale + zero is rounded twice, as the reference rounds it
         kernel = _kv_kernels().dequantize
         # Triton's CPU interpreter truncates float32 to bfloat16, where the GPU (and torch) round to nearest even
-        round_bf16 = dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+        round_bf16 = dtype == torch.bfloat16 and environment.interpreting()
         args = (rows, rows.view(torch.int16), out, rows.shape[0])
         kernel[grid](*args, ROUND_BF16=round_bf16, enable_fp_fusion=False, **_kernel_format(fmt))
     return out.view(*records.shape[:-1], fmt.head_dim)

@@ -30,14 +30,13 @@ SOURCES = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 CPU_FEATURES = ("avx512bw", "avx512_bf16", "avx512vbmi")  # /proc/cpuinfo's names of what the C sources use
 CPU_KEYS = ("model name", "flags")  # what names the CPU a library is built for
-ENV = environment.KERNELS  # "torch": no native kernel; "native": every one where it runs, untimed (kernels/choice.py)
 PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int  # the C arguments' types
 
 
 def cpu_missing() -> str | None:
     """Why this CPU cannot run the native kernels, or None when it can."""
-    if environment.get(ENV).lower() == "torch":
-        return f"{ENV}=torch"
+    if environment.kernel_mode() == "torch":  # no native kernel ("native": every one where it runs, kernels/choice.py)
+        return f"{environment.KERNELS}=torch"
     flags = _cpu("flags").split()
     if not flags:
         return "no CPU flags in /proc/cpuinfo"

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from offload.common import environment
 from offload.kernels.attention_checks import (
     LATENT_MAX_DIM,
     MAX_HEAD_DIM,
@@ -30,7 +31,6 @@ from offload.kernels.attention_checks import (
     check_operands,
     check_sinks,
     check_window,
-    interpreting,
 )
 
 PARTITION_SIZE = 512  # context positions per partition when the caller does not choose
@@ -221,7 +221,8 @@ def tile_for(head_dim: int) -> int:
 def dot_options(dtype: torch.dtype) -> tuple[bool, str]:
     """(DOT_F32, DOT_PRECISION): float32 operands under the interpreter; on a GPU the cache's own dtype on the
     tensor cores, and float32 caches multiplied exactly rather than in TF32."""
-    return interpreting(), "ieee" if dtype == torch.float32 or interpreting() else "tf32"
+    interpreting = environment.interpreting()
+    return interpreting, "ieee" if dtype == torch.float32 or interpreting else "tf32"
 
 
 def paged_decode(

@@ -16,12 +16,12 @@ dequantized W to memory; `quant_matmul` picks one of the two (kernels/dispatch.p
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from offload.common import environment
 from offload.kernels.dispatch import use_triton
 
 BITS = (4, 8)
@@ -192,7 +192,9 @@ def quant_matmul_triton(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        DOT_F32=x.dtype == torch.float32 or _interpreted(),
+        # Triton's CPU interpreter gets tl.dot on bfloat16 operands wrong: there the kernel multiplies float32
+        # operands (the same values: bfloat16 widens exactly)
+        DOT_F32=x.dtype == torch.float32 or environment.interpreting(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -244,12 +246,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-def _interpreted() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter, where tl.dot on bfloat16 operands is wrong: the kernel
-    then multiplies float32 operands (the same values: bfloat16 widens exactly)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check_bits(bits: int) -> None:

@@ -18,10 +18,9 @@ runs it, kernels/native.py's C kernel of the same numerics.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from offload.common import environment
 from offload.kernels import choice, native
 from offload.kernels.dispatch import load_triton, record, use_triton
 
@@ -161,7 +160,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         raise ValueError(f"rms_norm: weight must be float32, bfloat16 or float16, got {weight.dtype}")
     if weight.shape != (hidden,) or weight.stride(0) != 1:
         raise ValueError(f"rms_norm: weight must be a contiguous [{hidden}], got {tuple(weight.shape)}")
-    if x.device.type != "cuda" and not interpreting():
+    if x.device.type != "cuda" and not environment.interpreting():
         raise ValueError(f"rms_norm: x is on {x.device}; the kernel runs on a CUDA device (or in TRITON_INTERPRET=1)")
     if weight.device != x.device:
         raise ValueError(f"rms_norm: weight is on {weight.device}, x on {x.device}")
@@ -173,11 +172,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         raise ValueError(f"rms_norm: residual is {residual.dtype}, x is {x.dtype}")
     if residual.device != x.device:
         raise ValueError(f"rms_norm: residual is on {residual.device}, x on {x.device}")
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter, where they take CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:

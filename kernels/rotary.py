@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from offload.common import environment
 from offload.kernels import choice, native
 from offload.kernels.dispatch import load_triton, record, use_triton
-from offload.kernels.rms_norm import DTYPES, interpreting, rounded
+from offload.kernels.rms_norm import DTYPES, rounded
 
 # None where no Triton kernel can run (no CUDA device, no interpreter): the torch path runs, the launcher says why
 triton, tl = load_triton()
@@ -152,7 +153,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     for name, t in (("cos", cos), ("sin", sin)):
         if t.shape != (tokens, head_dim):
             raise ValueError(f"rotary: {name} must be [{tokens}, {head_dim}], got {tuple(t.shape)}")
-    if q.device.type != "cuda" and not interpreting():
+    if q.device.type != "cuda" and not environment.interpreting():
         raise ValueError(f"rotary: q is on {q.device}; the kernel runs on a CUDA device (or in TRITON_INTERPRET=1)")
     for name, t in (("k", k), ("cos", cos), ("sin", sin)):
         if t.dtype != q.dtype:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from offload.common import environment
 from offload.kernels import choice, native_build
 from offload.kernels.choice import NATIVE, Choices, Timing
 
@@ -48,7 +49,7 @@ def ensure(products: Iterable[tuple[str, int, int]] = ()) -> Choices | None:
     with `products` ((kernel, out, in) of the model's own matrices: "int4", "bf16", "logits"), each of those
     shapes not timed yet is timed now too and kept beside them. None where no native kernel runs
     (native_build.why_off says why) or OFFLOAD_KERNELS chose."""
-    if choice.mode() != "measured" or native_build.why_off() is not None:
+    if environment.kernel_mode() != "measured" or native_build.why_off() is not None:
         return None
     timed = choice.kept() or choice.read(choice.timings_file()) or _keep(Choices(measure(), choice.timings_file()))
     timed_at = [(k, n, i) for k, n, i in products if _native_fits(k, n, i) and n * i >= MIN_SHAPE_ELEMENTS]
@@ -66,7 +67,7 @@ def ensure(products: Iterable[tuple[str, int, int]] = ()) -> Choices | None:
 def retime() -> Choices | None:
     """Time every kernel again now (the shapes of models timed before are timed again as their models load), keep
     the timings in place of the old ones and adopt them; None where no native kernel runs."""
-    if choice.mode() != "measured" or native_build.why_off() is not None:
+    if environment.kernel_mode() != "measured" or native_build.why_off() is not None:
         return None
     choice.forget()
     timed = _keep(Choices(measure(), choice.timings_file()))

@@ -33,6 +33,19 @@ def get(name: str) -> str:
     return os.environ.get(name, "")
 
 
+def kernel_mode() -> str:
+    """How OFFLOAD_KERNELS has the kernels chosen: "torch" (torch's paths only), "native" (every native kernel
+    where it runs, untimed) or "measured" (unset or anything else: by this machine's timings)."""
+    value = get(KERNELS).lower()
+    return value if value in ("torch", "native") else "measured"
+
+
+def interpreting() -> bool:
+    """Whether Triton's CPU interpreter runs the Triton kernels, on CPU tensors (TRITON_INTERPRET=1; triton reads it
+    at its import)."""
+    return get(TRITON_INTERPRET) == "1"
+
+
 def reference() -> list[str]:
     """docs/flags.md's section on them (Markdown lines)."""
     lines = ["## Environment variables", "", "| variable | what it sets |", "| --- | --- |"]

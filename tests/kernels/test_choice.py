@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from offload.common import environment
 from offload.kernels import choice, dispatch, native, native_build, timing
 from offload.kernels.linear import logits
 
@@ -40,12 +41,12 @@ def test_forcing_overrides_every_kernel_and_a_path_a_kernel_lacks_is_torchs(monk
         with choice.forcing("native"):
             assert choice.path("bf16", 1) == "native"
     monkeypatch.setenv("OFFLOAD_KERNELS", "torch")
-    assert choice.path("int4", 8) == "torch" and choice.mode() == "torch"
+    assert choice.path("int4", 8) == "torch" and environment.kernel_mode() == "torch"
 
 
 def test_offload_kernels_native_takes_the_fixed_thresholds(monkeypatch):
     monkeypatch.setenv("OFFLOAD_KERNELS", "native")
-    assert choice.mode() == "native"
+    assert environment.kernel_mode() == "native"
     assert [choice.path("int4", r) for r in (1, 255, 256)] == ["native", "native", "dense"]
     assert [choice.path("bf16", r) for r in (16, 17)] == ["native", "torch"]
     assert choice.path("rms_norm", 4096) == "native"

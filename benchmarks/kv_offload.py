@@ -69,8 +69,8 @@ def run(model_dir: Path, batch: int, args: argparse.Namespace, kv_bytes: int, ho
             most_running = max(most_running, core.num_running)
         wall = time.perf_counter() - start
         after = core.counters()
-        tiers = llm.parts.kv.tiers
-        host_peak = tiers.host.peak if tiers is not None else 0
+        host = llm.stats().kv_host
+        host_peak = host.peak if host is not None else 0
     generated = after.generated_tokens - before.generated_tokens
     return {
         "batch": batch,

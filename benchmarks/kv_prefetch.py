@@ -78,9 +78,8 @@ def child(args: argparse.Namespace) -> None:
                     ttft[d.request_id] = d.metrics.time_to_first_token
         wall = time.perf_counter() - start
         after = core.counters()
+        core.flush_kv()  # what the last step computed goes through to disk (not timed)
         kv = llm.parts.kv
-        kv.tiers.settle(kv.tables.pool)  # what the last step computed goes through to disk (not timed)
-        kv.tiers.flush()
         moved = llm.stats().kv_tiers
         ahead = after.kv_blocks_prefetched - before.kv_blocks_prefetched
         result = {

@@ -52,8 +52,8 @@ def run(model_dir: Path, requests, mode: str, kv_positions: int, block: int = 16
         out = llm.generate_ids([list(r.prompt_ids) for r in requests], params)
         wall = time.perf_counter() - start
         s = llm.last_run
-        tiers = llm.parts.kv.tiers
-        host_peak = tiers.host.peak if tiers is not None else 0
+        host = llm.stats().kv_host
+        host_peak = host.peak if host is not None else 0
     prompt_tokens = sum(len(r.prompt_ids) for r in requests)
     return {
         "mode": mode,

@@ -95,8 +95,7 @@ def child(args: argparse.Namespace) -> None:
                     ttft[d.request_id] = d.metrics.time_to_first_token
         wall = time.perf_counter() - start
         after = core.counters()
-        tiers = llm.parts.kv.tiers
-        disk = tiers.disk if tiers is not None else None
+        disk = llm.stats().kv_disk
         result = {
             "run": args.run,
             "prefill_tokens": after.prefill_tokens - before.prefill_tokens,

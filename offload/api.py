@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from offload.build import build
-from offload.common.config import EngineConfig, SamplingParams
+from offload.build import ExpertParts, KVParts, build
+from offload.common.config import EngineConfig, Policy, SamplingParams
 from offload.common.errors import OffloadError
+from offload.common.tier import Tier
 from offload.core import CoreCounters, Delta
 from offload.eval import Perplexity, Progress, check_context, evaluate
 from offload.prompts import Prompts
-from offload.run_stats import KV_COUNTERS, RunStats
-from offload.scheduler.cost.predict import Workload
-from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
+from offload.run_stats import RunStats
+from offload.scheduler.cost.predict import Prediction, Workload
+from offload.tiers.experts.expert_cache import ExpertStats
+from offload.tiers.io.backends import BackendChoice
 from offload.tiers.kv.lower_tiers import KVTierCounters
+from offload.tiers.kv.prefix import extend_chain
 from offload.tiers.spill.spilling import SpillStats
 from offload.tiers.weights.weight_store import WeightStats
 
@@ -30,6 +34,20 @@ class Completion:
     token_ids: tuple[int, ...]
     prompt_tokens: int
     finish_reason: str  # "stop" (eos or a stop string) or "length"
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertPlacement:
+    """Where a mixture's routed experts live: a cache they stream through by (layer, expert), read from storage, and
+    on CUDA the device slots that cache (then in pinned host RAM) fills."""
+
+    per_layer: tuple[int, ...]  # routed experts of each sparse layer, in layer order
+    slots: int  # experts the cache holds at once
+    budget: int  # bytes given to the cache
+    slot_cost: int  # bytes, one expert in the cache
+    device_slots: int  # experts the device slots hold at once (0: no device slots, the cache is the device's)
+    device_budget: int  # bytes given to the device slots (0: none)
+    device_slot_cost: int  # bytes, one expert in a device slot (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,15 +67,55 @@ class Placement:
     block_size: int
     checkpoint_bytes_read: int
     spill: SpillStats | None  # what --offload-dir holds for this model (None: not set)
-    layer_tiers: tuple[str, ...]  # per decoder layer: "device", "host" or "nvme" (the Policy's)
-    embed_tier: str  # "device", or "nvme": the token table left in storage
+    layer_tiers: tuple[Tier, ...]  # per decoder layer: Tier.DEVICE, HOST or NVME (the Policy's)
+    embed_tier: Tier  # Tier.DEVICE, or Tier.NVME: the token table left in storage
     ring_slots: int  # device buffers streamed layers pass through (0: nothing streams)
     max_model_len: int  # tokens a sequence may reach: the context window within the KV cache
+    kv_format: str  # how the KV cache stores keys and values: "float32", "bfloat16", "int8-g32", ...
+    kv_block_bytes: int  # one KV block: every layer's keys and values of block_size tokens
+    layer_bytes: tuple[int, ...]  # per decoder layer: bytes of its tensors as the checkpoint stores them
+    io_backend: BackendChoice  # which backend reads the checkpoint, and why
+    io_note: str  # why the backend refused page-locked read buffers ("" while it has not)
+    # where micro-batches of sequences whose KV is in host RAM attend: "auto", "cpu" or "device" (--host-kv-attention;
+    # None: no KV host part, or a CPU device, where they attend in place)
+    host_kv_attention: str | None
+    experts: ExpertPlacement | None  # a mixture's routed experts (None: none stream)
+
+    @property
+    def policy(self) -> Policy:
+        """The layers' placement as the cost model's type: what a Candidate's `policy` priced."""
+        return Policy(self.layer_tiers, self.ring_slots, self.embed_tier)
 
     @property
     def counts(self) -> tuple[int, int, int]:
         """Layers per tier: (device, host, nvme)."""
-        return tuple(self.layer_tiers.count(t) for t in ("device", "host", "nvme"))
+        return tuple(self.layer_tiers.count(t) for t in Tier)
+
+
+@dataclass(frozen=True, slots=True)
+class KVHostStats:
+    """The host-RAM part of the KV pool now (--kv-host-memory): cached prefix blocks, and the blocks of sequences
+    that run from host RAM while the device part is full."""
+
+    slots: int  # blocks it holds at most
+    blocks: int  # blocks holding KV: cached prefix blocks and those sequences hold
+    blocks_used: int  # blocks sequences hold (cached prefix blocks no sequence holds are not counted)
+    peak: int  # bytes charged to its budget at most so far
+    budget: int  # bytes
+    pinned: bool  # page-locked: copies between it and the device run asynchronously
+    hit_tokens: int  # prompt tokens of the sequences admitted here that cached blocks served, over the engine's life
+    staged_micro_batches: int  # micro-batches of its sequences that attended on the compute device, over the same
+
+
+@dataclass(frozen=True, slots=True)
+class KVDiskStats:
+    """The disk part of the KV pool now (--kv-disk-memory, in --offload-dir): prefix blocks kept across runs."""
+
+    blocks: int  # block files held
+    used: int  # bytes they take
+    peak: int  # bytes they took at most so far
+    budget: int  # bytes
+    bytes_read: int  # over the engine's life
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +128,40 @@ class EngineStats:
     weights: WeightStats  # the weight store's
     device_used: int  # bytes charged to the device tier now
     host_used: int  # bytes charged to the host tier now
-    kv_blocks_used: int  # device KV blocks held by sequences or cached prefixes now
+    kv_blocks_used: int  # device KV blocks sequences hold now (cached prefix blocks no sequence holds are not counted)
     kv_tiers: KVTierCounters | None  # the KV tiers below the device (None: none configured)
+    kv_host: KVHostStats | None  # the host part of the KV pool (None: none)
+    kv_disk: KVDiskStats | None  # the disk part of the KV pool (None: none)
+    experts: ExpertStats | None  # the expert cache's, over the engine's life (None: no experts stream)
+
+
+def _expert_placement(experts: ExpertParts) -> ExpertPlacement:
+    cache, d = experts.cache, experts.slots
+    per_layer = Counter(layer for layer, _ in cache.layouts)  # (layer, expert) keys
+    device = (0, 0, 0) if d is None else (d.slots, d.budget, d.slot_cost)
+    counts = tuple(per_layer[i] for i in sorted(per_layer))
+    return ExpertPlacement(counts, cache.slots, cache.budget, cache.slot_cost, *device)
+
+
+def _kv_host(kv: KVParts, staged_micro_batches: int) -> KVHostStats | None:
+    if kv.host_tables is None:
+        return None
+    tiers = kv.tiers
+    return KVHostStats(
+        slots=tiers.host_slots,
+        blocks=tiers.host_blocks,
+        blocks_used=kv.host_tables.num_used,
+        peak=tiers.host.peak,
+        budget=tiers.host.capacity,
+        pinned=tiers.host_kv.storage.is_pinned(),
+        hit_tokens=kv.host_tables.counters.hit_tokens,
+        staged_micro_batches=staged_micro_batches,
+    )
+
+
+def _kv_disk(kv: KVParts) -> KVDiskStats | None:
+    disk = None if kv.tiers is None else kv.tiers.disk
+    return None if disk is None else KVDiskStats(disk.blocks, disk.used, disk.peak, disk.capacity, disk.bytes_read)
 
 
 def _completion(prompt: str | None, prompt_ids: list[int], deltas: list[Delta]) -> Completion:
@@ -121,11 +211,7 @@ class LLM:
         """Forget the prefix blocks cached on the device and in host RAM (blocks running requests hold stay), so the
         next requests compute their prompts in full, as a fresh engine would; the disk tier, which persists across
         runs, keeps its blocks."""
-        kv = self.parts.kv
-        kv.tables.pool.drop_cached()
-        if kv.tiers is not None:
-            kv.tiers.settle(kv.tables.pool)
-            kv.tiers.clear_host()
+        self.core.reset_prefix_cache()
 
     def token_text(self, token_id: int) -> str:
         """One token as text (what logprobs name it); "" where the model has no tokenizer."""
@@ -153,6 +239,13 @@ class LLM:
             embed_tier=p.weights.policy.embed_tier,
             ring_slots=p.weights.policy.ring_slots,
             max_model_len=p.max_model_len,
+            kv_format=p.kv.cache.format,
+            kv_block_bytes=p.kv.cache.bytes_per_block,
+            layer_bytes=tuple(g.tensor_bytes for g in p.weights.store.layouts),
+            io_backend=p.weights.io_backend._replace(name=p.weights.backend.name),  # as the backend made names itself
+            io_note=p.weights.backend.lock_note,
+            host_kv_attention=None if p.engine.host_attention is None else p.engine.host_attention.mode,
+            experts=None if p.experts is None else _expert_placement(p.experts),
         )
 
     def stats(self) -> EngineStats:
@@ -168,6 +261,9 @@ class LLM:
             host_used=p.host_tier.used,
             kv_blocks_used=p.kv.tables.num_used,
             kv_tiers=None if p.kv.tiers is None else copy.copy(p.kv.tiers.counters),
+            kv_host=_kv_host(p.kv, p.engine.staged_micro_batches),
+            kv_disk=_kv_disk(p.kv),
+            experts=None if p.experts is None else p.experts.cache.stats,
         )
 
     def check_integrity(self) -> None:
@@ -179,31 +275,44 @@ class LLM:
         if p.kv.host_tables is not None:
             p.kv.host_tables.check_integrity()
 
+    @property
+    def given_config(self) -> EngineConfig:
+        """The config as the caller gave it; `config` is it resolved for the workload, as the engine runs."""
+        return self.parts.given
+
+    @property
+    def prediction(self) -> Prediction | None:
+        """The cost model's prediction for the resolved config, where it chose the batch (None: the config fixed it)."""
+        return self.parts.prediction
+
+    def prefix_keys(self, token_ids: list[int]) -> list[bytes]:
+        """The prefix cache's key of each full block of `token_ids` ([] with the prefix cache off): blocks with equal
+        keys hold the same keys and values, and the disk part names a block's file by its key in hex."""
+        tables = self.parts.kv.tables
+        return [] if tables.root is None else extend_chain([], tables.root, token_ids, tables.block_size)
+
     # ---- requests -------------------------------------------------------------------------------
 
     def encode(self, prompt: str | list[int], index: int | str = 0) -> list[int]:
         """A prompt's token ids (text encoded, ids taken as they are), checked against the engine's limits."""
-        return self._check_ids(self.prompts.encode(prompt, index), index)
+        return self.core.check_prompt(self.prompts.encode(prompt, index), index)
 
     def encode_chat(self, messages: list[dict], index: int | str = 0, tools: list[dict] | None = None) -> list[int]:
         """A conversation's token ids under the chat template, checked against the engine's limits; `tools`: the
         functions the reply may call (OpenAI's function objects)."""
-        return self._check_ids(self.prompts.encode_chat(messages, index, tools), index)
-
-    def _check_ids(self, ids: list[int], index: int | str) -> list[int]:
-        return self.core.check_prompt(ids, index)
+        return self.core.check_prompt(self.prompts.encode_chat(messages, index, tools), index)
 
     def generate(
         self, prompts: str | list[str], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        ids = [self.encode(p, i) for i, p in enumerate(prompts)]
+        ids = [self.prompts.encode(p, i) for i, p in enumerate(prompts)]  # checked by generate_ids
         return self.generate_ids(ids, params, prompts)
 
     def chat(
         self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
-        ids = [self.encode_chat(c, i) for i, c in enumerate(conversations)]
+        ids = [self.prompts.encode_chat(c, i) for i, c in enumerate(conversations)]  # checked by generate_ids
         return self.generate_ids(ids, params)
 
     def generate_ids(
@@ -219,14 +328,11 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompt_ids)
         if len(per_prompt) != len(prompt_ids):
             raise OffloadError(f"{len(per_prompt)} sampling params for {len(prompt_ids)} prompts")
-        checked = [self._check_ids(list(ids), i) for i, ids in enumerate(prompt_ids)]  # all, before any runs
+        checked = [self.core.check_prompt(list(ids), i) for i, ids in enumerate(prompt_ids)]  # all, before any runs
         experts = self.parts.experts.cache if self.parts.experts is not None else None
         before, experts_before = self.core.counters(), experts.stats if experts else None
         self.core.peak_kv_blocks = self.parts.kv.tables.num_used
-        rids = [
-            self.core.add_request(ids, p, stream_text=False, index=i)
-            for i, (ids, p) in enumerate(zip(checked, per_prompt, strict=True))
-        ]
+        rids = [self.core.add_request(ids, p, stream_text=False) for ids, p in zip(checked, per_prompt, strict=True)]
         outputs: dict[int, list[Delta]] = {rid: [] for rid in rids}
         try:
             while any(not d or d[-1].finish_reason is None for d in outputs.values()):
@@ -234,57 +340,24 @@ class LLM:
                     if delta.request_id in outputs:
                         outputs[delta.request_id].append(delta)
         except BaseException:
-            for rid in rids:  # an error or Ctrl-C mid-call leaves no request behind in the core
-                self.core.abort(rid)
-            self.core.step()
+            self.core.abort_all()  # an error or Ctrl-C mid-call leaves no request behind in the core
             raise
         if experts is not None:
             experts.settle()  # prefetches in flight are counted where they were started
         after = self.core.counters()
         prompts = prompts or [None] * len(rids)
         completions = [_completion(p, ids, outputs[rid]) for p, ids, rid in zip(prompts, checked, rids, strict=True)]
-        self.last_run = RunStats(
-            requests=len(rids),
-            prompt_tokens=sum(c.prompt_tokens for c in completions),
-            generated_tokens=sum(len(c.token_ids) for c in completions),
-            prefill_seconds=after.prefill_seconds - before.prefill_seconds,
-            decode_seconds=after.decode_seconds - before.decode_seconds,
-            decode_tokens=after.decode_tokens - before.decode_tokens,
-            steps=after.steps - before.steps,
-            preemptions=after.preemptions - before.preemptions,
+        self.last_run = RunStats.of(
+            after - before,
             peak_kv_blocks=self.core.peak_kv_blocks,
-            bytes_read=after.bytes_read - before.bytes_read,
-            read_seconds=after.read_seconds - before.read_seconds,
-            stall_seconds=after.stall_seconds - before.stall_seconds,
             wall_seconds=time.perf_counter() - called,
-            moved_down=after.moved_down - before.moved_down,
-            moved_up=after.moved_up - before.moved_up,
             experts=experts.stats - experts_before if experts else None,
-            **{f: getattr(after, f) - getattr(before, f) for f in KV_COUNTERS},
         )
         return completions
 
     def score(self, prompt_ids: list[list[int]]) -> list[torch.Tensor]:
         """Logits [len(ids), vocab] (float32) at every position of each token list: the prompt's scores."""
-        ids = [self._check_ids(list(t), i) for i, t in enumerate(prompt_ids)]
-        kv = self.parts.kv
-        result: list[torch.Tensor] = []
-        pending = [(-1 - i, t) for i, t in enumerate(ids)]  # ids no request of the core has (they count up from 0)
-        while pending:
-            chunks = []
-            while pending and (table := kv.tables.grow(pending[0][0], len(pending[0][1]))) is not None:
-                seq_id, t = pending.pop(0)
-                chunks.append(SeqChunk(seq_id, tuple(t), 0, tuple(table)))
-            if not chunks:
-                raise OffloadError("a prompt does not fit the KV cache")  # _check_ids makes this unreachable
-            plan = StepPlan(split_micro_batches(chunks, self.config.micro_batch_tokens), all_logits=True)
-            if kv.tiers is not None:  # blocks evicted to make room go down before the step overwrites them
-                kv.tiers.settle(kv.tables.pool)
-            logits = self.parts.engine.step(plan).logits
-            result.extend(logits.split([len(c.token_ids) for c in chunks]))
-            for c in chunks:
-                kv.tables.free(c.seq_id)
-        return result
+        return self.core.score(prompt_ids)
 
     def perplexity(self, text: str | list[int], context: int = 512, progress: Progress | None = None) -> Perplexity:
         """Perplexity of the model on `text` (or its token ids) by the protocol of offload/eval.py: windows of

@@ -16,6 +16,7 @@ import torch
 from offload.common.config import EngineConfig, Policy
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
+from offload.common.tier import Tier
 from offload.convert.quantize import check_runnable
 from offload.core import EngineCore
 from offload.kernels import native, timing
@@ -101,7 +102,7 @@ class EngineParts:
 
     def close(self) -> None:
         """Let reads in flight land, write the KV blocks queued for disk, close the files."""
-        self.core.grammars.close()
+        self.core.close()  # the last step's computed blocks, not yet written through, go down first
         self.weights.store.close()
         if self.experts is not None:
             if self.experts.slots is not None:
@@ -111,7 +112,6 @@ class EngineParts:
         if self.weights.embed_backend is not None:
             self.weights.embed_backend.close()
         if self.kv.tiers is not None:
-            self.kv.tiers.settle(self.kv.tables.pool)  # the last step's computed blocks, not yet written through
             self.kv.tiers.close()
 
 
@@ -175,7 +175,7 @@ def build(
         layout, spill = spill_layers(layout, place, dtype, config.offload_dir, disk, io_backend.name)
     policy = place(layout)
     # a table left in storage reads its rows through a backend of its own, never queued behind layer reads
-    embed_backend = make_backend(io_backend.name, threads=4) if policy.embed_tier == "nvme" else None
+    embed_backend = make_backend(io_backend.name, threads=4) if policy.embed_tier == Tier.NVME else None
     store = WeightStore(
         layout,
         backend,

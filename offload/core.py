@@ -1,9 +1,12 @@
 """The engine core: the one step loop that `LLM.generate`, the server and batch jobs all drive.
 
     core = EngineCore(engine, tables, limits, eos_ids, tokenizer)
-    rid = core.add_request(prompt_ids, SamplingParams(...))    # joins the batch at the next step
+    ids = core.check_prompt(prompt_ids)                        # the one check of a prompt, before it is added
+    rid = core.add_request(ids, SamplingParams(...))           # joins the batch at the next step
     for delta in core.step(): ...                              # new tokens and text of every request it advanced
     core.abort(rid)                                            # its KV blocks go back to the pool now
+    core.abort_all()                                           # every request ends; their final deltas
+    logits = core.score([ids])                                 # a prompt's logits, through the same engine step
 
 Request ids are unique for the life of the core and double as the scheduler's sequence ids. The core is
 single-threaded: whoever drives it from several threads (the server's front) serializes the calls. It keeps run
@@ -13,19 +16,21 @@ statistics over its lifetime (`counters()`) and per request (`RequestMetrics`, o
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from offload.common.config import SamplingParams
 from offload.common.errors import OffloadError
 from offload.model.detokenize import TextStream
-from offload.model.engine import Engine
+from offload.model.engine import Engine, StepOutput
 from offload.model.sampling import sample
 from offload.model.structured import Grammars
-from offload.scheduler.batcher import Batcher, BatchLimits
+from offload.scheduler.batcher import Batcher, BatchLimits, Verdict
 from offload.scheduler.kv_prices import KVPrices
+from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from offload.scheduler.sequence import Sequence
 from offload.tiers.kv.blocks import BlockTables
 from offload.tiers.kv.lower_tiers import KVTiers
@@ -110,23 +115,12 @@ class CoreCounters:
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
 
+    def __sub__(self, before: CoreCounters) -> CoreCounters:
+        """What ran between snapshot `before` and this one."""
+        return CoreCounters(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(CoreCounters)})
+
 
 PREFILL_SAMPLE = 64  # prefill tokens a step must compute to measure the prefill rate (below, decode dominates)
-
-# counters kept by the weight store and the KV pool, not by the core
-_FROM_PARTS = (
-    "moved_down",
-    "moved_up",
-    "bytes_read",
-    "h2d_bytes",
-    "read_seconds",
-    "stall_seconds",
-    "prefix_lookup_tokens",
-    "prefix_hit_tokens",
-    "kv_bytes_down",
-    "kv_bytes_up",
-    "kv_blocks_prefetched",
-)
 
 
 @dataclass(slots=True, eq=False)
@@ -164,16 +158,15 @@ class EngineCore:
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
         self._aborted: list[Delta] = []  # final deltas of aborted requests, handed out by the next step
-        self._totals = dict.fromkeys(
-            (f for f in CoreCounters.__dataclass_fields__ if f not in _FROM_PARTS),
-            0,
-        )
+        # the CoreCounters the core keeps (the others the weight store, the batcher and the KV pool keep): name -> total
+        self._totals: defaultdict[str, float] = defaultdict(int)
         self.peak_kv_blocks = 0
 
     # ---- requests -------------------------------------------------------------------------------
 
     def check_prompt(self, ids: list[int], index: int | str = 0) -> list[int]:
-        """`ids` if a request may start from them, else OffloadError naming prompt `index`."""
+        """`ids` if a request may start from them, else OffloadError naming prompt `index`: the one check a prompt
+        passes on its way in, made by the face that takes it (`add_request` trusts it was)."""
         if not ids:
             raise OffloadError(f"prompt {index} encodes to no tokens")
         if len(ids) >= self.limits.max_model_len:
@@ -196,15 +189,14 @@ class EngineCore:
         prompt_ids: list[int],
         params: SamplingParams | None = None,
         stream_text: bool = True,
-        index=None,
         priority: int = 0,
     ) -> int:
-        """Queue a request; it joins the batch at the next step. `stream_text`: hand out its text token by token
-        (else all of it on the last delta, decoded once). `priority`: its admission class, a lower one first.
-        Returns its id."""
+        """Queue a request for `prompt_ids` (passed by `check_prompt`); it joins the batch at the next step.
+        `stream_text`: hand out its text token by token (else all of it on the last delta, decoded once). `priority`:
+        its admission class, a lower one first. Returns its id."""
         params = params or SamplingParams()
         rid = self._next_id
-        ids = self.check_prompt(list(prompt_ids), rid if index is None else index)
+        ids = list(prompt_ids)
         if params.stop and self._tokenizer is None:
             raise OffloadError("stop strings need a tokenizer, and this model has none")
         matcher = self.grammars.matcher(params)  # OffloadError naming the field if the constraint does not compile
@@ -230,6 +222,12 @@ class EngineCore:
         self._totals["requests_aborted"] += 1
         self._aborted.append(self._final(req, (), "", time.perf_counter(), ()))
         return True
+
+    def abort_all(self) -> list[Delta]:
+        """End every request now (finish_reason "abort"); the final deltas not handed out yet, theirs included."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        return self.step()  # nothing left to run: it only hands out the final deltas
 
     @property
     def has_work(self) -> bool:
@@ -275,11 +273,9 @@ class EngineCore:
             return deltas
         plan = self.batcher.schedule()
         start = time.perf_counter()
-        if self.kv_tiers is not None:
-            self.kv_tiers.settle(self.tables.pool)
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.wants_logits]
         masks = self.grammars.start_masks([r.matcher for r in sampled])  # computed while the layers run
-        out = self.engine.step(plan)
+        out = self._run(plan)
         reqs = [self._requests[i] for i in out.seq_ids]
         logits = out.logits if masks is None else masks.apply(out.logits)
         tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
@@ -295,24 +291,34 @@ class EngineCore:
         self._totals["steps"] += 1
         self._totals["generated_tokens"] += len(tokens)
         self.peak_kv_blocks = max(self.peak_kv_blocks, self.tables.num_used)
-        self.batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)))
+        verdicts = {r.seq.seq_id: self._verdict(r, token) for r, token in zip(reqs, tokens, strict=True)}
+        self.batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)), verdicts)
         for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
             deltas.append(self._advance(req, token, lp, now))
         return deltas
 
+    def _run(self, plan: StepPlan) -> StepOutput:
+        """The engine's step over `plan`, once the KV tiers carried out what the pools logged (blocks evicted to make
+        room go down before the step overwrites them)."""
+        self._settle_kv()
+        return self.engine.step(plan)
+
+    def _settle_kv(self) -> None:
+        if self.kv_tiers is not None:
+            self.kv_tiers.settle(self.tables.pool)
+
+    def _verdict(self, req: _Request, token: int) -> Verdict:
+        """Feed a sampled token to the request's grammar and text: whether it completes the grammar or reaches a stop
+        string (what that ends, the batcher's post-process decides)."""
+        grammar_done = req.matcher is not None and self.grammars.advance(req.matcher, token)
+        if req.text is not None:
+            req.text.push(token)
+        return Verdict(stop_string=req.text is not None and req.text.stopped, grammar_done=grammar_done)
+
     def _advance(self, req: _Request, token: int, logprob: TokenLogprob | None, now: float) -> Delta:
         seq = req.seq
         req.first_token = req.first_token or now
-        if req.matcher is not None and not seq.is_finished and self.grammars.advance(req.matcher, token):
-            self.batcher.finish(seq, "stop")  # the grammar is complete: only the end of the sequence may follow
-        text = ""
-        if req.text is not None:
-            req.text.push(token)
-            if req.text.stopped and not seq.is_finished:
-                self.batcher.finish(seq, "stop")
-            if req.text.stopped:
-                seq.finish_reason = "stop"
-            text = req.text.take(final=seq.is_finished)
+        text = "" if req.text is None else req.text.take(final=seq.is_finished)
         lps = () if logprob is None else (logprob,)
         if not seq.is_finished:
             return Delta(seq.seq_id, (token,), text, now, logprobs=lps)
@@ -326,6 +332,50 @@ class EngineCore:
         self._totals["requests_finished"] += 1
         metrics = RequestMetrics(req.arrival, req.first_token, now, len(seq.prompt_ids), len(seq.output_ids))
         return Delta(seq.seq_id, tokens, text, now, seq.finish_reason, lps, metrics)
+
+    # ---- scoring and the KV pool ------------------------------------------------------------------
+
+    def score(self, prompt_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Logits [len(ids), vocab] (float32) at every position of each token list (each checked as a prompt), as
+        many lists per step as the device part of the KV cache holds; running requests keep their ids and blocks."""
+        pending = [(-1 - i, self.check_prompt(list(t), i)) for i, t in enumerate(prompt_ids)]  # ids no request has
+        result: list[torch.Tensor] = []
+        while pending:
+            chunks = self._grow_scored(pending)
+            plan = StepPlan(split_micro_batches(chunks, self.limits.micro_batch_tokens), all_logits=True)
+            result.extend(self._run(plan).logits.split([len(c.token_ids) for c in chunks]))
+            for c in chunks:
+                self.tables.free(c.seq_id)
+        return result
+
+    def _grow_scored(self, pending: list[tuple[int, list[int]]]) -> list[SeqChunk]:
+        """Chunks of whole token lists from the front of `pending`, while their blocks fit the device part."""
+        chunks = []
+        while pending and (table := self.tables.grow(pending[0][0], len(pending[0][1]))) is not None:
+            seq_id, ids = pending.pop(0)
+            chunks.append(SeqChunk(seq_id, tuple(ids), 0, tuple(table)))
+        if not chunks:
+            raise OffloadError("a prompt does not fit the KV cache")  # check_prompt makes this unreachable
+        return chunks
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix blocks cached on the device and in host RAM (blocks running requests hold stay); the disk
+        tier, which persists across runs, keeps its blocks."""
+        self.tables.pool.drop_cached()
+        self._settle_kv()  # what the pools logged lands (in host RAM, on disk) before the host part is cleared
+        if self.kv_tiers is not None:
+            self.kv_tiers.clear_host()
+
+    def flush_kv(self) -> None:
+        """The blocks the steps so far computed, written through to disk, and the disk's index made durable."""
+        self._settle_kv()
+        if self.kv_tiers is not None:
+            self.kv_tiers.flush()
+
+    def close(self) -> None:
+        """Stop the grammar worker; the blocks the last step computed go through to disk."""
+        self.grammars.close()
+        self._settle_kv()
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[TokenLogprob | None]:

@@ -31,11 +31,11 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from offload.common.tier import Tier
 from offload.scheduler.kv_prices import KVPrices
 from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from offload.scheduler.sequence import SeqState, Sequence
 from offload.tiers.kv.blocks import BlockTables
-from offload.tiers.kv.events import Tier
 
 LOOKAHEAD = 64  # waiting sequences compared by cached prefix at each admission
 MAX_SKIPS = 16  # admissions a waiting sequence may be passed over for a longer cached prefix
@@ -52,6 +52,18 @@ class BatchLimits:
     def max_running(self) -> int:
         """Admitted sequences: every one may decode in the same step, so at most max_step_tokens of them."""
         return min(self.max_num_seqs, self.max_step_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the core found in a sequence's sampled token that the scheduler cannot see (it reads no text and runs no
+    grammar); end-of-sequence and length the batcher checks itself."""
+
+    stop_string: bool = False  # its text reached a stop string: "stop", whatever else holds
+    grammar_done: bool = False  # its grammar is complete: "stop", unless eos or a length limit ended it first
+
+
+NO_VERDICT = Verdict()
 
 
 class Batcher:
@@ -299,8 +311,13 @@ class Batcher:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, plan: StepPlan, next_tokens: dict[int, int]) -> list[Sequence]:
-        """Record what the step cached and each sampled token; return the sequences that finished this step."""
+    def postprocess(
+        self, plan: StepPlan, next_tokens: dict[int, int], verdicts: dict[int, Verdict] | None = None
+    ) -> list[Sequence]:
+        """Record what the step cached and each sampled token, and end the sequences it finished, every finish reason
+        decided here; `verdicts`: what the caller found in a sequence's token (none: nothing). Returns the sequences
+        that finished this step."""
+        verdicts = verdicts or {}
         by_id = {s.seq_id: s for s in self.running}
         finished = []
         for chunk in plan.chunks:
@@ -311,21 +328,23 @@ class Batcher:
                 continue
             seq.output_ids.append(next_tokens[chunk.seq_id])
             seq.state = SeqState.DECODING
-            reason = self._finish_reason(seq)
+            reason = self._finish_reason(seq, verdicts.get(seq.seq_id, NO_VERDICT))
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def _finish_reason(self, seq: Sequence) -> str | None:
-        if not seq.params.ignore_eos and seq.output_ids[-1] in self.eos_ids:
+    def _finish_reason(self, seq: Sequence, verdict: Verdict) -> str | None:
+        if verdict.stop_string or (not seq.params.ignore_eos and seq.output_ids[-1] in self.eos_ids):
             return "stop"
         if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.limits.max_model_len:
             return "length"
+        if verdict.grammar_done:  # only the end of the sequence may follow
+            return "stop"
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End `seq` now (eos, length, or a stop string the caller found) and free its blocks."""
+        """End `seq` now with `reason` ("stop" or "length" from `postprocess`, or "abort") and free its blocks."""
         self._free(seq)
         for queue in (self.running, self.waiting):
             if seq in queue:

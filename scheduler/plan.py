@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from offload.common.tier import Tier
+
 
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
@@ -19,7 +21,7 @@ class SeqChunk:
     # one token sampled the step before; False for known tokens (a prompt chunk, or prompt + outputs
     # recomputed after a preemption), which count as prefill
     is_decode: bool = False
-    kv_tier: str = "device"  # whose cache block_table indexes: the device part's, or the host part's
+    kv_tier: str = Tier.DEVICE  # whose cache block_table indexes: the device part's, or the host part's
 
     @property
     def context_len(self) -> int:
@@ -37,7 +39,7 @@ class MicroBatch:
     @property
     def kv_tier(self) -> str:
         """Every chunk of a micro-batch has its KV in the same part of the pool."""
-        return self.chunks[0].kv_tier if self.chunks else "device"
+        return self.chunks[0].kv_tier if self.chunks else Tier.DEVICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,7 @@ def split_micro_batches(chunks: list[SeqChunk], max_tokens: int) -> tuple[MicroB
     its tail goes on in the next. The cut is exact because the engine runs layer-major: at every layer the
     head's micro-batch writes its keys and values to the cache before the tail's attends to them.
     """
-    by_tier = [c for c in chunks if c.kv_tier == "device"], [c for c in chunks if c.kv_tier != "device"]
+    by_tier = [c for c in chunks if c.kv_tier == Tier.DEVICE], [c for c in chunks if c.kv_tier != Tier.DEVICE]
     return tuple(mb for group in by_tier for mb in _pack(group, max_tokens))
 
 

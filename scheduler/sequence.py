@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 
 from offload.common.config import SamplingParams
+from offload.common.tier import Tier
 
 
 class SeqState(enum.Enum):
@@ -33,7 +34,7 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     num_cached: int = 0  # leading tokens whose K and V are in the cache; 0 unless PREFILLING or DECODING
     finish_reason: str | None = None  # "stop" (eos or stop string) or "length"
-    kv_tier: str = "device"  # where its KV blocks are while admitted: "device", or "host" when the device's were full
+    kv_tier: str = Tier.DEVICE  # where its KV blocks are while admitted: DEVICE, or HOST when the device's were full
     skipped: int = 0  # admissions that passed it over for a sequence with a longer cached prefix
     priority: int = 0  # admission class: a lower one is admitted first (interactive 0, background batch jobs 1)
 

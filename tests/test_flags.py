@@ -12,6 +12,7 @@ from offload.cli import build_parser, engine_config, flag_reference
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.knobs import GROUPS, add_flags, flag_name, from_args, knob, knobs
+from offload.server.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,7 @@ def test_the_flag_reference_is_the_generated_one():
     assert not stale, "docs/flags.md differs from the flags' declarations: run `make docs`"
 
 
-@pytest.mark.parametrize("cls", [EngineConfig, SamplingParams])
+@pytest.mark.parametrize("cls", [EngineConfig, SamplingParams, ServeSettings])
 def test_every_setting_is_a_knob_with_a_flag_in_a_group(cls):
     declared = {f.name for f, _ in knobs(cls)}
     assert declared == {f.name for f in dataclasses.fields(cls)} - {"logprobs"}  # requests ask for logprobs
@@ -76,8 +77,39 @@ def test_generate_help_is_one_line_a_flag(capsys):
     assert out[0] == "usage: offload generate [options]"
     wrapped = [line for line in out if line.startswith(" " * 20)]  # a help text continued on a second line
     assert len(wrapped) <= 8, wrapped
-    for title in GROUPS.values():
+    for title in {GROUPS[k.group] for cls in (EngineConfig, SamplingParams) for _, k in knobs(cls)}:
         assert f"{title}:" in out
+
+
+def test_serve_flags_are_the_serve_settings(monkeypatch, tmp_path):
+    parse_serve = build_parser().parse_args
+    monkeypatch.delenv("OFFLOAD_API_KEY", raising=False)
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
+    assert from_args(ServeSettings, parse_serve(["serve"])) == ServeSettings()
+    settings = from_args(
+        ServeSettings, parse_serve(["serve", "--max-waiting", "4", "--port", "9000", "--api-key", "k"])
+    )
+    assert settings == ServeSettings(max_waiting=4, port=9000, api_key="k")
+    # what the flags leave open, filled in for the model as `offload serve` does
+    assert ServeSettings().for_model(Path("models/m")) == ServeSettings(
+        model_name="m", batch_dir=tmp_path / "batches" / "m"
+    )
+    monkeypatch.setenv("OFFLOAD_API_KEY", "env")
+    given = ServeSettings(model_name="n", api_key="k", batch_dir="~/b").for_model(Path("m"))
+    assert given == ServeSettings(model_name="n", api_key="k", batch_dir=Path.home() / "b")
+    assert ServeSettings().for_model(Path("m")).api_key == "env"
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (("--max-waiting", "-1"), "max_waiting must be >= 0, got -1"),
+        (("--drain-timeout", "-2"), "drain_timeout must be >= 0, got -2.0"),
+    ],
+)
+def test_bad_serve_settings_name_the_value(flags, match):
+    with pytest.raises(OffloadError, match=match):
+        from_args(ServeSettings, build_parser().parse_args(["serve", *flags]))
 
 
 def test_a_knob_declares_its_flag():

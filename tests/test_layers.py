@@ -9,6 +9,9 @@ folder such as offload.tiers.kv or offload.scheduler.cost, and each of offload's
 offload.api), the graph is still acyclic, so no two packages import each other even where no two of their modules do.
 
 No two modules share a name, wherever they are: a name says which module it is.
+
+A tier has one name, offload/common/tier.py's Tier: no bare "device", "host" or "nvme" string in the source outside
+the places NOT_TIERS lists (wire formats, other enumerations that spell the same words).
 """
 
 from __future__ import annotations
@@ -238,3 +241,87 @@ def test_no_two_modules_share_a_name():
             names.setdefault(path.stem, []).append(module)
     shared = {name: found for name, found in names.items() if len(found) > 1}
     assert not shared, shared
+
+
+TIER_WORDS = {"device", "host", "nvme"}
+# Where a bare "device", "host" or "nvme" string is not a tier (offload/common/tier.py's Tier names the tiers): path ->
+# the scopes that may spell one (a function or class by qualified name, a module-level constant by its name), or None
+# for the whole file.
+NOT_TIERS: dict[str, tuple[str, ...] | None] = {
+    "offload/common/tier.py": ("Tier",),  # the enum itself
+    # wire formats: the max_memory keys users write; the hardware profile's JSON, and the text and probe output that
+    # name its units
+    "offload/common/sizes.py": None,
+    "offload/planner/profiles.py": None,
+    "offload/planner/profile_text.py": ("format_profile",),
+    "offload/planner/probe.py": ("_compute_unit",),
+    # other enumerations that spell "device": where a cold expert runs (COLD_EXPERTS), where host KV attends
+    # (HOST_KV_ATTENTION)
+    "offload/common/config.py": ("COLD_EXPERTS", "HOST_KV_ATTENTION"),
+    "offload/model/expert_streaming.py": ("RoutedExperts", "layer_experts"),
+    "offload/planner/cold_experts.py": ("cold_experts",),
+    "offload/model/host_attention.py": ("HostAttention.stage",),
+    "offload/planner/host_attention_prices.py": ("choose_host_attention",),
+    # the cost model's resources (Prediction.resources, the plan JSON's "busy_seconds"): "host" is the host's CPU
+    "scheduler/cost/predict.py": ("_layer_step", "_step", "mixed_step_seconds"),
+    "offload/planner/report.py": ("_explain",),
+}
+
+
+def bare_tier_strings(tree: ast.Module) -> list[tuple[str, str, int]]:
+    """Each string constant "device", "host" or "nvme" in `tree` (docstrings left out) as (scope, string, line):
+    the scope is the qualified name of the function or class around it, or at module level the constant it is
+    assigned to ("" elsewhere)."""
+    found = []
+
+    def visit(node: ast.AST, scope: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Expr) and isinstance(child.value, ast.Constant):
+                continue  # a docstring
+            inner = scope
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                inner = f"{scope}.{child.name}" if scope else child.name
+            elif not scope and isinstance(child, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                inner = ",".join(t.id for t in targets if isinstance(t, ast.Name))
+            if isinstance(child, ast.Constant) and child.value in TIER_WORDS:
+                found.append((scope, child.value, child.lineno))
+            visit(child, inner)
+
+    visit(tree, "")
+    return found
+
+
+def test_tiers_are_named_by_the_enum():
+    bad, used = [], set()
+    for _, path in sorted(MODULES.items()):
+        where = path.relative_to(ROOT).as_posix()
+        allowed = NOT_TIERS.get(where, ())
+        for scope, word, line in bare_tier_strings(ast.parse(path.read_text(), str(path))):
+            used |= {(where, None), (where, scope)}
+            if allowed is not None and scope not in allowed:
+                bad.append(f"{where}:{line} ({scope or 'module'}): {word!r}, not Tier.{word.upper()}")
+    # an allowance nothing needs any more goes
+    stale = [(where, s) for where, scopes in NOT_TIERS.items() for s in scopes or (None,) if (where, s) not in used]
+    assert not bad and not stale, "\n".join(bad + [f"stale in NOT_TIERS: {where} {s or ''}" for where, s in stale])
+
+
+def test_the_tier_check_catches_what_it_looks_for():
+    source = '''
+"""device"""
+KV = {"host": 1, "disk": 2}
+def f():
+    """nvme"""
+    return "nvme" if KV else f"{'device':>6}"
+class C:
+    tier: str = "device"
+    def g(self):
+        return ("cpu", "host")
+'''
+    assert bare_tier_strings(ast.parse(source)) == [
+        ("KV", "host", 3),
+        ("f", "nvme", 6),
+        ("f", "device", 6),
+        ("C", "device", 8),
+        ("C.g", "host", 10),
+    ]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from offload.common.tier import Tier
 from offload.tiers.memory import MemoryTier
 
 
 class DeviceTier(MemoryTier):
     def __init__(self, capacity: int | None, device: torch.device) -> None:
-        super().__init__("device", capacity, device)
+        super().__init__(Tier.DEVICE, capacity, device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from offload.common.tier import Tier
 from offload.tiers.memory import MemoryTier
 
 
@@ -16,4 +17,4 @@ class HostTier(MemoryTier):
     streamed layer, and one of the largest resident group while loading), counted in `used` and `peak`."""
 
     def __init__(self, capacity: int | None) -> None:
-        super().__init__("host", capacity, torch.device("cpu"), pin=True)
+        super().__init__(Tier.HOST, capacity, torch.device("cpu"), pin=True)

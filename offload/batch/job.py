@@ -86,7 +86,7 @@ def run_job(
     if ordered:
         refused = {b.id for b in unrunnable}
         rewrite_in_order(out, [r.id for r in requests if r.id not in refused])
-    after = llm.core.counters()
+    ran = llm.core.counters() - before
     return JobSummary(
         input=str(input_path),
         output=str(out),
@@ -94,13 +94,13 @@ def run_job(
         bad_lines=len(bad),
         done_before=len(done),
         completed=completed,
-        prompt_tokens=after.prompt_tokens - before.prompt_tokens,
-        generated_tokens=after.generated_tokens - before.generated_tokens,
+        prompt_tokens=ran.prompt_tokens,
+        generated_tokens=ran.generated_tokens,
         wall_seconds=time.perf_counter() - started,
-        steps=after.steps - before.steps,
-        preemptions=after.preemptions - before.preemptions,
-        weight_bytes_read=after.bytes_read - before.bytes_read,
-        read_stall_seconds=after.stall_seconds - before.stall_seconds,
+        steps=ran.steps,
+        preemptions=ran.preemptions,
+        weight_bytes_read=ran.bytes_read,
+        read_stall_seconds=ran.stall_seconds,
     )
 
 
@@ -143,7 +143,7 @@ def _drive(llm: LLM, pending: list[_Pending], appender: Appender, bar) -> int:
     try:
         for p in order:
             for k, params in enumerate(p.request.params):
-                by_rid[core.add_request(p.prompt_ids, params, stream_text=False, index=p.request.line)] = (p, k)
+                by_rid[core.add_request(p.prompt_ids, params, stream_text=False)] = (p, k)
         while by_rid:
             for delta in core.step():
                 if delta.request_id not in by_rid:
@@ -162,8 +162,6 @@ def _drive(llm: LLM, pending: list[_Pending], appender: Appender, bar) -> int:
                         bar.update(1)
                         bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} tokens/s", refresh=False)
     finally:
-        for rid in list(by_rid):
-            core.abort(rid)
-        if by_rid:
-            core.step()  # hands out the aborts' final deltas
+        if by_rid:  # interrupted: nothing of the job stays in the core
+            core.abort_all()
     return completed

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from offload.common.dtypes import DTYPES, KV_DTYPES
 from offload.common.errors import OffloadError
 from offload.common.knobs import knob
+from offload.common.tier import Tier
 
-TIERS = ("device", "host", "nvme")
-EMBED_TIERS = ("device", "nvme")  # where a token embedding may live (Policy.embed_tier)
+EMBED_TIERS = (Tier.DEVICE, Tier.NVME)  # where a token embedding may live (Policy.embed_tier): never host RAM
 # bytes; a stored embedding reads its rows through a buffer this big (tiers/weights/embedding.py)
 EMBED_READ_BUFFER = 2 << 20
 READ_BACKENDS = ("pread", "aio")  # the NVMe read backends (tiers/io/backends.py)
@@ -44,25 +44,25 @@ class Policy:
     """Where each decoder layer's weights live. Placement is data; tiers/weights/weight_store.py moves bytes to match
     it."""
 
-    layer_tiers: tuple[str, ...]  # per layer: "device" (resident), "host" (RAM copy), "nvme" (streamed)
+    layer_tiers: tuple[str, ...]  # per layer a Tier: DEVICE (resident), HOST (RAM copy), NVME (streamed)
     ring_slots: int = 0  # device buffers that streamed layers pass through; 0 when nothing streams
-    # where the token embedding lives: "device" (resident), or "nvme" (left in storage, each step reading its
+    # where the token embedding lives: Tier.DEVICE (resident), or Tier.NVME (left in storage, each step reading its
     # tokens' rows: tiers/weights/embedding.py), which frees its bytes for layers when some layer streams anyway
-    embed_tier: str = "device"
+    embed_tier: str = Tier.DEVICE
 
     def __post_init__(self) -> None:
-        bad = [t for t in self.layer_tiers if t not in TIERS]
+        bad = [t for t in self.layer_tiers if t not in tuple(Tier)]
         if bad:
-            raise OffloadError(f"policy: tier {bad[0]!r} is not one of {', '.join(TIERS)}")
+            raise OffloadError(f"policy: tier {bad[0]!r} is not one of {', '.join(Tier)}")
         if self.embed_tier not in EMBED_TIERS:
             raise OffloadError(f"policy: embedding tier {self.embed_tier!r} is not one of {', '.join(EMBED_TIERS)}")
-        if "nvme" in self.layer_tiers and self.ring_slots < 2:
+        if Tier.NVME in self.layer_tiers and self.ring_slots < 2:
             raise OffloadError(f"policy: streamed layers need at least 2 ring slots, got {self.ring_slots}")
 
     @classmethod
     def from_counts(cls, device: int, host: int, nvme: int, ring_slots: int = 0) -> Policy:
         """`device` resident layers, then `host` in host RAM, then `nvme` streamed: the order `fill` places them."""
-        return cls(("device",) * device + ("host",) * host + ("nvme",) * nvme, ring_slots)
+        return cls((Tier.DEVICE,) * device + (Tier.HOST,) * host + (Tier.NVME,) * nvme, ring_slots)
 
     @classmethod
     def fill(cls, layer_bytes: Sequence[float], device_room: float, host_room: float, ring_slots: int) -> Policy:
@@ -71,25 +71,38 @@ class Policy:
         tiers = []
         for nbytes in layer_bytes:
             if nbytes <= device_room:
-                tiers.append("device")
+                tiers.append(Tier.DEVICE)
                 device_room -= nbytes
             elif nbytes <= host_room:
-                tiers.append("host")
+                tiers.append(Tier.HOST)
                 host_room -= nbytes
             else:
-                tiers.append("nvme")
-        return cls(tuple(tiers), ring_slots if "nvme" in tiers else 0)
+                tiers.append(Tier.NVME)
+        return cls(tuple(tiers), ring_slots if Tier.NVME in tiers else 0)
 
     @property
     def counts(self) -> tuple[int, int, int]:
         """Layers per tier: (device, host, nvme)."""
-        return self.layer_tiers.count("device"), self.layer_tiers.count("host"), self.layer_tiers.count("nvme")
+        device, host, nvme = (self.layer_tiers.count(t) for t in Tier)
+        return device, host, nvme
 
     def off_device(self, host_copied: bool) -> tuple[int, int]:
         """What ranks two placements of the same model, fewer first: layers streamed from disk, then, where host
         layers are copied to the device every pass (`host_copied`: on CUDA), layers in host RAM."""
         _, host, nvme = self.counts
         return nvme, host if host_copied else 0
+
+    @staticmethod
+    def choose_embedding(resident: Policy | None, stored: Policy | None, host_copied: bool) -> Policy | None:
+        """Where the token embedding lives, given the layers placed beside it resident (`resident`) and with it left
+        in storage (`stored`), None where a placement does not fit: `stored`, as embed_tier NVME, where it puts fewer
+        layers off the device (off_device), else `resident`. Placing `stored` pays only where `resident` is None or
+        leaves some layer off the device; otherwise it cannot win."""
+        if stored is not None and (
+            resident is None or stored.off_device(host_copied) < resident.off_device(host_copied)
+        ):
+            return replace(stored, embed_tier=Tier.NVME)
+        return resident
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,9 +389,8 @@ class EngineConfig:
         keywords. "disk" needs offload_dir (it bounds the spill files written there)."""
         from offload.common.sizes import parse_max_memory
 
-        tiers = parse_max_memory(max_memory)
-        names = {"device": "device_memory", "host": "host_memory", "disk": "disk_memory"}
-        return cls(**fields, **{names[t]: b for t, b in tiers.items()})
+        # parse_max_memory's keys ("device", "host", "disk") name the budgets: device_memory, host_memory, disk_memory
+        return cls(**fields, **{f"{t}_memory": b for t, b in parse_max_memory(max_memory).items()})
 
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for with each token

@@ -20,6 +20,7 @@ from offload.common.sizes import parse_size
 
 # the knob groups, in the order --help and the flag reference list them
 GROUPS = {
+    "server": "HTTP server",
     "budgets": "memory budgets (SIZE: 512MiB, 8GiB, 2GB or bytes)",
     "kv": "KV cache",
     "experts": "mixture-of-experts streaming",
@@ -137,8 +138,9 @@ def reference(parser: argparse.ArgumentParser) -> str:
     lines = [
         "# Flag reference",
         "",
-        "Generated from the declarations (`offload/common/config.py`, `offload/cli.py`) by `make docs`; a test fails",
-        "when this file and the code differ. Sizes read as 512MiB, 8GiB, 2GB or a number of bytes.",
+        "Generated from the declarations (`offload/common/config.py`, `offload/server/settings.py`, `offload/cli.py`)",
+        "by `make docs`; a test fails when this file and the code differ. Sizes read as 512MiB, 8GiB, 2GB or a number",
+        "of bytes.",
     ]
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name, p in sub.choices.items():

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.common.model_config import ModelSpec
+from offload.common.tier import Tier
 from offload.kernels.paged_batch import PagedBatch
 from offload.model.host_attention import HostAttention, Staging, staging
 from offload.model.registry import ExpertSource, Family, LayerInput
@@ -56,7 +57,7 @@ class Engine:
         self.host_attention = host_attention
         self.staged_micro_batches = 0  # host micro-batches that attended on the compute device, over the run
         self.spec, self.family, self.weights, self.kv = spec, family, weights, kv
-        self.caches = {"device": kv} | ({"host": host_kv} if host_kv is not None else {})
+        self.caches = {Tier.DEVICE: kv} | ({Tier.HOST: host_kv} if host_kv is not None else {})
         self.device, self.dtype = device, dtype
         self.inv_freq = inverse_frequencies(spec.rope, spec.rope_dim).to(device)
         self.rope_scale = attention_scale(spec.rope)
@@ -107,7 +108,7 @@ class Engine:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=cache_device),
         )
         staged, contexts, where = None, batch.context_lens, self.host_attention
-        if mb.kv_tier == "host" and where is not None and where.stage(len(token_ids), len(contexts), sum(contexts)):
+        if mb.kv_tier == Tier.HOST and where is not None and where.stage(len(token_ids), len(contexts), sum(contexts)):
             tables_used = [c.block_table for c in mb.chunks]
             staged = staging(tables_used, contexts, batch, block_size, cache_device, self.device)
             self.staged_micro_batches += 1

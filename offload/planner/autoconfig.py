@@ -31,6 +31,7 @@ from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.common.sizes import format_size
+from offload.common.tier import Tier
 from offload.scheduler.cost.predict import Budgets, Candidate, Prediction, Workload, make_context, tier_memory
 from offload.scheduler.cost.search import best, search
 from offload.tiers.kv.kv_cache import KVCache
@@ -116,7 +117,7 @@ def autoconfigure(
         dtype=dtype,
         budgets=Budgets(device=device_budget, host=config.host_layer_memory),
         batches=batches,
-        kv_tiers=("device",),
+        kv_tiers=(Tier.DEVICE,),
         ring_slots=config.ring_slots,
         block_size=config.block_size,
         kv_group=config.kv_group_size,
@@ -126,7 +127,7 @@ def autoconfigure(
     )
     chosen = best(predictions, runnable_only=True)
     if chosen is None and config.memory is not None:
-        short = predictions[0].overflow.get("device", 0)
+        short = predictions[0].overflow.get(Tier.DEVICE, 0)
         held = config.memory - MEMORY_RESERVE - config.host_total - device_budget  # the RSS memory_budget read
         raise OffloadError(
             f"memory of {format_size(config.memory)} is {format_size(short)} short of one sequence of "
@@ -195,9 +196,9 @@ def activation_bytes(
     """What the cost model counts on the device for `cand` beyond what the engine's device tier is charged (the
     embedding, head, layers, ring, KV cache and expert cache): a step's activations and logits (bytes)."""
     ctx = make_context(shape, hardware, dtype, config.block_size, config.kv_group_size)
-    bare = tier_memory(ctx, dataclasses.replace(cand, policy=Policy(())), workload)["device"]  # no layer placed
+    bare = tier_memory(ctx, dataclasses.replace(cand, policy=Policy(())), workload)[Tier.DEVICE]  # no layer placed
     kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
-    kv = kv if cand.kv_tier == "device" else 0  # host KV is counted in the host tier
+    kv = kv if cand.kv_tier == Tier.DEVICE else 0  # host KV is counted in the host tier
     return int(bare - (shape.params.embed + shape.params.head) * ctx.dtype_bytes - kv - cand.expert_cache)
 
 

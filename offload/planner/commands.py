@@ -23,6 +23,7 @@ from offload.common.dtypes import DTYPE_BYTES
 from offload.common.hardware import HardwareProfile
 from offload.common.knobs import to_flags
 from offload.common.model_config import ModelSpec
+from offload.common.tier import Tier
 from offload.scheduler.cost.predict import Budgets, Prediction, Workload, capacity
 
 
@@ -38,8 +39,8 @@ def planned_config(
     # the engine allocates a step's activations outside its device tier, where the cost model counts them in it
     activations = activation_bytes(spec, hw, dtype, EngineConfig(dtype=dtype), cand, workload)
     config = EngineConfig(
-        device_memory=cap["device"] - activations,
-        host_memory=cap["host"] if host_layers else None,
+        device_memory=cap[Tier.DEVICE] - activations,
+        host_memory=cap[Tier.HOST] if host_layers else None,
         dtype=dtype,
         # the integer KV format of that width (the cost model prices fp8 as int8's 8 bits)
         kv_dtype=f"int{cand.kv_bits}" if cand.kv_bits < 8 * DTYPE_BYTES[dtype] else "auto",
@@ -47,7 +48,9 @@ def planned_config(
         expert_cache_memory=cand.expert_cache or None,
     )
     config = sized(config, spec, dtype, prediction, workload)
-    if cand.kv_tier == "host":  # the KV host part holds the batch; the device part, one sequence (it cannot be empty)
+    if (
+        cand.kv_tier == Tier.HOST
+    ):  # the KV host part holds the batch; the device part, one sequence (it cannot be empty)
         one = config.kv_cache_bytes // cand.batch
         config = dataclasses.replace(
             config, kv_host_memory=config.kv_cache_bytes, kv_cache_bytes=one, device_memory=config.device_memory + one

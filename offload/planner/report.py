@@ -16,6 +16,7 @@ from offload.common.config import BLOCK_SIZE
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
+from offload.common.tier import Tier
 from offload.planner.compare import (
     AMORTIZE_HOURS,
     DISK_CLASSES,
@@ -160,7 +161,7 @@ def _policy(p: Prediction) -> str:
     c = p.candidate
     dev, host, disk = c.policy.counts
     bits = "" if c.weight_bits == c.kv_bits >= 16 else f" w{c.weight_bits}/kv{c.kv_bits}"
-    disk_part = f"{disk}{'+E' if c.expert_cache else ''}{'*' if c.policy.embed_tier == 'nvme' else ''}"
+    disk_part = f"{disk}{'+E' if c.expert_cache else ''}{'*' if c.policy.embed_tier == Tier.NVME else ''}"
     weights = f"{dev:>4}/{host:>4}/{disk_part:<4}".ljust(14)
     return f"{c.batch:>5} {c.micro_batches:>3}  {weights} {c.kv_tier:<6}{bits}"
 
@@ -187,8 +188,8 @@ def report(
             f"{e.dtype} {_gb(e.total_bytes)} (largest layer {_gb(e.largest_layer_bytes)}, {e.largest_layer_name})"
             for e in estimate_sizes(shape)
         ),
-        f"hardware  {hw.name} ({hw.device_kind}): device {_gb(cap['device'])}, "
-        f"host {_gb(cap['host'])}, disk reads {hw.disk_read / GB:.2f} GB/s"
+        f"hardware  {hw.name} ({hw.device_kind}): device {_gb(cap[Tier.DEVICE])}, "
+        f"host {_gb(cap[Tier.HOST])}, disk reads {hw.disk_read / GB:.2f} GB/s"
         + (f", host->device {hw.host_to_device / GB:.0f} GB/s" if hw.host_to_device else ""),
         f"workload  prompt {workload.prompt_len} tokens, {workload.gen_len} new tokens, "
         + (f"{workload.requests} requests" if workload.requests else "one batch of any size"),
@@ -208,7 +209,7 @@ def report(
     fitting.sort(key=lambda p: -p.tokens_per_second)
     if shape.num_experts:
         lines[-1:-1] = _experts_lines(shape, hw, workload, dtype, winner)
-    stored = any(p.candidate.policy.embed_tier == "nvme" for p in fitting[:top])
+    stored = any(p.candidate.policy.embed_tier == Tier.NVME for p in fitting[:top])
     lines.append(
         "best policies (predicted; weights: decoder layers on device/host/disk"
         + ("; +E: routed experts read when chosen, through an expert cache" if shape.num_experts else "")
@@ -217,12 +218,12 @@ def report(
     )
     lines.append(
         f"{'#':>2} {'batch':>5} {'mb':>3}  {'weights':<14} {'KV':<6} {'tok/s':>9} {'TTFT':>9} "
-        f"{'device':>10} {'host':>10}  {'bound':<7} runs here"
+        f"{Tier.DEVICE:>10} {Tier.HOST:>10}  {'bound':<7} runs here"
     )
     for i, p in enumerate(fitting[:top], 1):
         lines.append(
             f"{i:>2} {_policy(p)} {p.tokens_per_second:>9.3g} {p.ttft_seconds:>8.3g}s "
-            f"{_gb(p.memory['device']):>10} {_gb(p.memory['host']):>10}  {p.bound:<7} " + _runs_here(p)
+            f"{_gb(p.memory[Tier.DEVICE]):>10} {_gb(p.memory[Tier.HOST]):>10}  {p.bound:<7} " + _runs_here(p)
         )
     runnable = best(predictions, runnable_only=True)
     if runnable is not None and runnable is not winner:

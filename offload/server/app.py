@@ -13,8 +13,6 @@ import hmac
 import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,18 +25,10 @@ from offload.openai.protocol import ChatRequest, CompletionRequest, RequestError
 from offload.server.batches import BatchRunner, BatchStore, add_batch_routes
 from offload.server.front import AsyncFront, Draining, QueueFull, RequestStream
 from offload.server.metrics import Metrics
+from offload.server.settings import ServeSettings
 from offload.server.sse import chat_chunks, completion_chunks, sse
 
 DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming request's client is still there
-
-
-@dataclass(frozen=True, slots=True)
-class ServeSettings:
-    model_name: str  # what clients pass as `model`
-    api_key: str | None = None  # None: no authentication
-    max_waiting: int | None = 256  # requests queued beyond the running batch; more get 429
-    drain_timeout: float = 30.0  # seconds running requests get to finish on shutdown
-    batch_dir: Path | None = None  # the Batch API's files and batches; None: no Batch API
 
 
 class Server:

@@ -228,11 +228,9 @@ class AsyncFront:
                 except Exception as exc:  # the step failed: every request in the core ends with the error
                     self.error = exc
                     deltas = []
-                    for rid, stream in list(self._streams.items()):
-                        self.core.abort(rid)
-                        batch.append((stream, OffloadError(f"the engine failed: {exc}")))
+                    batch.extend((s, OffloadError(f"the engine failed: {exc}")) for s in self._streams.values())
                     self._streams.clear()
-                    self.core.step()  # hands out the aborts' final deltas, which nobody waits for now
+                    self.core.abort_all()  # their final deltas, which nobody waits for now
                 for delta in deltas:
                     stream = self._streams.get(delta.request_id)
                     if stream is None:

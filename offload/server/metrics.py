@@ -13,6 +13,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from offload.common.tier import Tier
 from offload.core import Delta
 from offload.server.front import AsyncFront
 
@@ -106,8 +107,8 @@ class _CoreCollector:
         tiers = CounterMetricFamily(
             "offload_weight_bytes_read", "Weight bytes moved, by the tier they came from", labels=["tier"]
         )
-        tiers.add_metric(["nvme"], c.bytes_read)
-        tiers.add_metric(["host"], c.h2d_bytes)
+        tiers.add_metric([Tier.NVME], c.bytes_read)
+        tiers.add_metric([Tier.HOST], c.h2d_bytes)
         yield tiers
         yield counter("offload_read_stall_seconds", "Time the engine waited for weight reads", c.stall_seconds)
         yield counter("offload_weight_read_seconds", "Time with at least one weight read in flight", c.read_seconds)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import uvicorn
 
 from offload.common.errors import OffloadError
-from offload.server.app import Server, ServeSettings, create_app
+from offload.server.app import Server, create_app
+from offload.server.settings import ServeSettings
 
 
 class _DrainingServer(uvicorn.Server):
@@ -46,8 +47,9 @@ class _DrainingServer(uvicorn.Server):
 DRAIN_JOIN = 10.0  # seconds to wait at exit for the engine's thread to end its step
 
 
-def serve(load: Callable[[], object], settings: ServeSettings, host: str, port: int, log_level: str) -> None:
-    """Serve until a signal ends it; OffloadError if the model fails to load."""
+def serve(load: Callable[[], object], settings: ServeSettings) -> None:
+    """Serve on settings.host and settings.port until a signal ends it; OffloadError if the model fails to load."""
+    host, port = settings.host, settings.port
     holder: dict[str, uvicorn.Server] = {}
 
     def ready(server: Server) -> None:
@@ -64,7 +66,12 @@ def serve(load: Callable[[], object], settings: ServeSettings, host: str, port: 
 
     app_server = Server(load, settings, on_ready=ready, on_load_error=failed)
     config = uvicorn.Config(
-        create_app(app_server), host=host, port=port, log_level=log_level, lifespan="on", timeout_keep_alive=30
+        create_app(app_server),
+        host=host,
+        port=port,
+        log_level=settings.log_level,
+        lifespan="on",
+        timeout_keep_alive=30,
     )
     holder["server"] = server = _DrainingServer(config, app_server)
     server.run()

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from offload.common.config import BLOCK_SIZE, KV_GROUP_SIZE, TIERS, Policy, embed_read_buffer
+from offload.common.config import BLOCK_SIZE, KV_GROUP_SIZE, Policy, embed_read_buffer
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.common.model_config import GPT_OSS, ModelSpec
+from offload.common.tier import Tier
 from offload.scheduler.cost.attention_cost import attention_seconds, host_kv_attention
 from offload.scheduler.cost.gemm_rates import curve_rate, elementwise_bytes, gemm_seconds, matmul_rate
 from offload.scheduler.cost.moe_cost import (
@@ -72,7 +73,7 @@ class Candidate:
     batch: int  # sequences advanced together by each step
     micro_batches: int  # the batch runs as this many micro-batches, each reusing the layer's loaded weights
     policy: Policy  # each decoder layer's tier, and the device ring that streamed layers pass through
-    kv_tier: str = "device"  # "host" on CUDA: attention on the CPU next to the cache, or the cache copied up
+    kv_tier: str = Tier.DEVICE  # HOST on CUDA: attention on the CPU next to the cache, or the cache copied up
     weight_bits: int = 16
     kv_bits: int = 16
     # bytes of the device budget for a mixture's expert cache: its routed experts leave their layers and are read
@@ -97,7 +98,7 @@ class Prediction:
     decode_seconds: float  # one batch's remaining gen_len - 1 tokens
     rounds: int  # batches run one after another to serve every request
     generated_tokens: int  # over all rounds
-    memory: dict[str, int]  # peak bytes per tier ("device", "host"; "disk": bytes written beyond the checkpoint)
+    memory: dict[str, int]  # peak bytes per tier (Tier.DEVICE, Tier.HOST; "disk": bytes written beyond the checkpoint)
     overflow: dict[str, int]  # bytes over budget per tier; empty when the policy fits
     resources: dict[str, float]  # seconds of one round each resource is busy: disk, link, compute, host
     unsupported: tuple[str, ...] = field(default_factory=tuple)  # what this engine cannot run yet
@@ -154,7 +155,7 @@ class Context:
     @property
     def embed_storable(self) -> bool:
         """Whether the embedding is a bare token table apart from the head, which may stay in storage (a step reading
-        its tokens' rows: Policy.embed_tier "nvme")."""
+        its tokens' rows: Policy.embed_tier NVME)."""
         s = self.shape
         return not s.tie_word_embeddings and s.params.embed == s.vocab_size * s.hidden_size
 
@@ -221,12 +222,12 @@ def _layer_step(
     active = s.params.active_layer - s.experts_per_token * expert_params(s)  # routed experts: priced below
     active_bytes = ctx.weight_bytes(active, cand.weight_bits)
     busy = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0}
-    if tier == "nvme":
+    if tier == Tier.NVME:
         busy["disk"] = w_bytes / hw.disk_read
-    if tier != "device" and not ctx.on_cpu:
+    if tier != Tier.DEVICE and not ctx.on_cpu:
         busy["link"] = w_bytes / hw.host_to_device
-    attn_unit = hw.host if cand.kv_tier == "host" and not ctx.on_cpu else hw.device
-    packed = ctx.on_cpu and tier == "device"  # the engine packs resident layers where that pays
+    attn_unit = hw.host if cand.kv_tier == Tier.HOST and not ctx.on_cpu else hw.device
+    packed = ctx.on_cpu and tier == Tier.DEVICE  # the engine packs resident layers where that pays
     compute = gemm_seconds(hw.device, ctx.dtype, active, active_bytes, rows_per_mb, packed)
     compute += _elementwise_seconds(ctx, rows_per_mb)
     if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
@@ -289,7 +290,7 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
     micro_batches = cand.micro_batches if prefill else cand.decode_micro_batches(prompt_len)
     seqs = -(-cand.batch // micro_batches)
     total = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0, "wall": 0.0}
-    for tier, count in zip(TIERS, cand.policy.counts, strict=True):
+    for tier, count in zip(Tier, cand.policy.counts, strict=True):
         if not count:
             continue
         busy = _layer_step(ctx, cand, tier, micro_batches, seqs, context, prefill)
@@ -299,7 +300,7 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
             total[k] += count * (v + serial.get(k, 0.0))
         total["disk"] += count * max(reads - serial["disk"], 0.0)  # expert reads the compute hid: busy, not waited
         total["wall"] += count * (max(busy.values()) + sum(serial.values()))
-    if cand.policy.embed_tier == "nvme":  # the step's token rows, read before the first layer (whole 4 KiB blocks)
+    if cand.policy.embed_tier == Tier.NVME:  # the step's token rows, read before the first layer (whole 4 KiB blocks)
         tokens = cand.batch * (prompt_len if prefill else 1)
         row = -(-ctx.embed_row_bytes // 4096) * 4096
         reading = min(tokens, s.vocab_size) * row / ctx.hw.disk_read
@@ -330,7 +331,7 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     activations += cand.batch * s.vocab_size * 4
     embed = s.params.embed * ctx.dtype_bytes
     host = 0
-    if cand.policy.embed_tier == "nvme":  # only a read buffer: on the device's own memory, or pinned host RAM
+    if cand.policy.embed_tier == Tier.NVME:  # only a read buffer: on the device's own memory, or pinned host RAM
         embed = 0
         if ctx.on_cpu:
             embed = embed_read_buffer(ctx.embed_row_bytes)
@@ -341,12 +342,12 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
         device += ring * w
     host += (n_host * w if n_host else 0) + (ring * w if n_disk and not ctx.on_cpu else 0)
     host += cand.expert_cache if not ctx.on_cpu else 0  # on CUDA, as many experts again in pinned host RAM
-    if cand.kv_tier == "device":
+    if cand.kv_tier == Tier.DEVICE:
         device += kv
     else:
         host += kv
     disk = n_disk * w if cand.weight_bits < 8 * ctx.dtype_bytes else 0  # a quantized copy to stream from
-    return {"device": int(device), "host": int(host), "disk": int(disk)}
+    return {Tier.DEVICE: int(device), Tier.HOST: int(host), "disk": int(disk)}
 
 
 def _intermediate(s: ModelSpec) -> int:
@@ -415,7 +416,7 @@ def capacity(hw: HardwareProfile, budgets: Budgets) -> dict[str, int]:
     host = budgets.host if budgets.host is not None else hw.host.memory
     if hw.device_kind == "cpu" and budgets.host is None:
         host = max(hw.host.memory - device, 0)  # one RAM holds both the device arena and the host tier
-    return {"device": device, "host": host}
+    return {Tier.DEVICE: device, Tier.HOST: host}
 
 
 def _overflow(ctx: Context, memory: dict[str, int], budgets: Budgets) -> dict[str, int]:
@@ -441,7 +442,7 @@ def mixed_step_seconds(
     their compute adds up."""
     s = ctx.shape
     wall = 0.0
-    for tier, count in zip(TIERS, cand.policy.counts, strict=True):
+    for tier, count in zip(Tier, cand.policy.counts, strict=True):
         if not count:
             continue
         parts = []
@@ -462,7 +463,7 @@ def mixed_step_seconds(
         reads = max(max(p["disk"] for p in parts), max(p["link"] for p in parts))
         wall += count * (max(compute, host, reads) + serial)
     rows = decode_seqs + prefills
-    if cand.policy.embed_tier == "nvme":
+    if cand.policy.embed_tier == Tier.NVME:
         tokens = decode_seqs + prefills * prompt_len
         wall += min(tokens, s.vocab_size) * (-(-ctx.embed_row_bytes // 4096) * 4096) / ctx.hw.disk_read
     head_params = s.vocab_size * s.hidden_size

@@ -7,13 +7,13 @@ Plain numbers in, plain numbers out, like the cost model it drives.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Iterable
 
 from offload.common.config import BLOCK_SIZE, KV_GROUP_SIZE, RING_SLOTS, Policy
 from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
+from offload.common.tier import Tier
 from offload.scheduler.cost.moe_cost import average_routed_params
 from offload.scheduler.cost.predict import (
     Budgets,
@@ -27,7 +27,7 @@ from offload.scheduler.cost.predict import (
     tier_memory,
 )
 
-KV_TIERS = ("device", "host")
+KV_TIERS = (Tier.DEVICE, Tier.HOST)  # where a candidate's KV cache may live
 WHOLE_MACHINE = Budgets()  # no budget: every tier as big as the hardware profile says (frozen, safe to share)
 # expert_cache for place_layers: what the device budget leaves once every layer's dense part is resident (at least
 # one token's experts)
@@ -40,7 +40,7 @@ def place_layers(
     workload: Workload,
     batch: int,
     micro_batches: int,
-    kv_tier: str = "device",
+    kv_tier: str = Tier.DEVICE,
     weight_bits: int = 16,
     kv_bits: int = 16,
     *,
@@ -62,7 +62,7 @@ def place_layers(
     cap = capacity(ctx.hw, budgets)
     if expert_cache == AUTO_EXPERT_CACHE:
         bare = Candidate(batch, micro_batches, Policy(()), kv_tier, weight_bits, kv_bits)
-        expert_cache = _auto_expert_cache(ctx, bare, workload, cap["device"])
+        expert_cache = _auto_expert_cache(ctx, bare, workload, cap[Tier.DEVICE])
 
     def candidate(policy: Policy) -> Candidate:
         return Candidate(batch, micro_batches, policy, kv_tier, weight_bits, kv_bits, expert_cache)
@@ -75,35 +75,30 @@ def place_layers(
 
     def place(embed_tier: str) -> Policy | None:
         fixed = tier_memory(ctx, candidate(Policy((), embed_tier=embed_tier)), workload)  # the expert cache included
-        device_room = cap["device"] - fixed["device"]
-        host_room = cap["host"] - fixed["host"]
+        device_room = cap[Tier.DEVICE] - fixed[Tier.DEVICE]
+        host_room = cap[Tier.HOST] - fixed[Tier.HOST]
         if n * w <= device_room:
             return Policy.from_counts(n, 0, 0)
         # on a CPU machine host layers are read in place; on CUDA they pass through the device ring like disk layers
         if ctx.on_cpu:
             policy = fill(device_room, host_room)
-            if "nvme" not in policy.layer_tiers:
+            if Tier.NVME not in policy.layer_tiers:
                 return policy
         device_room -= ring_slots * w  # something passes through the ring of device slots
         if device_room < 0:
             return None  # does not fit
         policy = fill(device_room, host_room)
-        if "nvme" in policy.layer_tiers and not ctx.on_cpu:  # disk reads land in pinned staging buffers on the way
+        if Tier.NVME in policy.layer_tiers and not ctx.on_cpu:  # disk reads land in pinned staging buffers on the way
             policy = fill(device_room, host_room - ring_slots * w)
         return Policy(policy.layer_tiers, ring_slots)
 
-    # the embedding stays in storage where that puts fewer layers off the device, as the engine does
-    # (tiers/weights/placement.py)
-    resident = place("device")
+    resident = place(Tier.DEVICE)
+    stored = None
     if ctx.embed_storable and (resident is None or resident.counts[0] < n):
-        stored = place("nvme")
-        host_copied = not ctx.on_cpu
-        if stored is not None and (
-            resident is None or stored.off_device(host_copied) < resident.off_device(host_copied)
-        ):
-            return candidate(dataclasses.replace(stored, embed_tier="nvme"))
+        stored = place(Tier.NVME)
+    chosen = Policy.choose_embedding(resident, stored, host_copied=not ctx.on_cpu)  # as the engine places it
     # None: does not fit, and `predict` reports by how much
-    return candidate(resident or Policy.from_counts(0, 0, n, ring_slots))
+    return candidate(chosen or Policy.from_counts(0, 0, n, ring_slots))
 
 
 def _auto_expert_cache(ctx: Context, bare: Candidate, workload: Workload, device_cap: int) -> int:
@@ -111,7 +106,7 @@ def _auto_expert_cache(ctx: Context, bare: Candidate, workload: Workload, device
     KV cache and activations of `bare` (no layer placed, no cache); at least one token's experts."""
     s = ctx.shape
     dense = ctx.weight_bytes(s.params.layer - average_routed_params(s), bare.weight_bits) * s.num_layers
-    room = device_cap - tier_memory(ctx, bare, workload)["device"] - dense
+    room = device_cap - tier_memory(ctx, bare, workload)[Tier.DEVICE] - dense
     one_token = s.experts_per_token * ctx.expert_bytes(bare.weight_bits)
     return int(max(room, one_token))
 
@@ -160,7 +155,7 @@ def search(
             if mb > batch:
                 continue
             for kv_tier in kv_tiers:
-                if kv_tier == "host" and hw.device_kind == "cpu":
+                if kv_tier == Tier.HOST and hw.device_kind == "cpu":
                     continue  # host RAM is the device's own memory: no different from "device"
                 for wb in weight_bits:
                     for kb in kv_bits:
@@ -171,7 +166,7 @@ def search(
 
 
 def rank(predictions: list[Prediction]) -> list[Prediction]:
-    fits = sorted((p for p in predictions if p.fits), key=lambda p: (-p.tokens_per_second, p.memory["device"]))
+    fits = sorted((p for p in predictions if p.fits), key=lambda p: (-p.tokens_per_second, p.memory[Tier.DEVICE]))
     rest = sorted((p for p in predictions if not p.fits), key=lambda p: sum(p.overflow.values()))
     return fits + rest
 

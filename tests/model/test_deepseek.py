@@ -138,7 +138,7 @@ def test_kv_cache_holds_the_latent_alone_in_every_tier(tmp_path):
     per_token = (26 + 6) * 3 * 2
     with LLM(path, EngineConfig(dtype="bfloat16", kv_cache_bytes=KV_BYTES, block_size=4)) as probe:
         assert probe.spec.kv_bytes_per_token(2) == per_token
-        assert probe.parts.kv.cache.bytes_per_block == 4 * per_token
+        assert probe.placement.kv_block_bytes == 4 * per_token
     tiers = dict(kv_host_memory=64 * 4 * per_token, kv_disk_memory=1 << 22, offload_dir=str(tmp_path / "offload"))
     batch, params = prompts((21, 14), seed=4), SamplingParams(max_new_tokens=6, ignore_eos=True)
     config = EngineConfig(dtype="bfloat16", kv_cache_bytes=KV_BYTES, block_size=4, **tiers)

@@ -61,7 +61,7 @@ def test_streamed_experts_give_the_resident_tokens_reading_only_chosen_experts(c
     path, resident = checkpoint
     slot, expert_bytes, _, _ = _sizes(path)
     with LLM(path, _config(expert_cache_memory=3 * slot)) as llm:  # fewer than a prefill chooses: fetched in batches
-        assert llm.parts.experts.cache.slots == 3
+        assert llm.placement.experts.slots == 3
         got = [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)]
         s = llm.last_run
     assert got == resident

@@ -75,7 +75,7 @@ def test_copied_to_device_slots_the_tokens_are_the_resident_ones(checkpoint, sta
     assert (
         llm.parts.experts.slots.slots == 3 and llm.parts.experts.cache.tier is llm.parts.host_tier
     )  # the cache of experts as read
-    assert llm.parts.experts.cache.slots == 3  # --expert-host-memory 0: as many as the device slots
+    assert llm.placement.experts.slots == 3  # --expert-host-memory 0: as many as the device slots
     assert x.misses > 0 and x.cpu_runs == 0 and x.h2d_bytes > 0
     assert x.device_hits <= x.hits
     assert "in pinned host RAM" in _placement_table(llm) and "and 3 expert slots on cpu" in _placement_table(llm)
@@ -109,7 +109,7 @@ def test_a_larger_host_cache_reads_less_from_disk(checkpoint, staged):
     tokens, big, llm = _run(path, expert_cache_memory=2 * slot, expert_host_memory=every * llm_slot_cost(path))
     assert tokens == resident
     assert big.bytes_read < small.bytes_read
-    assert llm.parts.experts.cache.slots == every and llm.parts.experts.slots.slots == 2
+    assert llm.placement.experts.slots == every and llm.placement.experts.device_slots == 2
 
 
 def llm_slot_cost(path) -> int:

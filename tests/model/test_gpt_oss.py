@@ -69,7 +69,7 @@ def test_greedy_tokens_match_transformers_resident_and_streamed(gpt_oss):
         assert [list(c.token_ids) for c in llm.generate_ids(batch, params)] == expected
         layer = llm.parts.weights.store.acquire(0)
         assert "qkv_proj" in layer and layer["expert3.gate_up_proj"].shape == (64, 192)
-        budget = llm.stats().device_used - llm.parts.kv.cache.nbytes  # all weights resident
+        budget = llm.stats().device_used - llm.placement.kv_bytes  # all weights resident
     # half the layers' bytes: the rest stream from disk, whole (experts and all)
     streamed = EngineConfig(kv_cache_bytes=1 << 22, block_size=8, device_memory=(1 << 22) + budget * 3 // 4)
     with LLM(path, streamed) as llm:

@@ -54,7 +54,7 @@ def test_preemption_when_kv_runs_out_recomputes_and_loses_nothing(model_dir, gre
     # 3 layers * 2 * 2 kv heads * 16 dims * 4 bytes = 768 bytes/token; 72 KiB = 96 tokens = 24 blocks of 4,
     # enough for the longest request alone (63 + 24 tokens), not for all four (about 190)
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=72 << 10, block_size=4))
-    assert llm.parts.kv.cache.num_blocks == 24
+    assert llm.placement.kv_blocks == 24
     got = llm.generate(PROMPTS, GREEDY)
     assert llm.last_run.preemptions > 0
     assert llm.last_run.peak_kv_blocks <= 24
@@ -139,9 +139,9 @@ def test_stats_and_placement(llm):
     assert s.prompt_tokens == sum(len(llm.encode(x)) for x in PROMPTS)
     assert s.prefill_seconds > 0 and s.decode_seconds > 0 and s.tokens_per_second > 0
     assert p.device == "cpu" and p.dtype == "float32"
-    params = sum(t.numel() for t in llm.parts.weights.store.embed.values())  # embed + head + layers, counted once
+    params = llm.spec.vocab_size * llm.spec.hidden_size  # the token table alone
     assert p.weight_bytes >= params * 4
-    assert p.kv_bytes == p.kv_blocks * llm.parts.kv.cache.bytes_per_block
+    assert p.kv_bytes == p.kv_blocks * p.kv_block_bytes
 
 
 def test_token_ids_need_no_tokenizer(model_dir, greedy_alone, tmp_path):
@@ -201,20 +201,17 @@ def test_auto_io_backend_follows_the_probe(model_dir, probed, monkeypatch):
     assert config.io_backend == "auto"
     probed(pread=1.02, aio=0.88)
     llm = LLM(model_dir, config)
-    assert (
-        llm.parts.weights.io_backend == ("pread", "probe: 1.02 vs aio 0.88 GB/s")
-        and llm.parts.weights.backend.name == "pread"
-    )
+    assert llm.placement.io_backend == ("pread", "probe: 1.02 vs aio 0.88 GB/s")
     completions = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
     assert "\ni/o        backend pread (probe: 1.02 vs aio 0.88 GB/s)" in _summary(llm, completions)
     probed(pread=1.02, aio=1.5)
     monkeypatch.setattr(aio, "_load_op", functools.cache(lambda: "libaio is missing"))
-    assert LLM(model_dir, config).parts.weights.io_backend == (
+    assert LLM(model_dir, config).placement.io_backend == (
         "pread",
         "probe measured aio, but its op is not built or loadable now",
     )
     pread = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4, io_backend="pread"))
-    assert pread.parts.weights.io_backend == ("pread", "asked") and pread.parts.weights.backend.name == "pread"
+    assert pread.placement.io_backend == ("pread", "asked")
 
 
 def test_auto_io_backend_takes_aio_where_the_probe_found_it_faster(model_dir, probed, greedy_alone):
@@ -224,11 +221,8 @@ def test_auto_io_backend_takes_aio_where_the_probe_found_it_faster(model_dir, pr
         pytest.skip(f"aio backend unavailable here: {why}")
     probed(pread=1.02, aio=1.5)
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=1 << 22, block_size=4))
-    assert (
-        llm.parts.weights.io_backend == ("aio", "probe: 1.50 vs pread 1.02 GB/s")
-        and llm.parts.weights.backend.name == "aio"
-    )
-    assert llm.parts.weights.backend.bytes_read > 0  # the checkpoint came through it
+    assert llm.placement.io_backend == ("aio", "probe: 1.50 vs pread 1.02 GB/s")
+    assert llm.stats().weights.bytes_read > 0  # the checkpoint came through it
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == greedy_alone[0].token_ids
 
 
@@ -240,10 +234,10 @@ def test_auto_io_backend_without_a_probe_keeps_the_default(model_dir, probed):
 
     default = "aio" if torch.cuda.is_available() and aio_ready() else "pread"
     config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4)
-    assert LLM(model_dir, config).parts.weights.io_backend == (default, "no probe: default")  # no profile in the cache
+    assert LLM(model_dir, config).placement.io_backend == (default, "no probe: default")  # no profile in the cache
     assert not local_profile_path().exists()  # read if there, never measured now
     probed(pread=1.02)  # an older probe, or aio unavailable when it ran
-    assert LLM(model_dir, config).parts.weights.io_backend == (default, "probe measured pread alone: default")
+    assert LLM(model_dir, config).placement.io_backend == (default, "probe measured pread alone: default")
     local_profile_path().write_text("{")
     with pytest.raises(OffloadError, match=f"{local_profile_path()}: not valid JSON"):
         LLM(model_dir, config)

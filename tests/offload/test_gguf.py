@@ -548,7 +548,7 @@ def test_the_imported_codes_score_transformers_perplexity_of_the_same_weights(
     text = "\n\n".join(paragraphs[: 6 if dtype == "auto" else 2])
     want = reference_perplexity(smollm2_float, text, 256)
     with LLM(smollm2_gguf, EngineConfig(dtype=dtype)) as llm:
-        assert llm.parts.dtype == (torch.bfloat16 if dtype == "auto" else torch.float32)
+        assert llm.placement.dtype == ("bfloat16" if dtype == "auto" else "float32")
         got = llm.perplexity(text, 256)
     assert got.predicted >= (600 if dtype == "auto" else 150)
     assert got.perplexity == pytest.approx(want, rel=5e-3 if dtype == "auto" else 1e-4)

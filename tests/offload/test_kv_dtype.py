@@ -24,11 +24,10 @@ import pytest
 import torch
 
 from conftest import make_checkpoint
-from offload.api import LLM
+from offload.api import LLM, Placement
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.demo import DEMO_PROMPTS
-from offload.tiers.kv.kv_cache import KVCache
 
 STEPS = 32
 GREEDY = SamplingParams(max_new_tokens=STEPS, ignore_eos=True)
@@ -39,7 +38,7 @@ NEEDS_FP8 = pytest.mark.skipif(not HAS_FP8, reason="torch lacks float8_e4m3fn")
 
 @dataclass(frozen=True)
 class Run:
-    kv: KVCache
+    placement: Placement
     prompts: list[list[int]]
     tokens: list[tuple[int, ...]]  # the greedy continuation of each prompt
     logits: list[torch.Tensor]  # [prompt + STEPS, vocab] each: scores of the *unquantized* run's sequences
@@ -59,7 +58,7 @@ def run(tiny_llama, demo_model) -> Callable[[str, str], Run]:
             tokens = [c.token_ids for c in llm.generate_ids(ids, GREEDY)]
             ref = tokens if kv_dtype == "auto" else get(model, "auto").tokens
             logits = llm.score([i + list(t) for i, t in zip(ids, ref, strict=True)])
-            done[model, kv_dtype] = Run(llm.parts.kv.cache, ids, tokens, logits)
+            done[model, kv_dtype] = Run(llm.placement, ids, tokens, logits)
         return done[model, kv_dtype]
 
     return get
@@ -140,10 +139,10 @@ def test_greedy_tokens_change_only_at_near_ties(run, model: str, kv_dtype: str) 
     ],
 )
 def test_the_same_kv_memory_holds_more_quantized_blocks(run, kv_dtype: str, fmt: str, per_block: int) -> None:
-    kv = run("tiny", kv_dtype).kv
-    assert kv.format == fmt
-    assert kv.bytes_per_block == per_block
-    assert kv.num_blocks == (1 << 21) // per_block
+    placement = run("tiny", kv_dtype).placement
+    assert placement.kv_format == fmt
+    assert placement.kv_block_bytes == per_block
+    assert placement.kv_blocks == (1 << 21) // per_block
 
 
 def test_a_head_dim_the_group_does_not_divide_is_a_one_line_error(tmp_path) -> None:
@@ -161,7 +160,7 @@ def test_quantized_blocks_persist_on_disk_under_their_format(tiny_llama, tmp_pat
     def generate(kv: str, **config) -> tuple[tuple[int, ...], object, int]:
         with LLM(tiny_llama, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, kv_dtype=kv, **config)) as llm:
             (c,) = llm.generate_ids([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
-            return c.token_ids, llm.last_run, llm.parts.kv.cache.bytes_per_block
+            return c.token_ids, llm.last_run, llm.placement.kv_block_bytes
 
     expected, _, per_block = generate(kv_dtype, prefix_cache=False)
     disk = dict(offload_dir=str(tmp_path), kv_disk_memory=64 * (4096 + -(-per_block // 4096) * 4096))
@@ -180,8 +179,8 @@ def test_the_group_size_sets_the_format_the_scales_stored_and_the_persisted_key(
     for group in (32, 64):
         config = EngineConfig(kv_cache_bytes=1 << 21, block_size=4, kv_dtype="int8", kv_group_size=group)
         with LLM(tmp_path, config) as llm:
-            assert llm.parts.kv.cache.format == f"int8-g{group}"
-            per_block[group], keys[group] = llm.parts.kv.cache.bytes_per_block, llm.parts.kv.key
+            assert llm.placement.kv_format == f"int8-g{group}"
+            per_block[group], keys[group] = llm.placement.kv_block_bytes, llm.prefix_keys([1, 5, 9, 13])
             tokens[group] = [c.token_ids for c in llm.generate_ids([[1, 5, 9, 13]], SamplingParams(max_new_tokens=4))]
     # 3 layers, K and V, 4 tokens, one KV head: 128 codes and a float16 scale per group
     assert per_block == {32: 2 * 3 * 4 * (128 + 2 * 4), 64: 2 * 3 * 4 * (128 + 2 * 2)}

@@ -44,7 +44,7 @@ def synchronous_reads(monkeypatch):
 def warm_disk(model_dir, folder) -> dict:
     """A --kv-disk-memory in `folder` holding every full block of PROMPTS (written by an engine that then exits)."""
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.parts.kv.cache.bytes_per_block
+        per_block = probe.placement.kv_block_bytes
     config = dict(offload_dir=str(folder), kv_disk_memory=64 * (4096 + -(-per_block // 4096) * 4096))
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, **config)) as llm:
         llm.generate_ids(PROMPTS, GREEDY)
@@ -79,7 +79,7 @@ def test_without_prefetch_every_block_is_read_at_admission(model_dir, tmp_path, 
 def test_read_ahead_into_host_ram_gives_the_same_tokens(model_dir, tmp_path, expected, synchronous_reads) -> None:
     config = warm_disk(model_dir, tmp_path)
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        host = 64 * probe.parts.kv.cache.bytes_per_block
+        host = 64 * probe.placement.kv_block_bytes
     got, stats, moved = run_one_at_a_time(model_dir, config, kv_host_memory=host)
     assert got == expected
     assert stats.prefix_hit_tokens == 3 * 44
@@ -97,7 +97,7 @@ def test_read_ahead_on_its_own_clock_gives_the_same_tokens(model_dir, tmp_path, 
 def test_a_damaged_block_read_ahead_is_recomputed(model_dir, tmp_path, expected, synchronous_reads) -> None:
     config = warm_disk(model_dir, tmp_path)
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        keys = probe.parts.kv.tables.keys(0, PROMPTS[1])
+        keys = probe.prefix_keys(PROMPTS[1])
     victim = next((tmp_path / "kv").glob(f"{keys[3].hex()}.*.kv"))  # the second request's fourth block
     data = bytearray(victim.read_bytes())
     data[4096 + 100] ^= 0x40

@@ -56,7 +56,7 @@ def test_a_second_call_reuses_the_first_calls_blocks(model_dir) -> None:
 def test_evicted_prefixes_come_back_from_host_ram(model_dir) -> None:
     # a device cache of 20 blocks: the 16 distinct prompts below push the system prompt's blocks out of it
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.parts.kv.cache.bytes_per_block
+        per_block = probe.placement.kv_block_bytes
     small = dict(kv_cache_bytes=20 * per_block, max_num_seqs=2)
     fillers = [[200 + 5 * i + j for j in range(30)] for i in range(8)]
     prompts = [SYSTEM + QUESTIONS[0], *fillers, SYSTEM + QUESTIONS[1]]
@@ -67,7 +67,7 @@ def test_evicted_prefixes_come_back_from_host_ram(model_dir) -> None:
         got = [llm.generate_ids([p], GREEDY)[0].token_ids for p in prompts]  # one at a time: the order is fixed
         last = llm.last_run
         moved = llm.stats().kv_tiers
-        assert llm.parts.kv.tiers.host.peak <= host
+        assert llm.stats().kv_host.peak <= host
     assert got == expected
     assert last.prefix_hit_tokens == 44 and last.kv_bytes_up == 11 * per_block  # all 11 blocks from host RAM
     assert moved.promoted_host == 11 and moved.demoted_host >= 11 and moved.dropped == 0
@@ -75,7 +75,7 @@ def test_evicted_prefixes_come_back_from_host_ram(model_dir) -> None:
 
 def test_without_host_ram_evicted_prefixes_are_recomputed(model_dir) -> None:
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.parts.kv.cache.bytes_per_block
+        per_block = probe.placement.kv_block_bytes
     small = dict(kv_cache_bytes=20 * per_block, max_num_seqs=2)
     fillers = [[200 + 5 * i + j for j in range(30)] for i in range(8)]
     with LLM(model_dir, EngineConfig(block_size=4, **small)) as llm:
@@ -94,7 +94,7 @@ def test_a_restarted_engine_starts_warm_from_disk(model_dir, tmp_path) -> None:
     prompts = [SYSTEM + QUESTIONS[0]]
     expected, _ = run(model_dir, prompts, GREEDY, prefix_cache=False)
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.parts.kv.cache.bytes_per_block
+        per_block = probe.placement.kv_block_bytes
     config = disk_config(tmp_path, per_block)
     first, first_stats = run(model_dir, prompts, GREEDY, **config)  # writes its blocks through to disk, then exits
     again, stats = run(model_dir, [SYSTEM + QUESTIONS[0]], GREEDY, **config)
@@ -109,7 +109,7 @@ def test_the_last_steps_blocks_reach_the_disk_at_close(model_dir, tmp_path) -> N
     """A request that finishes in its prompt's step: its blocks are registered after the step and written through
     when the engine closes, not only at a next step that never comes."""
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.parts.kv.cache.bytes_per_block
+        per_block = probe.placement.kv_block_bytes
     config = disk_config(tmp_path, per_block)
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     run(model_dir, [SYSTEM + QUESTIONS[0]], one, **config)
@@ -122,8 +122,8 @@ def test_a_damaged_disk_block_is_dropped_and_recomputed(model_dir, tmp_path, dam
     prompts = [SYSTEM + QUESTIONS[0]]
     expected, _ = run(model_dir, prompts, GREEDY, prefix_cache=False)
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.parts.kv.cache.bytes_per_block
-        keys = probe.parts.kv.tables.keys(0, SYSTEM + QUESTIONS[0])
+        per_block = probe.placement.kv_block_bytes
+        keys = probe.prefix_keys(SYSTEM + QUESTIONS[0])
     config = disk_config(tmp_path, per_block)
     run(model_dir, prompts, GREEDY, **config)
     folder = tmp_path / "kv"
@@ -151,12 +151,11 @@ def test_a_damaged_disk_block_is_dropped_and_recomputed(model_dir, tmp_path, dam
 
 def test_the_disk_budget_holds(model_dir, tmp_path) -> None:
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22)) as probe:
-        per_block = probe.parts.kv.cache.bytes_per_block
+        per_block = probe.placement.kv_block_bytes
     config = disk_config(tmp_path, per_block, blocks=6)
     prompts = [[200 + 7 * i + j for j in range(30)] for i in range(4)]
     with LLM(model_dir, EngineConfig(block_size=4, kv_cache_bytes=1 << 22, **config)) as llm:
         llm.generate_ids(prompts, GREEDY)
-        llm.parts.kv.tiers.flush()
-        disk = llm.parts.kv.tiers.disk
-        assert 0 < disk.blocks <= 6 and disk.peak <= config["kv_disk_memory"]
-        disk.check_integrity()
+        assert llm.stats().kv_disk.peak <= config["kv_disk_memory"]
+    files = list((tmp_path / "kv").glob("*.kv"))  # closed: every block written through has landed
+    assert 0 < len(files) <= 6 and sum(f.stat().st_size for f in files) <= config["kv_disk_memory"]

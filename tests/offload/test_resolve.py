@@ -72,7 +72,7 @@ def test_the_api_plans_as_the_command_line_does(model_dir, planned, capsys, flag
     assert "plan       batch" in capsys.readouterr().err  # the cost model chose, and said so
     with LLM(model_dir, config, workload_of(model_dir, 4)) as llm:
         assert planned[0] == planned[1] == llm.config
-        assert llm.parts.prediction is not None
+        assert llm.prediction is not None
     assert planned[0].memory is None and planned[0].device_memory is not None  # a cap becomes a device budget
 
 

@@ -43,7 +43,7 @@ def test_planned_config_fits_the_budget_and_runs(model_dir):
     assert config.max_step_tokens >= cand.batch * 10  # every prompt of the batch in one pass
     llm = LLM(model_dir, config)
     assert llm.placement.device_budget == budget
-    assert llm.parts.weights.policy == cand.policy  # the engine runs the placement the cost model priced, ring included
+    assert llm.placement.policy == cand.policy  # the engine runs the placement the cost model priced, ring included
     out = llm.generate_ids([[5 + i] * 10 for i in range(12)], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert all(len(c.token_ids) == 6 for c in out)
     assert llm.last_run.preemptions == 0  # the KV cache holds the whole batch
@@ -135,7 +135,7 @@ def test_memory_plans_in_the_cap_less_the_rss_and_the_reserve(model_dir, held):
     assert config.memory is None and config.device_memory == ROOM - activations
     assert config.max_num_seqs == cand.batch
     llm = LLM(model_dir, config)
-    assert llm.parts.weights.policy == cand.policy
+    assert llm.placement.policy == cand.policy
     out = llm.generate_ids([[5 + i] * 10 for i in range(12)], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert all(len(c.token_ids) == 6 for c in out) and llm.placement.device_peak <= config.device_memory
 
@@ -195,7 +195,7 @@ def test_an_llm_given_a_cap_runs_what_the_cost_model_plans(model_dir, held, monk
     given = EngineConfig(memory=HELD + autoconfig.MEMORY_RESERVE + ROOM, dtype="float32", device="cpu")
     planned, prediction = autoconfigure(model_dir, given, [10] * 12, 6, slow_disk_cpu())
     with LLM(model_dir, given, Workload(10, 6, 12)) as llm:
-        assert llm.config == planned and llm.parts.prediction == prediction and llm.parts.given == given
+        assert llm.config == planned and llm.prediction == prediction and llm.given_config == given
         assert llm.placement.device_budget == planned.device_memory and llm.config.memory is None
         out = llm.generate_ids([[5 + i] * 10 for i in range(12)], SamplingParams(max_new_tokens=6, ignore_eos=True))
         assert all(len(c.token_ids) == 6 for c in out) and llm.last_run.preemptions == 0
@@ -252,7 +252,7 @@ def test_the_planned_placement_leaves_a_big_table_in_storage_as_the_engine_does(
     cand = prediction.candidate
     assert prediction.fits and cand.policy.embed_tier == "nvme" and cand.policy.counts[0] >= 1
     llm = LLM(tmp_path, config)
-    assert llm.parts.weights.policy == cand.policy
+    assert llm.placement.policy == cand.policy
     out = llm.generate_ids([[5 + i] * 10 for i in range(4)], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert all(len(c.token_ids) == 6 for c in out) and llm.stats().weights.embed_rows_read >= 4 * 6
     llm.close()

@@ -50,7 +50,7 @@ def test_the_printed_command_places_and_batches_as_planned(six_layers, tmp_path,
     assert words[:2] == ["offload", "batch"] and words[words.index("--model") + 1] == str(six_layers)
     config = engine_config(build_parser().parse_args(words[1:]))
     with LLM(six_layers, config) as llm:
-        assert list(llm.parts.weights.policy.counts) == best["policy"]["layers"]
+        assert list(llm.placement.counts) == best["policy"]["layers"]
         assert llm.config.max_num_seqs == best["policy"]["batch"]
         assert llm.placement.device_budget == config.device_memory
     # the text report prints the same command under its table
@@ -120,7 +120,7 @@ def test_the_printed_command_places_a_1b_checkpoint_as_planned(tmp_path, capsys)
     assert words[:2] == ["offload", "batch"] and words[words.index("--model") + 1] == str(model)
     config = engine_config(build_parser().parse_args(words[1:]))
     with LLM(model, config) as llm:
-        assert list(llm.parts.weights.policy.counts) == layers
+        assert list(llm.placement.counts) == layers
         assert llm.config.max_num_seqs == best["policy"]["batch"]
         assert llm.placement.device_budget == config.device_memory <= 600_000_000
 

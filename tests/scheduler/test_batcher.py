@@ -9,11 +9,12 @@ import itertools
 import pytest
 
 from offload.common.config import SamplingParams
-from offload.scheduler.batcher import Batcher, BatchLimits
+from offload.common.tier import Tier
+from offload.scheduler.batcher import Batcher, BatchLimits, Verdict
 from offload.scheduler.plan import MicroBatch, SeqChunk, StepPlan, split_micro_batches
 from offload.scheduler.sequence import SeqState, Sequence
 from offload.tiers.kv.blocks import BlockPool, BlockTables
-from offload.tiers.kv.events import MovedUp, Tier
+from offload.tiers.kv.events import MovedUp
 from offload.tiers.kv.prefix import chain_root, extend_chain
 
 EOS = 2
@@ -407,6 +408,26 @@ def test_max_model_len_finishes_with_length() -> None:
     assert a.num_tokens == 8
     assert a.finish_reason == "length"
     assert b.tables.pool.num_free == 8
+
+
+def test_the_callers_verdicts_end_sequences_in_postprocess() -> None:
+    """A stop string ends a sequence with "stop" even at its length limit; a complete grammar does too, unless the
+    limit ended it first; a sequence without a verdict goes on."""
+    b = make_batcher(16, 4)
+    seqs = [make_seq(i, 3, max_new_tokens=1 if i in (2, 3) else 8) for i in range(5)]
+    for seq in seqs:
+        b.add(seq)
+    verdicts = {
+        0: Verdict(stop_string=True),
+        1: Verdict(grammar_done=True),
+        2: Verdict(stop_string=True),
+        3: Verdict(grammar_done=True),
+    }
+    finished = b.postprocess(b.schedule(), {i: 7 for i in range(5)}, verdicts)
+    b.tables.check_integrity()
+    assert ids(finished) == [0, 1, 2, 3] and ids(b.running) == [4]
+    assert [s.finish_reason for s in seqs] == ["stop", "stop", "stop", "length", None]
+    assert b.tables.pool.num_free == 15
 
 
 def test_finish_by_caller_frees_a_running_sequence() -> None:

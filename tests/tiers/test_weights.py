@@ -427,7 +427,7 @@ def test_staged_converts_dtype_on_the_device_after_the_copy(bf16_dir, staged, mo
     assert llm.placement.layer_tiers == ("nvme",) * LAYERS
     fixed, layer = costs(base, staged=True)
     # ring slots hold float32 tensors, and one scratch buffer the bf16 bytes they are converted from
-    assert llm.stats().device_used == llm.parts.kv.cache.nbytes + fixed + RING * layer + scratch
+    assert llm.stats().device_used == llm.placement.kv_bytes + fixed + RING * layer + scratch
     assert llm.stats().weights.h2d_bytes_per_pass == sum(g.tensor_bytes for g in layout.layers)  # bf16 bytes
     assert_same_weights(llm, base)
     assert llm.parts.weights.store.acquire(0)["q_proj"].dtype == torch.float32
@@ -510,7 +510,7 @@ def test_resident_layers_converted_whole_release_their_read_buffers(tmp_path):
     llm.generate_ids([[5, 6, 7]], SamplingParams(max_new_tokens=2))
     llm.check_integrity()
     checkpoint = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    assert llm.stats().device_used - llm.parts.kv.cache.nbytes < 0.75 * checkpoint  # about half: the bf16 copies alone
+    assert llm.stats().device_used - llm.placement.kv_bytes < 0.75 * checkpoint  # about half: the bf16 copies alone
 
 
 def test_prepacked_resident_weights_give_identical_logits_in_the_same_bytes(bf16_dir, monkeypatch):

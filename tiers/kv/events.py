@@ -1,5 +1,5 @@
-"""The KV pool's vocabulary across packages: the tiers a block may live in, and what the block pools log for the
-lower tiers to carry out at the step boundary.
+"""The KV pool's vocabulary across packages: what the block pools log for the lower tiers to carry out at the step
+boundary (the tiers a block may live in are offload/common/tier.py's Tier).
 
 Only the verbs of BlockPool and BlockTables (tiers/kv/blocks.py) emit events, into the log of the pool whose blocks
 they name, in the order they happened; `KVTiers.settle` (tiers/kv/lower_tiers.py) replays each log in that order. Plain
@@ -9,18 +9,6 @@ Python: the scheduler reasons with the tables that log them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
-
-
-class Tier(str, Enum):
-    """Where bytes live. A str, so it equals, hashes and serializes as its name ("device" == Tier.DEVICE)."""
-
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ import torch
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
+from offload.common.tier import Tier
 from offload.tiers.io.backends import make_backend
 from offload.tiers.io.base import ReadBackend, aligned_buffer
 from offload.tiers.spill.spill_store import DTYPE_CODES, FORMAT, SpillFile, SpillStore, plan_file
@@ -118,14 +119,14 @@ def _spilled_layers(
         layers = tuple(planned[i].layout(folder) if i in spill else g for i, g in enumerate(layout.layers))
         return plan(replace(layout, layers=layers))
 
-    streamed = [i for i, t in enumerate(policy(set(planned)).layer_tiers) if t == "nvme" and i in planned]
+    streamed = [i for i, t in enumerate(policy(set(planned)).layer_tiers) if t == Tier.NVME and i in planned]
     spill = set(streamed)
     while True:
         try:
             tiers = policy(spill).layer_tiers
         except OffloadError:
             return set(planned)
-        more = {i for i, t in enumerate(tiers) if t == "nvme" and i in planned} - spill
+        more = {i for i, t in enumerate(tiers) if t == Tier.NVME and i in planned} - spill
         if not more:
             return spill
         spill |= more

@@ -3,7 +3,6 @@ the token embedding stays in storage."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -11,6 +10,7 @@ import torch
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
+from offload.common.tier import Tier
 from offload.tiers.device import DeviceTier
 from offload.tiers.host import HostTier
 from offload.tiers.weights.checkpoint import TORCH_DTYPES, held_dtype
@@ -29,7 +29,7 @@ def place_by_bytes(
     """
     n = len(layer_bytes)
     if device_free is None or sum(layer_bytes) <= device_free:
-        return Policy(("device",) * n)
+        return Policy((Tier.DEVICE,) * n)
     policy = Policy.fill(layer_bytes, device_free, host_free, ring_slots)
     if not policy.ring_slots:  # device and host RAM hold everything: nothing streams, no ring needed
         return policy
@@ -73,8 +73,8 @@ def place_weights(
     any layer off the device needs the device ring (and, when tensors change dtype, one conversion scratch
     buffer); host RAM holds the ring's staging slots first whenever some layer still streams from disk.
 
-    The token embedding is left in storage (Policy.embed_tier "nvme", tiers/weights/embedding.py) when that puts fewer
-    layers off the device: its bytes buy resident layers, and a step reads only its tokens' rows."""
+    The token embedding is left in storage (tiers/weights/embedding.py) by Policy.choose_embedding's rule, as the cost
+    model places it: its bytes buy resident layers, and a step reads only its tokens' rows."""
     staged = device_tier.device.type != "cpu" if staged is None else staged
     cost = functools.partial(group_cost, dtype=dtype, tier=device_tier, staged=staged)
     free = device_tier.num_free
@@ -98,15 +98,14 @@ def place_weights(
             host_room -= host_tier.footprint(buffer)
         if host_room >= 0:
             try:
-                stored = dataclasses.replace(place(room, host_room), embed_tier="nvme")
+                stored = place(room, host_room)
             except OffloadError:  # it does not fit this way either: the resident placement (or its error) stands
                 stored = None
-    if stored is not None and (resident is None or stored.off_device(staged) < resident.off_device(staged)):
-        return stored
-    if resident is None:
+    chosen = Policy.choose_embedding(resident, stored, host_copied=staged)
+    if chosen is None:
         assert failure is not None
         raise failure
-    return resident
+    return chosen
 
 
 def _place(
@@ -129,7 +128,7 @@ def _place(
     scratch = max(slot_layout(g, dtype).convert_bytes for g in layout.layers)
     if policy.ring_slots and scratch:
         policy = place_by_bytes(layer_costs, max(layer_costs), free - device_tier.footprint(scratch), 0, ring_slots)
-    off = [i for i, t in enumerate(policy.layer_tiers) if t != "device"]
+    off = [i for i, t in enumerate(policy.layer_tiers) if t != Tier.DEVICE]
     host_cost = {i: host_tier.footprint(layout.layers[i].slot_bytes) for i in off}  # bytes, kept as read
     room = host_free
     if sum(host_cost.values()) > host_free:  # some layers will stream: their staging slots come first
@@ -144,6 +143,6 @@ def _place(
     tiers = list(policy.layer_tiers)
     for i in off:
         if host_cost[i] <= room:
-            tiers[i] = "host"
+            tiers[i] = Tier.HOST
             room -= host_cost[i]
     return Policy(tuple(tiers), ring_slots=policy.ring_slots)

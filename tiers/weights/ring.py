@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.common.errors import OffloadError
+from offload.common.tier import Tier
 from offload.tiers.copy import DONE, CopyEngine, Event
 from offload.tiers.io.base import ReadBackend, ReadRequest
 from offload.tiers.memory import MemoryTier, take
@@ -233,10 +234,10 @@ class StagedRing(Ring):
         self.packed: dict[int, SlotLayout] = {i: slot_layout(g, dtype) for i, g in layouts.items()}
         self._host: dict[int, torch.Tensor] = {}  # host layer -> its bytes as read, pinned
         for i in self.order:
-            if tiers[i] == "host":
+            if tiers[i] == Tier.HOST:
                 self._host[i] = take(host_tier, layouts[i].slot_bytes, f"layer {i} in host RAM")
                 self._wait(read(backend, layouts[i], self._host[i]))
-        streamed = [layouts[i].slot_bytes for i in self.order if tiers[i] == "nvme"]
+        streamed = [layouts[i].slot_bytes for i in self.order if tiers[i] == Tier.NVME]
         count = slots if streamed else 0
         what = "a staging buffer for streamed layers"
         self._landing = LandingBuffers(host_tier, backend, max(streamed, default=0), count, what)

@@ -27,6 +27,7 @@ import torch
 
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
+from offload.common.tier import Tier
 from offload.kernels.linear import pack_weight, packing_pays
 from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.tiers.copy import CopyEngine, make_copy_engine
@@ -98,7 +99,7 @@ class WeightStore:
         self.h2d_bytes = 0  # bytes copied host -> device while loading
         self.layouts = layout.layers
         # direct path: on a CPU device host RAM is what the compute reads, so a host layer needs no copy
-        kept = ("device",) if self.staged else ("device", "host")
+        kept = (Tier.DEVICE,) if self.staged else (Tier.DEVICE, Tier.HOST)
         resident = [i for i, t in enumerate(policy.layer_tiers) if t in kept]
         ring = {i: g for i, g in enumerate(self.layouts) if i not in resident}
         if ring and policy.ring_slots < 2:  # the Policy checks this for "nvme" layers, not for staged "host" ones
@@ -109,7 +110,7 @@ class WeightStore:
         # the token table stays in storage (tiers/weights/embedding.py) where the policy says; else it loads first
         self.embed_backend = embed_backend or backend  # what reads the rows of a table left in storage
         self.table: StoredEmbedding | None = None
-        if policy.embed_tier == "nvme":
+        if policy.embed_tier == Tier.NVME:
             rows_tier = device_tier if not self.staged else host_tier  # where its reads land
             self.table = StoredEmbedding(layout.embed, self.embed_backend, rows_tier, dtype, self.device)
         groups = [layout.head, *(self.layouts[i] for i in resident)]
@@ -138,7 +139,7 @@ class WeightStore:
             self._ring = DirectRing(ring, backend, device_tier, dtype, policy.ring_slots)
 
     def _tier(self, name: str) -> MemoryTier:
-        return self.device_tier if name == "device" else self.host_tier
+        return self.device_tier if name == Tier.DEVICE else self.host_tier
 
     def _load_direct(
         self, layout: GroupLayout, tier: MemoryTier, prepack: bool, fuse: Callable[[Weights], Weights] | None
@@ -267,11 +268,11 @@ class WeightStore:
 
         # by object: a tied head is the embedding itself, and a packed weight has no data pointer
         fixed = {id(t): t.numel() * t.element_size() for t in (*self.embed.values(), *self.head.values())}
-        streamed = [i for i, t in enumerate(self.policy.layer_tiers) if t == "nvme"]
+        streamed = [i for i, t in enumerate(self.policy.layer_tiers) if t == Tier.NVME]
         copied = [i for i in range(len(self.layouts)) if i not in self._resident] if self.staged else []
         return WeightStats(
-            resident_bytes=total("device") + sum(fixed.values()),
-            host_bytes=total("host"),
+            resident_bytes=total(Tier.DEVICE) + sum(fixed.values()),
+            host_bytes=total(Tier.HOST),
             streamed_bytes_per_pass=sum(self.layouts[i].read_bytes for i in streamed),
             h2d_bytes_per_pass=sum(slot_layout(self.layouts[i], self.dtype).copy_bytes for i in copied),
             embed_rows_read=self.table.rows_read if self.table is not None else 0,

@@ -285,6 +285,12 @@ class LLM:
         """The cost model's prediction for the resolved config, where it chose the batch (None: the config fixed it)."""
         return self.parts.prediction
 
+    @property
+    def assumed_budget(self) -> str | None:
+        """The machine's budgets the plan assumed where the config gave none and the model does not fit without one,
+        and why (offload/planner/machine_budget.py); None: nothing assumed."""
+        return self.parts.assumed
+
     def prefix_keys(self, token_ids: list[int]) -> list[bytes]:
         """The prefix cache's key of each full block of `token_ids` ([] with the prefix cache off): blocks with equal
         keys hold the same keys and values, and the disk part names a block's file by its key in hex."""

@@ -88,6 +88,7 @@ class EngineParts:
     given: EngineConfig  # as the caller gave it
     config: EngineConfig  # resolved: as the engine runs
     prediction: Prediction | None  # the cost model's, where it chose the batch
+    assumed: str | None  # the machine's budgets assumed where the caller gave none, and why (None: none assumed)
     device: torch.device
     dtype: torch.dtype
     device_tier: DeviceTier
@@ -141,10 +142,10 @@ def build(
     """The engine for `model_dir`, with `config` resolved for `workload` (None: the planner's default workload).
     `prompts`: the model's encoder, where the caller loaded it already (to measure its prompts), else loaded here."""
     given = config
-    config, prediction = resolve(model_dir, config, workload)
     spec, family = load_spec(model_dir)
     device = resolve_device(config.device)
     check_runnable(model_dir, spec, device)  # a quantized checkpoint this device can multiply
+    config, prediction, assumed = resolve(model_dir, config, workload)
     dtype = getattr(torch, spec.dtype if config.dtype == "auto" else config.dtype)
     device_tier = DeviceTier(config.device_memory, device)
     # the host budget less the KV host part; 0: no budget, so no layer in host RAM (see HostTier)
@@ -211,6 +212,7 @@ def build(
         given=given,
         config=config,
         prediction=prediction,
+        assumed=assumed,
         device=device,
         dtype=dtype,
         device_tier=device_tier,

@@ -117,18 +117,20 @@ class EngineConfig:
         "budgets",
         "cap on the process's resident memory, on a CPU device",
         doc="Instead of --device-memory: the cost model sizes the batch, the KV cache and the device budget to what "
-        "the process does not hold yet.",
+        "the process does not hold yet. Without it (and without --device-memory), a model that does not fit is "
+        "planned for the RAM available, less a sixteenth of the machine's (at least 256 MiB) for the system.",
         size=True,
-        default_text="no cap",
+        default_text="none; a model that does not fit: the RAM available",
     )
     device_memory: int | None = knob(
         None,
         "budgets",
         "weights + KV cache on the compute device; what does not fit streams",
         doc="With no --max-num-seqs and no --kv-cache-memory, the cost model picks the batch and KV cache for the "
-        "workload within it.",
+        "workload within it. Without it, a model that does not fit is planned on CUDA for the device memory free "
+        "less 512 MiB (and, without --host-memory, the RAM available for layers), on a CPU as --memory says.",
         size=True,
-        default_text="no budget",
+        default_text="none; a model that does not fit: what the machine has",
     )
     host_memory: int | None = knob(
         None,
@@ -228,9 +230,11 @@ class EngineConfig:
         "experts",
         "part of the device budget for a mixture's routed experts",
         doc="Experts are read only when the router chooses them and cached by (layer, expert); the rest of each "
-        "sparse layer is placed like a dense layer. Default: off, whole layers are placed and streamed.",
+        "sparse layer is placed like a dense layer. Default: where the cost model plans the batch (a budget given, "
+        "or a model bigger than the machine), its choice between none and what the budget leaves once every "
+        "layer's dense part is resident; else off, whole layers are placed and streamed. 0: off.",
         size=True,
-        default_text="off",
+        default_text="the plan's",
     )
     expert_host_memory: int | None = knob(
         None,

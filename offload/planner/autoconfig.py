@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,7 @@ from offload.common.hardware import HardwareProfile
 from offload.common.model_config import ModelSpec
 from offload.common.sizes import format_size
 from offload.common.tier import Tier
+from offload.planner.machine_budget import machine_budgets
 from offload.scheduler.cost.predict import Budgets, Candidate, Prediction, Workload, make_context, tier_memory
 from offload.scheduler.cost.search import best, search
 from offload.tiers.kv.kv_cache import KVCache
@@ -63,21 +65,47 @@ def _unset_as_zero(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, **{n: 0 for n in _NONE_IS_ZERO if getattr(config, n) is None})
 
 
+class Resolved(NamedTuple):
+    config: EngineConfig  # as the engine runs it
+    prediction: Prediction | None  # the cost model's, where it chose the batch
+    assumed: str | None  # the machine's budgets the plan assumed where the caller gave none, and why (None: none)
+
+
 def resolve(
     model_dir: Path, config: EngineConfig, workload: Workload | None = None, hardware: HardwareProfile | None = None
-) -> tuple[EngineConfig, Prediction | None]:
-    """`config` as the engine runs it, for `workload` (None: DEFAULT_WORKLOAD), and the cost model's prediction where
-    it chose the batch (else None). Resolving a resolved config returns it unchanged."""
+) -> Resolved:
+    """`config` as the engine runs it, for `workload` (None: DEFAULT_WORKLOAD), the cost model's prediction where
+    it chose the batch, and the budgets assumed for a model that does not fit a machine given no budget
+    (offload/planner/machine_budget.py). Resolving a resolved config returns it unchanged."""
+    from offload.model.loader import load_spec
+
+    spec, _ = load_spec(model_dir)
+    dtype = spec.dtype if config.dtype == "auto" else config.dtype
+    config, assumed = machine_budgets(model_dir, config, dtype, on_cpu(config), process_rss())
+    moe_auto = spec.num_experts > 0 and config.expert_cache_memory is None  # by expert, where the plan says so
     config = _unset_as_zero(config)
     prediction = None
     if needs_plan(config):
         w = workload or DEFAULT_WORKLOAD
-        config, prediction = autoconfigure(model_dir, config, [w.prompt_len] * (w.requests or 1), w.gen_len, hardware)
-    return dataclasses.replace(
+        try:
+            config, prediction = autoconfigure(
+                model_dir, config, [w.prompt_len] * (w.requests or 1), w.gen_len, hardware, moe_auto
+            )
+        except OffloadError as exc:
+            if assumed is None:
+                raise
+            raise OffloadError(f"{assumed}; {exc}") from None
+    config = dataclasses.replace(
         config,
         max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         kv_cache_bytes=config.kv_cache_bytes or DEFAULT_KV_CACHE,
-    ), prediction
+    )
+    return Resolved(config, prediction, assumed)
+
+
+def on_cpu(config: EngineConfig) -> bool:
+    """Whether `config` runs on the CPU (its device tier is RAM)."""
+    return config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
 
 
 def autoconfigure(
@@ -86,9 +114,12 @@ def autoconfigure(
     prompt_lens: list[int],
     max_new_tokens: int,
     hardware: HardwareProfile | None = None,
+    moe_auto: bool = False,
 ) -> tuple[EngineConfig, Prediction]:
     """`config` with max_num_seqs, kv_cache_bytes, max_step_tokens and micro_batch_tokens chosen by the cost model.
     With `config.memory` (a cap on the process) the result has the device budget derived from it instead.
+    moe_auto: a mixture's expert cache is the cost model's choice too (none, or what the budget leaves once every
+    layer's dense part is resident), not config.expert_cache_memory.
 
     hardware: None = this machine's profile (`offload probe`'s, measured quickly now if there is none).
     """
@@ -123,7 +154,8 @@ def autoconfigure(
         kv_group=config.kv_group_size,
         kv_bits=(KV_BITS.get(config.kv_dtype, 8 * DTYPE_BYTES[dtype]),),
         weight_bits=(spec.quant.bits if spec.quant is not None else 8 * DTYPE_BYTES[dtype],),
-        expert_caches=(config.expert_cache_memory,),  # taken from the device budget before any layer is placed
+        # taken from the device budget before any layer is placed
+        expert_caches=None if moe_auto else (config.expert_cache_memory,),
     )
     chosen = best(predictions, runnable_only=True)
     if chosen is None and config.memory is not None:
@@ -163,6 +195,7 @@ def sized(
     step_tokens = cand.batch * workload.prompt_len  # every prompt of the batch in one pass over the weights
     return dataclasses.replace(
         config,
+        expert_cache_memory=int(cand.expert_cache) if cand.expert_cache else config.expert_cache_memory,
         max_num_seqs=cand.batch,
         kv_cache_bytes=cand.batch * blocks * per_block,
         max_step_tokens=max(step_tokens, cand.batch),
@@ -181,8 +214,7 @@ def memory_budget(config: EngineConfig) -> int:
     """The device budget `config.memory` leaves: the cap minus this process's RSS now, MEMORY_RESERVE and the host RAM
     the engine keeps (host_total), which the same RAM holds (bytes; below zero when the process already holds more,
     so that the search says by how much one sequence is short)."""
-    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
-    if not on_cpu:
+    if not on_cpu(config):
         raise OffloadError(
             "memory caps the process's RAM, which holds the weights and KV cache only on a CPU device: "
             "on CUDA give device_memory (--device-memory) and host_memory (--host-memory)"

@@ -117,6 +117,19 @@ class ProbeSizes:
             attention_tokens=(16, 128, 512),
         )
 
+    def within(self, ram: int) -> ProbeSizes:
+        """These sizes with the buffers they allocate (the copied tensor twice, the weight pool, the disk test's
+        reads in flight) each at most an eighth of `ram` bytes, so that a probe on a small machine is not killed
+        for memory; a smaller copy or pool measures the same rates less surely."""
+        eighth = max(ram // 8, 16 * MiB)
+        extent = max(min(self.extent_bytes, eighth // self.depth) // ALIGN * ALIGN, ALIGN)
+        return dataclasses.replace(
+            self,
+            copy_bytes=min(self.copy_bytes, eighth // 2),
+            weight_pool_bytes=min(self.weight_pool_bytes, eighth),
+            extent_bytes=extent,
+        )
+
 
 def probe(
     directory: str | Path, sizes: ProbeSizes | None = None, log: Callable[[str], None] | None = None
@@ -281,9 +294,34 @@ def local_profile() -> HardwareProfile:
         return profile
     print(f"no hardware profile at {path}: measuring this machine (offload probe --quick) ...", file=sys.stderr)
     path.parent.mkdir(parents=True, exist_ok=True)
-    profile = probe(cache_dir(), ProbeSizes.quick(), log=lambda line: print(line, file=sys.stderr, flush=True))
-    save_profile(profile, path)
+    _probe_in_a_child(path)
     return load_profile(path)
+
+
+_QUICK_PROBE = """
+import sys
+from pathlib import Path
+from offload.common.paths import cache_dir
+from offload.planner.machine_budget import machine_memory
+from offload.planner.probe import ProbeSizes, probe
+from offload.planner.profiles import save_profile
+sizes = ProbeSizes.quick().within(machine_memory().available)
+save_profile(probe(cache_dir(), sizes, log=lambda line: print(line, flush=True)), Path(sys.argv[1]))
+"""
+
+
+def _probe_in_a_child(path: Path) -> None:
+    """The quick probe, run in a process of its own, its lines relayed to stderr: the gigabyte and more its tests
+    allocate goes with that process, not counted against the budget this one is about to plan (a no-flag run plans
+    for the RAM left beside what it holds)."""
+    import subprocess
+
+    command = [sys.executable, "-c", _QUICK_PROBE, str(path)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
+        for line in child.stdout:
+            print(line, end="", file=sys.stderr, flush=True)
+    if child.returncode != 0 or not path.exists():
+        raise OffloadError(f"the quick probe of this machine failed (exit {child.returncode}); run `offload probe`")
 
 
 def _compute_unit(

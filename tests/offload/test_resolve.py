@@ -79,19 +79,19 @@ def test_the_api_plans_as_the_command_line_does(model_dir, planned, capsys, flag
 def test_none_means_the_planner_decides_for_every_budget(model_dir):
     config = EngineConfig()
     assert not needs_plan(config)  # no budget: nothing to size the batch within
-    resolved, prediction = resolve(model_dir, config)
+    resolved, prediction, _ = resolve(model_dir, config)
     assert prediction is None
     assert resolved.max_num_seqs == DEFAULT_MAX_NUM_SEQS and resolved.kv_cache_bytes == DEFAULT_KV_CACHE
     for name in ("host_memory", "kv_host_memory", "kv_disk_memory", "expert_cache_memory", "expert_host_memory"):
         assert getattr(resolved, name) == 0, name
     assert resolved.device_memory is None and resolved.disk_memory is None  # no budget given: none imposed
-    assert resolve(model_dir, resolved) == (resolved, None)  # a resolved config stays as it is
+    assert resolve(model_dir, resolved) == (resolved, None, None)  # a resolved config stays as it is
 
 
 def test_a_fixed_batch_is_not_replanned(model_dir):
     config = EngineConfig(device_memory=700_000, max_num_seqs=3, dtype="float32")
     assert not needs_plan(config)
-    resolved, prediction = resolve(model_dir, config)
+    resolved, prediction, _ = resolve(model_dir, config)
     assert prediction is None and resolved.max_num_seqs == 3 and resolved.kv_cache_bytes == DEFAULT_KV_CACHE
 
 

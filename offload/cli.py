@@ -15,7 +15,8 @@ from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.knobs import add_flags, from_args
 from offload.common.tier import Tier
-from offload.planner.autoconfig import DEFAULT_WORKLOAD, needs_plan
+from offload.planner.autoconfig import DEFAULT_WORKLOAD, needs_plan, on_cpu
+from offload.planner.machine_budget import given_no_budget
 from offload.planner.report import add_plan_parser
 from offload.prompts import Prompts
 from offload.scheduler.cost.predict import Workload
@@ -126,6 +127,8 @@ def _say_plan(llm) -> None:
     """What the planner chose, where it chose the batch (on stderr: the results stay on stdout)."""
     from offload.planner.autoconfig import describe
 
+    if llm.assumed_budget is not None:
+        print(f"memory     {llm.assumed_budget}", file=sys.stderr)
     if llm.prediction is None:
         return
     print(
@@ -133,7 +136,7 @@ def _say_plan(llm) -> None:
         file=sys.stderr,
     )
     asked = llm.given_config.memory
-    if asked is not None:
+    if asked is not None and llm.assumed_budget is None:
         from offload.common.sizes import format_size
 
         print(
@@ -383,7 +386,7 @@ def _batch(args: argparse.Namespace) -> None:
     model_dir = _model_dir(args)
     input_path, out = Path(args.input).expanduser(), Path(args.output).expanduser()
     encoder, workload = None, None
-    if needs_plan(config):  # sized for this job's prompts
+    if needs_plan(config) or given_no_budget(config, on_cpu(config)):  # sized for this job's prompts
         requests, _ = read_input(input_path, model_dir.name)
         if not requests:
             raise OffloadError(f"{input_path}: no valid request to plan for")
@@ -399,7 +402,7 @@ def _batch(args: argparse.Namespace) -> None:
             from offload.batch.ray_shards import run_sharded
             from offload.planner.autoconfig import resolve
 
-            config, _ = resolve(model_dir, config, workload)  # once, here: every worker runs the same plan
+            config = resolve(model_dir, config, workload).config  # once, here: every worker runs the same plan
             summary = run_sharded(
                 model_dir, config, input_path, out, args.ray_workers, args.ray_address, not args.no_progress
             )
@@ -678,10 +681,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "model", None) is not None and args.command != "convert":
+        model = getattr(args, "model", None)
+        if model is not None and args.command == "plan" and Path(model).expanduser().is_file():
+            from offload.gguf.header import gguf_shape
+
+            # a GGUF file's plan needs its shape only: read from its header, nothing imported or written
+            args.shape, args.stored = gguf_shape(Path(model).expanduser())
+        elif model is not None and args.command != "convert":
             from offload.gguf.importer import resolve_model
 
-            args.model = str(resolve_model(args.model))  # a GGUF file: its import in the cache, made once
+            args.model = str(resolve_model(model))  # a GGUF file: its import in the cache, made once
         args.run(args)
     except OffloadError as exc:
         if args.debug:

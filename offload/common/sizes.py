@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from decimal import Decimal
 
 from offload.common.errors import OffloadError
@@ -47,6 +48,39 @@ def format_size(nbytes: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+# the units typed_size writes, in the order it prefers them where two read alike; "" is bytes, exact for any size
+_TYPED_UNITS = (("TiB", 2**40), ("TB", 10**12), ("GiB", 2**30), ("GB", 10**9), ("MiB", 2**20), ("MB", 10**6))
+_TYPED_UNITS += (("KiB", 2**10), ("kB", 10**3), ("", 1))
+
+
+def typed_size(nbytes: int, spare: int | None = None) -> str:
+    """`nbytes` as a user types it on the command line ("16.17GiB", "137.4GB", "68MiB"), rounded down: of the texts
+    parse_size reads back as no more than `nbytes` and at most `spare` bytes less (default, and never more than, 0.1%
+    of `nbytes`), the one with the fewest digits, then the nearest. spare=0: exactly `nbytes`."""
+    if nbytes <= 0:
+        return str(nbytes)
+    allowed = nbytes // 1000 if spare is None else min(max(spare, 0), nbytes // 1000)  # bytes it may lose
+    fits = []  # (digits, bytes lost, decimals, text)
+    for digits, decimals, text in _rounded_down(nbytes):
+        lost = nbytes - parse_size(text)
+        if 0 <= lost <= allowed:
+            fits.append((digits, lost, decimals, text))
+    return min(fits, key=lambda fit: fit[:3])[3]  # bytes always fit; a tie goes to the unit listed first
+
+
+def _rounded_down(nbytes: int) -> Iterator[tuple[int, int, str]]:
+    """`nbytes` in each unit it holds one of, to 0-3 decimals, rounded down, and up where the text still reads back
+    as no more (parse_size drops a fraction of a byte: 5.65GiB is 6066641305.6): (digits, decimals, text)."""
+    for unit, scale in _TYPED_UNITS:
+        if nbytes < scale:
+            continue
+        for decimals in range(4 if scale > 1 else 1):
+            down = nbytes * 10**decimals // scale  # the value in units of 10**-decimals
+            for steps in (down, down + 1):
+                whole, frac = divmod(steps, 10**decimals)
+                yield len(str(steps)), decimals, (f"{whole}.{frac:0{decimals}d}" if decimals else str(whole)) + unit
 
 
 _TIER_KEYS = {"device": "device", "gpu": "device", "cuda": "device", "host": "host", "cpu": "host", "disk": "disk"}

@@ -30,6 +30,7 @@ import torch
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec, read_config
 from offload.common.quant import QUANT_METHOD, WeightQuant
+from offload.convert.staging import STAGING_MARK, sigterm_unwinds, sweep_staged
 from offload.kernels.quant_linear import SCALES_SUFFIX, cpu_pack_probe, to_cpu_layout
 from offload.kernels.quant_matmul import QUANT_METHODS
 from offload.model.loader import load_spec
@@ -139,19 +140,23 @@ def check_new(out: Path) -> None:
 def staged(out: Path) -> Iterator[Path]:
     """A temporary folder beside `out` to write a model into. When the block ends, its weight files are read back
     against MANIFEST (which the block writes), synced, and the folder renamed to `out`; on any error it is removed,
-    so an interrupted or failed write leaves no output directory."""
+    so an interrupted or failed write leaves no output directory. SIGTERM during the block (in the main thread) is
+    such an error, the signal delivered again once the folder is gone; what a process killed outright leaves, its
+    id in the folder's name says, and the next `staged` beside it (or `sweep_staged`) removes."""
     check_new(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        yield work
-        verify(work)
-        _fsync_dir(work)
-        os.rename(work, out)
-        _fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+    sweep_staged(out.parent)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}{os.getpid()}-", dir=out.parent))
+    with sigterm_unwinds(out):
+        try:
+            yield work
+            verify(work)
+            _fsync_dir(work)
+            os.rename(work, out)
+            _fsync_dir(out.parent)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
 
 
 class Source:

@@ -40,6 +40,7 @@ from offload.common.model_config import parse_model_config
 from offload.common.paths import cache_dir
 from offload.common.quant import QUANT_METHOD, WeightQuant
 from offload.convert.quantize import FORMAT, MANIFEST, Planned, check_new, file_sha256, staged, write_weights
+from offload.convert.staging import sweep_staged
 from offload.gguf.codes import (
     FLOATS,
     GROUP,
@@ -62,6 +63,7 @@ from offload.gguf.metadata import (
     open_gguf,
     rotary_row_order,
 )
+from offload.gguf.progress import Progress, decimal_size
 from offload.gguf.tokenizer import write_tokenizer
 from offload.kernels.quant_linear import SCALES_SUFFIX, cpu_pack_probe, to_cpu_layout
 from offload.model.registry import get_family, model_tensors
@@ -94,27 +96,52 @@ class _Model:
 
 
 def import_gguf(path: Path, out: Path, layout: str) -> ImportStats:
-    """Write the model in GGUF file `path` to the new directory `out`, its int4/int8 matrices in `layout`."""
+    """Write the model in GGUF file `path` to the new directory `out`, its int4/int8 matrices in `layout`; on a
+    terminal, the bytes written so far and the time left are shown on stderr (offload/gguf/progress.py)."""
     check_new(out)
     reader = open_gguf(path)
     model = _model(reader, path, layout)
     source = _Source({t.name: t for t in reader.tensors}, model)
-    with staged(out) as work:
-        files, crcs = write_weights(work, model.plan, source.part)
-        (work / "config.json").write_text(json.dumps(model.config, indent=2))
-        write_tokenizer(path, work, reader)
-        manifest = {
-            "format": FORMAT,
-            "source": str(path.resolve()),
-            "source_sha256": file_sha256(path),
-            "gguf": {"architecture": model.arch, "tensors": {n: dataclasses.asdict(k) for n, k in source.kept.items()}},
-            "quant": model.config.get("quantization_config"),
-            "cpu_pack_probe": cpu_pack_probe() if model.quant is not None and layout == "cpu" else None,
-            "files": files,
-            "tensors": crcs,
-        }
-        (work / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    progress = Progress("importing", sum(p.nbytes for p in model.plan))
+
+    def part(p: Planned) -> torch.Tensor:
+        made = source.part(p)
+        progress.advance(p.nbytes)
+        return made
+
+    try:
+        with staged(out) as work:
+            files, crcs = write_weights(work, model.plan, part)
+            progress.say(f"{decimal_size(progress.total)} written; checking checksums")
+            (work / "config.json").write_text(json.dumps(model.config, indent=2))
+            write_tokenizer(path, work, reader)
+            tensors = {n: dataclasses.asdict(k) for n, k in source.kept.items()}
+            manifest = {
+                "format": FORMAT,
+                "source": str(path.resolve()),
+                "source_sha256": file_sha256(path),
+                "gguf": {"architecture": model.arch, "tensors": tensors},
+                "quant": model.config.get("quantization_config"),
+                "cpu_pack_probe": cpu_pack_probe() if model.quant is not None and layout == "cpu" else None,
+                "files": files,
+                "tensors": crcs,
+            }
+            (work / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    finally:
+        progress.close()
     return ImportStats(out, model.quant, source.kept, path.stat().st_size, sum(f["size"] for f in files.values()))
+
+
+def import_shape(reader: GGUFReader, path: Path, layout: str) -> tuple[dict, int]:
+    """config.json as the import of `path` in `layout` writes it, and the bytes of the weight tensors it writes:
+    from the metadata and the tensor table alone, nothing read of the weights nor written."""
+    model = _model(reader, path, layout)
+    return model.config, sum(p.nbytes for p in model.plan)
+
+
+def local_layout() -> str:
+    """The int4/int8 layout this machine multiplies: triton with CUDA, else cpu."""
+    return "triton" if torch.cuda.is_available() else "cpu"
 
 
 def _model(reader: GGUFReader, path: Path, layout: str) -> _Model:
@@ -335,15 +362,21 @@ def source_key(path: Path, layout: str) -> str:
 
 def resolve_model(model: str | Path) -> Path:
     """The model directory `model` names: a directory as it is; a GGUF file's import in the cache folder
-    (cache_dir()/gguf), made on first use in the layout this machine multiplies (triton with CUDA, else cpu)."""
+    (cache_dir()/gguf), made on first use in the layout this machine multiplies (triton with CUDA, else cpu). What
+    an import killed outright left there is removed first (offload/convert/staging.py's `sweep_staged`)."""
     path = Path(model).expanduser()
     if not path.is_file():
         return path
-    layout = "triton" if torch.cuda.is_available() else "cpu"
+    layout = local_layout()
     check_magic(path)  # a file that is not GGUF is said as such; the import reads the rest
     out = cache_dir() / "gguf" / f"{path.stem}-{layout}-{source_key(path, layout)}"
+    sweep_staged(out.parent)
     if (out / MANIFEST).is_file():
         return out
+    print(
+        f"importing  {path} ({decimal_size(path.stat().st_size)}) into {out.parent} once; later runs reuse it",
+        file=sys.stderr,
+    )
     start = time.perf_counter()
     try:
         stats = import_gguf(path, out, layout)

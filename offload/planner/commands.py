@@ -9,7 +9,9 @@ planner sizes them for a prediction (offload/planner/autoconfig.py's `sized`), w
 activations the cost model counts in it and the engine allocates beside its tier. A policy with its KV cache in host
 RAM gets a KV host part of the whole batch and a device part of one sequence (the device budget grows by that
 sequence). A policy with 4- or 8-bit weights runs a checkpoint `offload convert` writes, so its command converts
-first.
+first. Sizes are written as a user types them (`--device-memory 16.18GiB`): the budgets rounded down, by at most 0.1%
+and never by more than the policy leaves free there, so the command never asks for more than the plan and the engine
+still places every layer where the plan did.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import dataclasses
 import shlex
 from pathlib import Path
 
-from offload.common.config import RING_SLOTS, EngineConfig
+from offload.common.config import BLOCK_SIZE, RING_SLOTS, EngineConfig
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.hardware import HardwareProfile
-from offload.common.knobs import to_flags
+from offload.common.knobs import flag_name, knobs, to_flags
 from offload.common.model_config import ModelSpec
+from offload.common.sizes import parse_size, typed_size
 from offload.common.tier import Tier
-from offload.scheduler.cost.predict import Budgets, Prediction, Workload, capacity
+from offload.scheduler.cost.predict import Budgets, Candidate, Prediction, Workload, capacity, make_context
 
 
 def planned_config(
@@ -55,19 +58,53 @@ def planned_config(
         config = dataclasses.replace(
             config, kv_host_memory=config.kv_cache_bytes, kv_cache_bytes=one, device_memory=config.device_memory + one
         )
-    return config
+    return _typed_budgets(config, spec, hw, dtype, prediction, cap)
+
+
+def _typed_budgets(
+    config: EngineConfig, spec: ModelSpec, hw: HardwareProfile, dtype: str, prediction: Prediction, cap: dict
+) -> EngineConfig:
+    """`config` with its tier budgets rounded down to sizes as a user types them (sizes.typed_size), each by no more
+    than the room the policy leaves in it, so that the engine still places every layer where the plan did. The KV
+    cache's parts stay exact: they are whole blocks."""
+    used = prediction.memory
+    changes = {"device_memory": _rounded(config.device_memory, cap[Tier.DEVICE] - used[Tier.DEVICE])}
+    if config.host_memory is not None:
+        changes["host_memory"] = _rounded(config.host_memory, cap[Tier.HOST] - used[Tier.HOST])
+    if config.expert_cache_memory:
+        changes["expert_cache_memory"] = expert_cache_size(spec, hw, dtype, prediction.candidate)
+    return dataclasses.replace(config, **changes)
+
+
+def expert_cache_size(spec: ModelSpec, hw: HardwareProfile, dtype: str, cand: Candidate) -> int:
+    """`cand`'s expert cache (bytes) rounded down to a size as a user types it, holding every expert it held."""
+    one = make_context(spec, hw, dtype, BLOCK_SIZE).expert_bytes(cand.weight_bits)
+    return _rounded(cand.expert_cache, int(cand.expert_cache - cand.expert_cache // one * one))
+
+
+def _rounded(nbytes: int, spare: int) -> int:
+    return parse_size(typed_size(nbytes, spare))
 
 
 def command(model: str, config: EngineConfig, verb: str, weight_bits: int = 16) -> str:
-    """The shell command that runs `config` on `model` (a directory; a public name is written as MODEL_DIR, a local
-    copy the user supplies)."""
-    local = Path(model).is_dir()
+    """The shell command that runs `config` on `model` (a directory, or a GGUF file, run at its own width; a public
+    name is written as MODEL_DIR, a local copy the user supplies). Sizes are written in units (sizes.typed_size),
+    exactly: planned_config rounded them."""
+    local = Path(model).is_dir() or Path(model).is_file()
     target = shlex.quote(model) if local else "MODEL_DIR"
     convert = ""
-    if weight_bits in (4, 8):
+    if weight_bits in (4, 8) and not Path(model).is_file():
         out = f"{target}-int{weight_bits}"
         convert = f"offload convert --model {target} --out {out} --quant int{weight_bits} && "
         target = out
     io = {"batch": " --input requests.jsonl --output results.jsonl", "serve": "", "generate": ""}[verb]
-    flags = " ".join(shlex.quote(f) for f in to_flags(EngineConfig, config))
+    flags = " ".join(shlex.quote(f) for f in _flags(config))
     return f"{convert}offload {verb} --model {target}{io} {flags}"
+
+
+def _flags(config: EngineConfig) -> list[str]:
+    """to_flags's flags for `config`, each size the one after its flag, written by typed_size instead of in bytes."""
+    sizes = {flag_name(f, k): getattr(config, f.name) for f, k in knobs(EngineConfig) if k.size}
+    words = to_flags(EngineConfig, config)
+    before = ["", *words[:-1]]
+    return [typed_size(sizes[flag], 0) if flag in sizes else word for flag, word in zip(before, words, strict=True)]

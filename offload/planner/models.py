@@ -1,7 +1,8 @@
 """The models `offload plan` knows by name (configs/models/*.json), and what their weights weigh per dtype.
 
 No weights are read: a known model and a local directory alike are their config.json, parsed by
-offload/common/model_config.py.
+offload/common/model_config.py. A GGUF file is read by the face (offload/gguf/header.py, from its header and tensor
+table): its shape as a ModelSpec, and its weights as stored (`StoredWeights`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,40 @@ class SizeEstimate:
     total_bytes: int
     largest_layer_bytes: int  # the largest unit the engine streams: embeddings, one decoder layer or the head
     largest_layer_name: str  # "embeddings", "decoder layer" or "head"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredType:
+    """A model file's tensors of one storage type (a GGUF file's "Q4_0", "Q8_0", "F32", ...)."""
+
+    name: str
+    nbytes: int
+    weights: int  # the tensors' elements
+
+    @property
+    def bits(self) -> float:
+        """Bits a weight, block scales included (Q4_0: 4.5, Q4_1: 5, Q8_0: 8.5, Q4_K: 4.5)."""
+        return 8 * self.nbytes / max(self.weights, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWeights:
+    """A model file's weights as it stores them (its tensor table's sizes), beside the estimates per dtype."""
+
+    file: str  # the file's name
+    types: tuple[StoredType, ...]  # the most bytes first
+    largest_layer_bytes: int  # as SizeEstimate's: the embeddings, one decoder layer or the head
+    largest_layer_name: str
+    imported_bytes: int  # what importing it writes, the form the engine reads (offload/gguf/importer.py)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.types)
+
+    @property
+    def bits(self) -> float:
+        """Bits a weight over every tensor of the file."""
+        return 8 * self.nbytes / max(sum(t.weights for t in self.types), 1)
 
 
 # bits per parameter. Quantized sizes exclude scales and zero points, and assume every parameter (norms and

@@ -26,7 +26,8 @@ from offload.planner.compare import (
     _prices,
     comparison,
 )
-from offload.planner.latency import latency_report, latency_rows
+from offload.planner.latency import latency_report, latency_rows, ranking
+from offload.planner.models import StoredWeights
 from offload.planner.rows import candidate_json, per_batch
 from offload.scheduler.cost.predict import Budgets, Prediction, Workload, capacity
 from offload.scheduler.cost.queueing import ARRIVALS
@@ -98,7 +99,9 @@ def run_plan(args: argparse.Namespace) -> None:
     from offload.planner.models import load_model_spec
     from offload.planner.profiles import with_overrides
 
-    shape = load_model_spec(args.model)
+    # a GGUF file: its shape and weights as stored, read from its header by offload/cli.py's main (no import)
+    shape = getattr(args, "shape", None) or load_model_spec(args.model)
+    stored = getattr(args, "stored", None)
     options = list(_hardware_options(args.hardware).items())
     if args.disk is not None:
         if args.disk not in DISK_CLASSES:
@@ -129,25 +132,30 @@ def run_plan(args: argparse.Namespace) -> None:
         return
     ((_, hw),) = options
     dtype = args.dtype or _default_dtype(shape, hw)
+    # a quantized checkpoint (an imported GGUF among them) runs at its own width; else the widths --quantize asks
+    widths = {"weight_bits": (shape.quant.bits,)} if shape.quant is not None else {"quantized": args.quantize}
     if args.qps is not None:
         if not args.qps > 0:
             raise OffloadError(f"--qps must be a positive number of requests/s, got {args.qps}")
-        predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, quantized=args.quantize)
+        predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, **widths)
         rows = latency_rows(shape, hw, workload, dtype, budgets, predictions, args)
         if args.json:
-            print(json.dumps({"model": shape.name, "hardware": hw.name, "qps": args.qps, "policies": rows}, indent=1))
+            targets = {"max_ttft_p90_seconds": args.max_ttft, "min_stream_tokens_per_second": args.min_stream_tps}
+            out = {"model": shape.name, "hardware": hw.name, "qps": args.qps, "targets": targets}
+            print(json.dumps(out | {"ranked_by": ranking(args), "policies": rows}, indent=1))
         else:
             print(latency_report(shape, hw, workload, dtype, rows, args))
         return
-    predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, quantized=args.quantize)
+    predictions = search(shape, hw, workload, dtype=dtype, budgets=budgets, **widths)
     if args.plot:
         from offload.planner.plot import plot
 
         plot(predictions, args.plot, f"{shape.name} on {hw.name}")
     if args.json:
-        print(json.dumps(report_json(shape, hw, workload, dtype, predictions, args.top, budgets, args.model), indent=1))
+        out = report_json(shape, hw, workload, dtype, predictions, args.top, budgets, args.model, stored)
+        print(json.dumps(out, indent=1, default=sorted))  # a quantized model's unquantized names: a frozenset
     else:
-        print(report(shape, hw, workload, dtype, budgets, predictions, args.top, args.model))
+        print(report(shape, hw, workload, dtype, budgets, predictions, args.top, args.model, stored))
 
 
 def _gb(nbytes: float) -> str:
@@ -175,8 +183,10 @@ def report(
     predictions: list[Prediction],
     top: int,
     model: str | None = None,
+    stored: StoredWeights | None = None,
 ) -> str:
-    """The plan as text; `model` (the --model given): each runnable policy's command is printed after the table."""
+    """The plan as text; `model` (the --model given): each runnable policy's command is printed after the table;
+    `stored`: a model file's weights as it stores them, printed under the sizes."""
     from offload.planner.models import estimate_sizes
 
     cap = capacity(hw, budgets)
@@ -187,7 +197,8 @@ def report(
         + " | ".join(
             f"{e.dtype} {_gb(e.total_bytes)} (largest layer {_gb(e.largest_layer_bytes)}, {e.largest_layer_name})"
             for e in estimate_sizes(shape)
-        ),
+        )
+        + ("" if stored is None else "\n          " + _stored(stored)),
         f"hardware  {hw.name} ({hw.device_kind}): device {_gb(cap[Tier.DEVICE])}, "
         f"host {_gb(cap[Tier.HOST])}, disk reads {hw.disk_read / GB:.2f} GB/s"
         + (f", host->device {hw.host_to_device / GB:.0f} GB/s" if hw.host_to_device else ""),
@@ -223,7 +234,8 @@ def report(
     for i, p in enumerate(fitting[:top], 1):
         lines.append(
             f"{i:>2} {_policy(p)} {p.tokens_per_second:>9.3g} {p.ttft_seconds:>8.3g}s "
-            f"{_gb(p.memory[Tier.DEVICE]):>10} {_gb(p.memory[Tier.HOST]):>10}  {p.bound:<7} " + _runs_here(p)
+            f"{_gb(p.memory[Tier.DEVICE]):>10} {_gb(p.memory[Tier.HOST]):>10}  {p.bound:<7} "
+            + _runs_here(p, shape, hw, dtype)
         )
     runnable = best(predictions, runnable_only=True)
     if runnable is not None and runnable is not winner:
@@ -243,6 +255,14 @@ def report(
     return "\n".join(lines)
 
 
+def _stored(s: StoredWeights) -> str:
+    kinds = ", ".join(f"{t.name} {_gb(t.nbytes)} at {t.bits:.3g}" for t in s.types)
+    return (
+        f"as stored in {s.file}: {_gb(s.nbytes)} at {s.bits:.3g} bits a weight ({kinds}; largest layer "
+        f"{_gb(s.largest_layer_bytes)}, {s.largest_layer_name}), {_gb(s.imported_bytes)} once imported"
+    )
+
+
 def _command(
     shape: ModelSpec, hw: HardwareProfile, workload: Workload, dtype: str, budgets: Budgets, p: Prediction, model: str
 ) -> str:
@@ -252,14 +272,17 @@ def _command(
     return command(model, config, "batch", p.candidate.weight_bits)
 
 
-def _runs_here(p: Prediction) -> str:
+def _runs_here(p: Prediction, shape: ModelSpec, hw: HardwareProfile, dtype: str) -> str:
+    from offload.common.sizes import typed_size
+    from offload.planner.commands import expert_cache_size
+
     if p.unsupported:
         return "needs " + ", ".join(p.unsupported)
     c, how = p.candidate, []
-    if c.weight_bits in (4, 8):
+    if c.weight_bits in (4, 8) and shape.quant is None:  # a quantized checkpoint runs as it is
         how.append(f"converted: offload convert --quant int{c.weight_bits}")
-    if c.expert_cache:
-        how.append(f"--expert-cache-memory {c.expert_cache / 1e6:.0f}MB")
+    if c.expert_cache:  # as its command gives it
+        how.append(f"--expert-cache-memory {typed_size(expert_cache_size(shape, hw, dtype, c), 0)}")
     return "yes" + (", " + ", ".join(how) if how else "")
 
 
@@ -338,6 +361,7 @@ def report_json(
     top: int,
     budgets: Budgets | None = None,
     model: str | None = None,
+    stored: StoredWeights | None = None,
 ) -> dict:
     from offload.planner.models import estimate_sizes
 
@@ -363,6 +387,7 @@ def report_json(
     return {
         "model": asdict(shape),
         "sizes": [asdict(e) for e in estimate_sizes(shape)],
+        "stored": None if stored is None else asdict(stored),
         "hardware": hw.name,
         "dtype": dtype,
         "workload": asdict(workload),

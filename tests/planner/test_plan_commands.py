@@ -4,6 +4,8 @@ batch as the plan priced them."""
 from __future__ import annotations
 
 import json
+import random
+import re
 import shlex
 
 import pytest
@@ -14,8 +16,16 @@ from offload.api import LLM
 from offload.cli import build_parser, engine_config, main
 from offload.common.config import EngineConfig
 from offload.common.hardware import ComputeUnit, HardwareProfile
-from offload.common.knobs import to_flags
-from offload.planner.profiles import save_profile
+from offload.common.knobs import flag_name, knobs, to_flags
+from offload.common.sizes import parse_size, typed_size
+from offload.common.tier import Tier
+from offload.planner.autoconfig import activation_bytes
+from offload.planner.commands import command, planned_config
+from offload.planner.models import load_model_spec
+from offload.planner.profiles import load_profile, save_profile
+from offload.planner.rows import per_batch
+from offload.scheduler.cost.predict import Budgets, Workload, capacity
+from offload.scheduler.cost.search import search
 
 
 @pytest.mark.parametrize(
@@ -205,4 +215,74 @@ def test_deepseek_v3_on_one_24gb_card_and_256gb_of_ram_runs_here(capsys) -> None
     assert rows and all(r["fits"] and not r["unsupported"] and r["command"] for r in rows)
     for r in rows:
         words = r["command"].split()
-        assert int(words[words.index("--device-memory") + 1]) > 0
+        assert parse_size(words[words.index("--device-memory") + 1]) > 0
+
+
+# ---- sizes as a user types them ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "spare", "text"),
+    [
+        (22_860_591_104, None, "22.86GB"),  # the fewest digits; of 22.86GB and 21.29GiB, the nearer
+        (17_366_183_936, None, "16.17GiB"),
+        (137_400_000_000, None, "137.4GB"),  # a datasheet's decimal size, exactly
+        (68 << 20, None, "68MiB"),
+        (27_380_416_512, 0, "25.5GiB"),
+        (6_066_641_305, 0, "5.65GiB"),  # 5.65GiB is 6066641305.6 bytes, which parse_size reads as this
+        (17_366_183_936, 1 << 20, "17366MB"),  # a spare of 1 MiB, less than 0.1%: 16.17GiB loses 3.6 MiB
+        (650_123, 0, "650123"),  # exactly, and no unit writes it shorter
+        (1023, None, "1023"),
+        (0, None, "0"),
+    ],
+)
+def test_typed_size_rounds_down_to_the_fewest_digits(nbytes: int, spare: int | None, text: str) -> None:
+    assert typed_size(nbytes, spare) == text
+
+
+def test_typed_size_never_exceeds_nor_loses_more_than_it_may() -> None:
+    rng = random.Random(0)
+    for _ in range(20_000):
+        nbytes = rng.randrange(10 ** rng.randint(1, 14))
+        spare = rng.choice([None, 0, rng.randrange(nbytes + 1)])
+        allowed = nbytes // 1000 if spare is None else min(spare, nbytes // 1000)
+        back = parse_size(typed_size(nbytes, spare))
+        assert nbytes - allowed <= back <= nbytes, (nbytes, spare)
+        assert parse_size(typed_size(back, 0)) == back  # a typed size is written back exactly
+
+
+_SIZE_FLAGS = {flag_name(f, k): f.name for f, k in knobs(EngineConfig) if k.size}
+_TYPED = re.compile(r"0|\d+(\.\d{1,3})?(TiB|TB|GiB|GB|MiB|MB|KiB|kB)")
+
+
+@pytest.mark.parametrize(
+    ("model", "hardware", "dtype", "budgets", "quantized"),
+    [
+        ("llama-3.1-8b", "l4-24gb", "bfloat16", Budgets(), False),
+        ("qwen3-30b-a3b", "t4-16gb", "float16", Budgets(), False),  # KV in host RAM, its device part one sequence
+        ("mixtral-8x7b", "rtx4090-24gb", "bfloat16", Budgets(host=256 * 10**9), True),  # expert caches, converted
+    ],
+)
+def test_the_printed_sizes_are_in_units_and_never_exceed_the_plan(model, hardware, dtype, budgets, quantized) -> None:
+    """Each size the command says parses back to no more than the plan's and at most 0.1% less, and to no less than
+    the policy uses there, so that the engine places every layer and expert where the plan did."""
+    shape, hw, work = load_model_spec(model), load_profile(hardware), Workload(512, 32)
+    cap = capacity(hw, budgets)
+    rows = [p for p in per_batch(search(shape, hw, work, dtype=dtype, budgets=budgets, quantized=quantized)).values()]
+    rows = [p for p in rows if p.fits and not p.unsupported]
+    assert rows and (not quantized or any(p.candidate.expert_cache for p in rows))
+    for p in rows:
+        c = p.candidate
+        words = shlex.split(command(model, planned_config(shape, hw, dtype, p, work, budgets), "serve", c.weight_bits))
+        for flag, word in zip(words, words[1:], strict=False):
+            assert flag not in _SIZE_FLAGS or _TYPED.fullmatch(word), f"{flag} {word}"
+        config = engine_config(build_parser().parse_args(words[words.index("serve") :]))
+        one = config.kv_cache_bytes if c.kv_tier == Tier.HOST else 0  # the KV device part, added to the device's
+        activations = activation_bytes(shape, hw, dtype, EngineConfig(dtype=dtype), c, work)
+        planned = {"device_memory": (cap[Tier.DEVICE] - activations + one, p.memory[Tier.DEVICE] - activations + one)}
+        if c.policy.counts[1]:
+            planned["host_memory"] = (cap[Tier.HOST], p.memory[Tier.HOST])
+        if c.expert_cache:
+            planned["expert_cache_memory"] = (c.expert_cache, 0)
+        for name, (nbytes, used) in planned.items():
+            assert max(nbytes - nbytes // 1000, used) <= getattr(config, name) <= nbytes, (name, nbytes, c)

@@ -3,9 +3,10 @@ matrices kept bit for bit where the engine's formats hold them (offload/gguf/cod
 
 The checkpoint has one weight format (config.json's quantization_config), int4 in groups of 32, chosen when any
 decoder-layer matrix is 4-bit or less: Q4_0, Q4_1 and Q4_K become its codes and scales exactly (bar the zero points
-float32 cannot hold, counted); other types of 5 bits or less (Q5_*, Q2_K, Q3_K, IQ*, ...) are dequantized and
-requantized to it, their error recorded. A matrix the format cannot hold exactly (Q8_0, Q6_K, F16, ...) stays float,
-listed in quantization_config.unquantized: quantized types as gguf.quants.dequantize gives them in float32, float
+float32 cannot hold, counted; Q4_0's scales, its float16 d with zero points of 0, are written in float16); other
+types of 5 bits or less (Q5_*, Q2_K, Q3_K, IQ*, ...) are dequantized and requantized to it, their error recorded.
+A matrix the format cannot hold exactly (Q8_0, Q6_K, F16, ...) stays float, listed in quantization_config.unquantized:
+quantized types as gguf.quants.dequantize gives them in float32, float
 types as stored. Where no layer matrix is 4-bit, the triton layout takes int8 in groups of 32 (Q8_0 exactly, Q6_K
 requantized); the cpu layout's int8 has one scale per output channel, which holds neither, so there they stay
 float. Embeddings, norms and the LM head are float as the engine reads them: quantized ones dequantized to float32.
@@ -67,7 +68,7 @@ from offload.gguf.progress import Progress, decimal_size
 from offload.gguf.tokenizer import write_tokenizer
 from offload.kernels.quant_linear import SCALES_SUFFIX, cpu_pack_probe, to_cpu_layout
 from offload.model.registry import get_family, model_tensors
-from offload.tiers.weights.checkpoint import ModelTensors, TensorSpec
+from offload.tiers.weights.checkpoint import TORCH_DTYPES, ModelTensors, TensorSpec
 
 REQUANT_INT8 = (T.Q6_K,)  # more than 5 bits: int8 is the nearest engine format
 # 5 bits or less: int4 groups of 32 are the nearest
@@ -79,7 +80,10 @@ READ = (*FLOATS, *INT4_EXACT, *INT8_EXACT, *REQUANT_INT8, *REQUANT_INT4)
 KEY_HEAD_BYTES = 8 << 20  # source_key digests this much of the file's start (metadata and tensor table) ...
 KEY_SAMPLES = 16  # ... and this many 4 KiB extents spread over the rest
 QUANTIZED_COMPUTE_DTYPE = "bfloat16"  # config.json's dtype for a quantized file: the default compute dtype (--dtype)
-IMPORT_VERSION = 2  # part of the cache key: a change in what an import writes imports again
+IMPORT_VERSION = 3  # part of the cache key: a change in what an import writes imports again
+# block types whose engine scales are the file's float16 d and whose zero points are 0: their scales are written in
+# float16, exactly, not float32 (a third of a 6-bit weight's bytes were its float32 scale and zero)
+F16_SCALES = (T.Q4_0, T.Q8_0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,8 +258,8 @@ def _plan(
                 raise OffloadError(
                     f"{path}: tensor {g.name!r} has shape {list(shape)}, the engine wants {list(t.shape)}"
                 )
-            if short.endswith(SCALES_SUFFIX):
-                part, code = "scales", float_code
+            if short.endswith(SCALES_SUFFIX):  # in 16 bits where the file's were and stay exact (F16_SCALES)
+                part, code = "scales", "F16" if qtype in F16_SCALES else float_code
             elif t.name != weight:
                 part, code = "codes", t.dtype
             else:  # float types as stored, quantized ones as their float32 dequantization
@@ -290,7 +294,7 @@ class _Source:
         weight = _weight_name(p.name)  # its codes and scales come from one decoding
         if weight not in self._made:
             self._made = {weight: self._make(p)}
-        return self._made[weight][p.part]
+        return self._made[weight][p.part].to(TORCH_DTYPES[p.dtype][0])  # scales in the code planned for them
 
     def _make(self, p: Planned) -> dict[str, torch.Tensor]:
         g = self.tensors[p.source.name]

@@ -165,7 +165,7 @@ def engine_weight(out: Path, hf_name: str) -> torch.Tensor:
     with safe_open(out / "model.safetensors", "pt") as f:
         if prefix + ".qweight" not in set(f.keys()):
             return f.get_tensor(hf_name).float()
-        codes, scales = f.get_tensor(prefix + ".qweight"), f.get_tensor(prefix + ".scales")
+        codes, scales = f.get_tensor(prefix + ".qweight"), f.get_tensor(prefix + ".scales").float()
     if quant["layout"] == "cpu":
         k = codes.shape[1] * 2
         eye = torch.eye(k)

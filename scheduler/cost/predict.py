@@ -192,7 +192,10 @@ class Context:
     def weight_bytes(self, params: int, bits: int) -> float:
         if bits >= 8 * self.dtype_bytes:
             return params * self.dtype_bytes
-        return params * bits / 8 + params / QUANT_GROUP * 2 * self.dtype_bytes  # + a scale and a zero per group
+        # + a scale and a zero per group, held in the compute dtype: the checkpoint's group where it is quantized
+        quant = self.shape.quant
+        group = quant.group_size if quant is not None and quant.bits == bits and quant.group_size else QUANT_GROUP
+        return params * bits / 8 + params / group * 2 * self.dtype_bytes
 
     def kv_bytes(self, tokens: int, kv_bits: int) -> float:
         """KV cache of `tokens` tokens of one sequence, across layers, in whole blocks; a quantized one (kv_quant.py)

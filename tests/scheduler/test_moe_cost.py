@@ -118,6 +118,9 @@ def test_on_cuda_each_miss_is_copied_or_run_on_the_cpu_whichever_is_priced_faste
 
 
 def test_the_plan_names_the_expert_cache_flag_and_what_a_step_touches():
+    from offload.common.sizes import typed_size
+    from offload.planner.commands import expert_cache_size
+
     work = Workload(prompt_len=16, gen_len=8)
     budgets = Budgets(device=int(1.5 * MB), host=0)
     hw = cpu_machine(disk_read=1e7)
@@ -125,7 +128,8 @@ def test_the_plan_names_the_expert_cache_flag_and_what_a_step_touches():
     winner = best(preds)
     assert winner.candidate.expert_cache  # the whole layers do not fit beside a ring: only experts stream
     text = report(MIXTRAL, hw, work, "bfloat16", budgets, preds, 3)
-    assert "+E" in text and f"--expert-cache-memory {winner.candidate.expert_cache / 1e6:.0f}MB" in text
+    flag = typed_size(expert_cache_size(MIXTRAL, hw, "bfloat16", winner.candidate), 0)  # its whole experts, typed
+    assert "+E" in text and f"--expert-cache-memory {flag}" in text
     assert "a decode step touches per layer (uniform routing) batch 1: 2.0, batch 8: 7.2" in text
     assert "a chosen expert is cached with chance" in text and "experts with their layers" in text
 

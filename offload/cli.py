@@ -256,7 +256,11 @@ def _prefix_line(llm, s) -> str:
 def _spill_line(spill, tiers: tuple[str, ...]) -> str:
     from offload.common.sizes import format_size
 
+    no_room = len(spill.unwritten)
+    unwritten = f"; {no_room} layers the disk had no room for stream from the checkpoint" if no_room else ""
     if not spill.layers:
+        if spill.unwritten:
+            return f"nothing written to --offload-dir{unwritten}"
         why = "no layer needs converting" if not spill.convertible else "no layer that needs converting streams"
         return f"nothing written to --offload-dir: {why} to {spill.dtype}"
     if not spill.bytes_written:
@@ -266,7 +270,7 @@ def _spill_line(spill, tiers: tuple[str, ...]) -> str:
     streamed = sum(tiers[i] == Tier.NVME for i in spill.layers)
     return (
         f"{len(spill.layers)} layers converted to {spill.dtype} in {spill.directory}: {format_size(spill.nbytes)}, "
-        f"{streamed} streamed from there every step, {len(spill.layers) - streamed} loaded once ({how})"
+        f"{streamed} streamed from there every step, {len(spill.layers) - streamed} loaded once ({how}){unwritten}"
     )
 
 

@@ -5,7 +5,8 @@
 The job hands the engine core every pending request at once, longest new-token budget first (the long ones
 start early, the short ones fill the places they leave), and appends each result as its request finishes
 (offload/batch/job_files.py: the formats, the fingerprint, the torn-line repair). An interrupted job rerun with the same
-command skips what its output already holds; `ordered` rewrites the finished output in the input's order.
+command skips what its output already holds; `ordered` rewrites the finished output in the input's order. An
+output that cannot be written (a full disk) stops the job with one line saying how many results it keeps.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from offload.batch.job_files import (
     Appender,
     BadLine,
     JobRequest,
+    OutputError,
     fingerprint,
     open_output,
     read_input,
@@ -78,11 +80,15 @@ def run_job(
     appender = Appender(out, fsync_seconds)
     completed = 0
     try:
-        completed = _drive(llm, pending, appender, bar)
-    finally:
-        appender.close()
-        if bar is not None:
-            bar.close()
+        try:
+            completed = _drive(llm, pending, appender, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+            appender.close()
+    except OutputError as exc:
+        kept = len(done) + appender.lines
+        raise OffloadError(f"{exc}; {kept} of {runnable} results are kept; rerun the same command to finish") from None
     if ordered:
         refused = {b.id for b in unrunnable}
         rewrite_in_order(out, [r.id for r in requests if r.id not in refused])

@@ -12,7 +12,8 @@ or an unreadable input stops the job before any work.
 Output: each result is appended as one line (one write) when its request finishes, flushed, and fsynced at
 most every `fsync_seconds`. OUT.meta.json holds the fingerprint of the input and the model; a rerun of the
 same command reads OUT, drops a torn last line, and skips the ids already there. An OUT whose fingerprint names
-another input or model, or an OUT without one, is refused rather than appended to.
+another input or model, or an OUT without one, is refused rather than appended to. A write that fails (a full
+disk) is cut back off at once, so OUT holds whole lines only, and stops the job with OutputError.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from offload.core import Delta
 from offload.openai import protocol
 from offload.openai.protocol import ChatRequest, CompletionRequest, RequestError
 from offload.openai.tool_calls import ToolUse
+from offload.tiers.files import os_error_reason
 
 FORMAT = 1  # of OUT.meta.json
 PLAIN_FIELDS = {
@@ -234,12 +236,17 @@ def errors_path(out: Path) -> Path:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
+    """`path` holding `data`, whole or not at all (OffloadError, and no temp file left, where it cannot be written)."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OffloadError(f"{path}: {os_error_reason(exc)}") from None
 
 
 def open_output(out: Path, print_: dict) -> set[str]:
@@ -247,9 +254,12 @@ def open_output(out: Path, print_: dict) -> set[str]:
     off). Returns the ids it already holds."""
     meta = meta_path(out)
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(meta, json.dumps(print_, indent=1).encode())
-        out.touch()
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(meta, json.dumps(print_, indent=1).encode())
+            out.touch()
+        except OSError as exc:
+            raise OffloadError(f"{out}: {os_error_reason(exc)}") from None
         return set()
     if not meta.exists():
         raise OffloadError(f"{out}: exists without {meta.name}: not this job's output; move it or pick another path")
@@ -287,29 +297,48 @@ def _done_ids(out: Path) -> set[str]:
     return done
 
 
+class OutputError(OffloadError):
+    """The output could not be written (a full disk): it holds whole lines only, and a rerun finishes the job."""
+
+
 class Appender:
-    """Appends whole lines to the output: one write each, flushed at once, fsynced at a bounded interval."""
+    """Appends whole lines to the output: one write each, flushed at once, fsynced at a bounded interval. A write
+    that fails is cut back off (OutputError), so the output never keeps part of a line."""
 
     def __init__(self, out: Path, fsync_seconds: float) -> None:
+        self.out = out
         self._fd = os.open(out, os.O_WRONLY | os.O_APPEND)
+        self._size = os.fstat(self._fd).st_size  # bytes of whole lines
         self._every = fsync_seconds
         self._synced = time.monotonic()
+        self.lines = 0  # written by this appender
 
     def write(self, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        written = os.write(self._fd, line)
-        while written < len(line):  # a short write: the rest, so that the line stays whole
-            written += os.write(self._fd, line[written:])
+        try:
+            written = os.write(self._fd, line)
+            while written < len(line):  # a short write: the rest, so that the line stays whole
+                written += os.write(self._fd, line[written:])
+        except OSError as exc:
+            os.ftruncate(self._fd, self._size)  # the part written, if any, goes: a shorter file needs no room
+            raise OutputError(f"{self.out}: {os_error_reason(exc)}") from None
+        self._size += len(line)
+        self.lines += 1
         if time.monotonic() - self._synced >= self._every:
             self.sync()
 
     def sync(self) -> None:
-        os.fsync(self._fd)
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise OutputError(f"{self.out}: {os_error_reason(exc)}") from None
         self._synced = time.monotonic()
 
     def close(self) -> None:
-        self.sync()
-        os.close(self._fd)
+        try:
+            self.sync()
+        finally:
+            os.close(self._fd)
 
 
 def write_errors(out: Path, bad: list[BadLine]) -> None:

@@ -1,10 +1,13 @@
-"""Offline batch jobs: both input forms, bad lines, exactly-once output across interruptions, the fingerprint."""
+"""Offline batch jobs: both input forms, bad lines, exactly-once output across interruptions and a full output disk,
+the fingerprint."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +19,7 @@ import pytest
 from offload.api import LLM
 from offload.batch.job import run_job
 from offload.batch.job_files import meta_path
+from offload.cli import main
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 
@@ -226,3 +230,62 @@ def test_the_next_job_starts_warm_from_the_disk_tier(tiny_llama, tmp_path):
     assert {k: comparable(v) for k, v in records(tmp_path / "second.jsonl").items()} == {
         k: comparable(v) for k, v in records(tmp_path / "first.jsonl").items()
     }
+
+
+def fill_output(monkeypatch, out: Path, room: int) -> None:
+    """The disk under `out` takes `room` more bytes, the last write short, then fails every write with ENOSPC."""
+    real, left = os.write, [room]
+
+    def write(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}") != str(out):
+            return real(fd, data)
+        n = min(len(data), left[0])
+        if n == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        left[0] -= n
+        return real(fd, memoryview(data)[:n])
+
+    monkeypatch.setattr(os, "write", write)
+
+
+def whole_lines(out: Path) -> int:
+    """The lines of `out`, each a whole JSON record (asserted)."""
+    data = out.read_bytes()
+    assert data.endswith(b"\n")
+    return len([json.loads(line) for line in data.splitlines()])
+
+
+def test_a_full_output_disk_stops_with_one_line_keeping_whole_lines_and_the_rerun_finishes(
+    llm, tiny_llama, tmp_path, monkeypatch
+):
+    src = write_input(tmp_path / "in.jsonl", tiny_llama.name)
+    whole = tmp_path / "whole.jsonl"
+    run_job(llm, src, whole, progress=False)
+    out = tmp_path / "out.jsonl"
+    fill_output(monkeypatch, out, len(whole.read_bytes()) // 3)
+    with pytest.raises(OffloadError) as info:
+        run_job(llm, src, out, progress=False)
+    monkeypatch.undo()
+    stop = r": no space left on device; (\d+) of 26 results are kept; rerun the same command to finish"
+    kept = re.fullmatch(re.escape(str(out)) + stop, str(info.value))
+    assert kept is not None, str(info.value)
+    assert 0 < whole_lines(out) == int(kept[1]) < 26
+    summary = run_job(llm, src, out, progress=False)
+    assert summary.done_before == int(kept[1]) and summary.completed == 26 - int(kept[1])
+    assert {k: comparable(v) for k, v in records(out).items()} == {k: comparable(v) for k, v in records(whole).items()}
+
+
+def test_the_command_says_a_full_output_disk_in_one_line_and_exits_2(tiny_llama, tmp_path, monkeypatch, capsys):
+    src = write_input(tmp_path / "in.jsonl", tiny_llama.name)
+    out = tmp_path / "out.jsonl"
+    fill_output(monkeypatch, out, 2000)
+    args = ["batch", "--model", str(tiny_llama), "--input", str(src), "--output", str(out), "--no-progress"]
+    args += ["--kv-cache-memory", "4MiB", "--block-size", "4"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    kept = whole_lines(out)
+    assert "Traceback" not in err and err.splitlines()[-1] == (
+        f"error: {out}: no space left on device; {kept} of 26 results are kept; rerun the same command to finish"
+    )
+    monkeypatch.undo()
+    assert main(args) == 0 and len(records(out)) == 26

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from offload.common.errors import OffloadError
+from offload.tiers.files import DiskFull
 from offload.tiers.io.base import ALIGN
 from offload.tiers.io.direct import PreadBackend
 from offload.tiers.kv.disk_store import HEADER, MAGIC, MANIFEST, KVDiskStore
@@ -351,19 +352,57 @@ def test_a_folder_that_is_a_file_is_a_clear_error(tmp_path):
         store(tmp_path / "kv")
 
 
-def test_a_full_disk_fails_the_put_cleanly(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [(errno.ENOSPC, "no space left on device"), (errno.EDQUOT, "disk quota exceeded"), (errno.EFBIG, "file too large")],
+)
+def test_a_full_disk_fails_the_put_cleanly(tmp_path, monkeypatch, code, reason):
     s = store(tmp_path)
     s.put(h(0), block(h(0)))
+    real, room = os.pwrite, [FILE // 2]  # bytes the disk still takes: half a block file, then nothing
+
+    def full(fd, data, offset):
+        n = min(len(data), room[0])
+        if n == 0:
+            raise OSError(code, os.strerror(code))
+        room[0] -= n
+        return real(fd, memoryview(data)[:n], offset)  # a short write first, as a filling disk gives
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(DiskFull, match=rf"^{tmp_path}: {reason} \(writing a KV cache block\)$") as info:
+        s.put(h(1), block(h(1)))
+    assert (info.value.where, info.value.reason) == (str(tmp_path), reason)
+    with pytest.raises(DiskFull, match=rf"^{tmp_path}: {reason} \(writing the KV cache manifest\)$"):
+        s.flush()
+    monkeypatch.undo()
+    assert room == [0] and not any(name.endswith(".tmp") for name in os.listdir(tmp_path))
+    assert s.hashes() == [h(0)] and block_files(tmp_path) == [path_of(s, h(0)).name] and s.used == FILE
+    assert torch.equal(s.get(h(0)), block(h(0))) and s.dropped_corrupt == 0
+    s.check_integrity()
+    s.close()
+
+
+def test_a_store_opened_on_a_full_disk_reads_what_it_holds_and_says_why_it_wrote_nothing(tmp_path, monkeypatch):
+    filled(tmp_path)
+    before = (tmp_path / MANIFEST).read_bytes()
 
     def enospc(fd, data, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "pwrite", enospc)
-    with pytest.raises(OffloadError, match=rf"^{tmp_path}: no space left on device \(writing a KV cache block\)$"):
-        s.put(h(1), block(h(1)))
+    s = store(tmp_path)
+    assert isinstance(s.full, DiskFull)
+    assert str(s.full) == f"{tmp_path}: no space left on device (writing the KV cache manifest)"
+    assert s.hashes() == [h(i) for i in range(4)]
+    assert all(torch.equal(got, block(h(i))) for i, got in enumerate(s.get_many(s.hashes())))
+    with pytest.raises(DiskFull):
+        s.put(h(9), block(h(9)))
+    with pytest.raises(DiskFull):
+        s.close()  # the store is let go of all the same
     monkeypatch.undo()
-    assert s.hashes() == [h(0)] and len(block_files(tmp_path)) == 1 and s.used == FILE
-    s.close()
+    assert (tmp_path / MANIFEST).read_bytes() == before and len(block_files(tmp_path)) == 4
+    with store(tmp_path) as again:  # the lock was released
+        assert again.full is None and again.blocks == 4
 
 
 # ---- other processes --------------------------------------------------------------------------------------

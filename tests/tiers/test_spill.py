@@ -3,10 +3,13 @@ behind, and the engine streaming converted layers from --offload-dir: a float32 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import json
 import os
+import re
+import shutil
 import types
 import zlib
 from pathlib import Path
@@ -301,24 +304,76 @@ def test_read_only_filesystem_is_a_clear_error(model_dir, budget, tmp_path, monk
                          budget=budget)  # fmt: skip
 
 
-def test_too_little_free_space_is_refused_before_writing(model_dir, budget, tmp_path, monkeypatch):
-    monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=75, f_frsize=4096))
-    assert_clean_failure(tmp_path, r": needs \d+\.\d KiB for converted weights, 300\.0 KiB free$",
-                         model_dir=model_dir, budget=budget)  # fmt: skip
+def free(monkeypatch, nbytes: int) -> None:
+    """The filesystem under every folder has `nbytes` free (shutil.disk_usage, which free_space reads)."""
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: types.SimpleNamespace(total=1 << 30, used=1 << 30, free=nbytes)
+    )
 
 
-def test_disk_full_mid_file_removes_everything_written(model_dir, budget, tmp_path, monkeypatch):
+def checkpoint_layers(llm: LLM) -> list[int]:
+    return [i for i, g in enumerate(llm.parts.weights.store.layouts) if g.runs[0].path.name == "model.safetensors"]
+
+
+def test_without_a_budget_the_layers_the_free_space_cannot_hold_stream_from_the_checkpoint(
+    model_dir, budget, streamed, tmp_path, monkeypatch, capsys
+):
+    _, expected = streamed
+    off = tmp_path / "off"
+    free(monkeypatch, 300 << 10)  # three converted layers and their manifest
+    llm = spilled_llm(model_dir, budget, off)
+    spill = llm.placement.spill
+    assert spill.layers == (0, 1, 2) and spill.unwritten == tuple(range(3, LAYERS))
+    assert checkpoint_layers(llm) == list(range(3, LAYERS))
+    assert sorted(os.listdir(spill.directory)) == ["layer0.bin", "layer1.bin", "layer2.bin", MANIFEST]
+    assert spill.bytes_written == spill.nbytes < 300 << 10
+    needed = f"{LAYERS * spill.nbytes // 3 / 1024:.1f} KiB"
+    assert capsys.readouterr().err.splitlines() == [
+        f"--offload-dir {off}: 300.0 KiB free, {needed} needed; 9 converted layers stream from the checkpoint "
+        "instead of spill files"
+    ]
+    assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"), [(errno.ENOSPC, "no space left on device"), (errno.EDQUOT, "disk quota exceeded")]
+)
+def test_a_disk_full_mid_file_leaves_no_file_and_the_layers_stream_from_the_checkpoint(
+    model_dir, budget, streamed, tmp_path, monkeypatch, capsys, code, reason
+):
+    _, expected = streamed
     real, calls = os.pwrite, []
 
     def pwrite(fd, data, offset):
         calls.append(offset)
-        if len(calls) == 40:  # a few files in, inside one
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if len(calls) >= 40:  # a few files in, inside one, and every write after it
+            raise OSError(code, os.strerror(code))
         return real(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
-    assert_clean_failure(tmp_path, "no space left on device", model_dir=model_dir, budget=budget)
-    assert len(calls) == 40
+    off = tmp_path / "off"
+    llm = spilled_llm(model_dir, budget, off)
+    monkeypatch.undo()
+    assert len(calls) == 40 and list(tmp_path.rglob("*")) in ([], [off])  # no file, no folder but what was there
+    assert llm.placement.spill.layers == () and llm.placement.spill.unwritten == tuple(range(LAYERS))
+    assert checkpoint_layers(llm) == list(range(LAYERS)) and llm.placement.layer_tiers == ("nvme",) * LAYERS
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"--offload-dir {off}: {reason} (writing 816.0 KiB of converted weights); {LAYERS} converted layers stream "
+        "from the checkpoint instead of spill files"
+    ]
+    assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
+
+
+def test_a_disk_budget_larger_than_the_free_space_is_refused_at_start(model_dir, budget, tmp_path, monkeypatch):
+    off = tmp_path / "off"
+    config = EngineConfig(kv_cache_bytes=KV, dtype="bfloat16", device_memory=budget, offload_dir=str(off))
+    free(monkeypatch, 1 << 20)
+    match = rf"^--disk-memory of 2\.0 MiB is more than {re.escape(str(off))}/\S+ can hold \(1\.0 MiB free\)$"
+    with pytest.raises(OffloadError, match=match):
+        LLM(model_dir, dataclasses.replace(config, disk_memory=2 << 20))
+    assert not off.exists()
+    assert LLM(model_dir, dataclasses.replace(config, disk_memory=1 << 20)).placement.spill.nbytes <= 1 << 20
 
 
 def test_the_kv_disk_part_is_taken_out_of_the_disk_budget(model_dir, budget, tmp_path):

@@ -22,7 +22,11 @@ store did not name are left alone (and not counted).
 Invariants: the store holds an exclusive flock on its folder from open to close, so no other process writes there
 and a temp file found at open is a killed writer's; a block is returned only when its header names this key and
 this hash and its CRC-32 matches, else its file is deleted and it counts in `dropped_corrupt`; `used` (bytes of block
-files, headers and padding included) == blocks * file_nbytes <= capacity at every moment, a put's temp file included.
+files, headers and padding included) == blocks * file_nbytes <= capacity at every moment, a put's temp file included;
+a put that fails leaves neither its temp file nor its block file, and indexes nothing.
+
+A full disk (tiers/files.py's DiskFull) fails a put or a flush and changes nothing else: the blocks held still read
+back. At open it fails nothing: the manifest keeps its last order, and `full` says why it was not rewritten.
 """
 
 from __future__ import annotations
@@ -40,7 +44,16 @@ from pathlib import Path
 import torch
 
 from offload.common.errors import OffloadError
-from offload.tiers.files import fsync_dir, make_dirs, os_error_reason, pwrite_all, try_lock, write_bytes
+from offload.tiers.files import (
+    DiskFull,
+    fsync_dir,
+    make_dirs,
+    os_error_reason,
+    pwrite_all,
+    try_lock,
+    write_bytes,
+    write_error,
+)
 from offload.tiers.io.base import ALIGN, ReadBackend, ReadRequest, aligned_buffer, aligned_span
 from offload.tiers.io.direct import PreadBackend
 
@@ -97,13 +110,17 @@ class KVDiskStore:
         # would keep a deleted file's space, and the backend would refuse a new file under the name as "replaced"
         self._open: set[bytes] = set()
         self._lock_fd: int | None = None
+        self.full: DiskFull | None = None  # the disk had no room to record the key at open
         try:
             self._lock_fd = self._lock()
             self._load()
             while self.used > self.capacity:  # the budget shrank since the last run
                 self._evict_one()
             self.peak = self.used
-            self.flush()  # records the key now, and fails here if the folder is not writable
+            try:
+                self.flush()  # records the key now, and fails here if the folder is not writable
+            except DiskFull as exc:  # writable, but full: what it holds still reads back
+                self.full = exc
         except BaseException:
             self._release()
             raise
@@ -154,7 +171,8 @@ class KVDiskStore:
     def put(self, block_hash: bytes, data: torch.Tensor) -> bool:
         """Store `data` ([block_nbytes] uint8 on the CPU) as block `block_hash`, durable once this returns True,
         evicting least recently used blocks to make room; False when one block file is larger than the whole
-        budget. A block already held is only marked used: under one key, one hash names one content."""
+        budget. A block already held is only marked used: under one key, one hash names one content. DiskFull when
+        the disk has no room for it (nothing of it is left, the blocks evicted for it stay evicted)."""
         self._check_open()
         if not 1 <= len(block_hash) <= MAX_HASH:
             raise ValueError(f"a block hash is 1 to {MAX_HASH} bytes, got {len(block_hash)}")
@@ -180,7 +198,7 @@ class KVDiskStore:
             for written in (tmp, path):
                 with contextlib.suppress(OSError):
                     written.unlink()
-            raise OffloadError(f"{self.folder}: {os_error_reason(exc)} (writing a KV cache block)") from None
+            raise write_error(exc, str(self.folder), "writing a KV cache block") from None
         self._lru[block_hash] = None
         self.used += self.file_nbytes
         self.peak = max(self.peak, self.used)
@@ -207,7 +225,7 @@ class KVDiskStore:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise OffloadError(f"{self.folder}: {os_error_reason(exc)} (writing the KV cache manifest)") from None
+            raise write_error(exc, str(self.folder), "writing the KV cache manifest") from None
 
     def close(self) -> None:
         """Flush, then close the backend's files and let go of the folder. Closing twice is harmless."""

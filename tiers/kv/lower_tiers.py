@@ -33,6 +33,10 @@ or, without a host part, in the device part (evicting the least recent cached bl
 An admission then finds them above the disk and copies instead of reading. What is read ahead is bounded by the
 room it lands in (PREFETCH_SHARE of the blocks no sequence holds there); a block that finds no room when it lands,
 or is already there, is dropped (`prefetch_dropped`).
+
+A full disk is a fault the cache survives: the disk part's writes turn off for the rest of the run (`disk_off` says
+why), the blocks it holds still read back (tiers/kv/disk_threads.py's WriteThrough). Any other failure of a write is
+raised once, at the next step boundary or flush.
 """
 
 from __future__ import annotations
@@ -135,9 +139,14 @@ class KVTiers:
         self._writer: WriteThrough | None = None
         self._ahead: ReadAhead | None = None
         if disk is not None:
-            self._writer = WriteThrough(self._to_disk, WRITE_QUEUE)
+            self._writer = WriteThrough(disk, self._disk_lock, WRITE_QUEUE, self._written)
             if prefetch:
                 self._ahead = ReadAhead(disk, self._disk_lock)
+
+    @property
+    def disk_off(self) -> str | None:
+        """Why the disk part takes no more blocks (None: it does, or there is none)."""
+        return None if self._writer is None else self._writer.off
 
     @property
     def host_blocks(self) -> int:
@@ -261,6 +270,8 @@ class KVTiers:
     def settle(self, pool: BlockPool) -> None:
         """Carry out what the device part's pool and the host part's logged since the last call, before the next
         step reads or writes either cache."""
+        if self._writer is not None:
+            self._writer.raise_failure()
         # a running sequence's blocks moved back up (MovedUp, in the device part's log): read before the host part's
         # replay writes into its freed blocks
         up = [e for e in pool.events if isinstance(e, MovedUp)]
@@ -354,36 +365,27 @@ class KVTiers:
 
     def _to_disk(self, key: bytes, row: torch.Tensor) -> bool:
         """Synchronously, for a block about to leave the host: True if the disk holds it afterwards."""
-        if self.disk is None:
-            return False
-        with self._disk_lock:
-            if key in self.disk:
-                return True
-            kept = self.disk.put(key, row)
-        if kept:
-            self.counters.demoted_disk += 1
-            self.counters.bytes_down += self.row_bytes
-        return kept
+        return self._writer is not None and self._writer.put(key, row)
+
+    def _written(self) -> None:
+        """A block stored on disk (on the writer's thread, or the scheduler's)."""
+        self.counters.demoted_disk += 1
+        self.counters.bytes_down += self.row_bytes
 
     def _write_through(self, key: bytes, row: torch.Tensor) -> None:
-        if not self._writer.offer(key, row):
+        if self._writer.off is None and not self._writer.offer(key, row):
             self.counters.writes_skipped += 1
 
     def flush(self) -> None:
         """Wait for the write-through queue to drain and make the disk store's index durable."""
         if self._writer is not None:
-            self._writer.wait()
-            with self._disk_lock:
-                self.disk.flush()
+            self._writer.flush()
 
     def close(self) -> None:
         """Stop the reader, drain the writer, close the disk store and give the host slab back."""
         if self._ahead is not None:
             self._ahead.close()
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-            with self._disk_lock:
-                self.disk.close()
+            self._writer.close()  # and the disk store; closing twice is harmless
         if self.host_kv is not None and self.host is not None and self.host.used:
             self.host.free(self.host_kv.storage)

@@ -10,6 +10,7 @@ import torch
 from offload.common.config import EngineConfig
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
+from offload.tiers.files import check_disk_budget
 from offload.tiers.kv.blocks import BlockPool, BlockTables
 from offload.tiers.kv.kv_cache import KVCache
 from offload.tiers.kv.lower_tiers import KVTiers
@@ -35,7 +36,8 @@ def make_kv_pool(
 ) -> tuple[BlockTables, BlockTables | None, KVTiers | None]:
     """Block tables over `kv`'s blocks (sharing prefixes unless config.prefix_cache is off); with --kv-host-memory,
     tables over the host part's blocks, for sequences whose KV lives in host RAM (else None); and the host and disk
-    parts of the pool when --kv-host-memory or --kv-disk-memory give them room (else None)."""
+    parts of the pool when --kv-host-memory or --kv-disk-memory give them room (else None). A --kv-disk-memory
+    larger than its folder can hold (the free space, and the blocks it holds already) is refused."""
     tiers = None
     if config.kv_host_memory or config.kv_disk_memory:
         if not config.prefix_cache:
@@ -48,6 +50,7 @@ def make_kv_pool(
             from offload.tiers.kv.disk_store import KVDiskStore
 
             folder = Path(config.offload_dir) / "kv"
+            check_disk_budget("--kv-disk-memory", config.kv_disk_memory, folder)
             disk = KVDiskStore(folder, key, kv.bytes_per_block, config.kv_disk_memory)
         host = host_kv = None
         if config.kv_host_memory:

@@ -8,7 +8,8 @@ checkpoint files' paths, sizes and mtimes, the compute dtype and FORMAT).
 Invariants: a file is used only when the manifest lists it under the current key with the same tensors, and
 its size and checksum were checked at first use (a bad file is deleted and rewritten, never used); data files
 reach their names complete and fsynced (temp name, fsync, rename), the manifest last, the same way; a write
-that fails removes everything it wrote and raises one OffloadError line; `used` <= `capacity`.
+that fails removes everything it wrote and raises one OffloadError line (DiskFull where the disk had no room, which
+the caller survives: tiers/files.py); `used` <= `capacity`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
-from offload.tiers.files import fsync_dir, locked, make_dirs, os_error_reason, pwrite_all, write_bytes
+from offload.tiers.files import DiskFull, free_space, fsync_dir, locked, make_dirs, pwrite_all, write_bytes, write_error
 from offload.tiers.io.base import aligned_buffer, aligned_span
 from offload.tiers.io.direct import PreadBackend
 from offload.tiers.weights.checkpoint import TORCH_DTYPES
@@ -138,7 +139,8 @@ class SpillStore:
     ) -> list[GroupLayout]:
         """Write `files`, each with the tensors fill(file) returns (named, typed and shaped as planned), then the
         manifest; their layouts, in order. Files other than `files` and `keep` may be deleted to stay under the
-        budget. On any failure everything this call wrote is removed and an OffloadError says why."""
+        budget. On any failure everything this call wrote is removed and an OffloadError says why: DiskFull where
+        the filesystem has no room for them."""
         if self._key is None:
             raise ValueError("SpillStore.write before open(key)")
         needed = sum(f.size for f in files)  # bytes; at most: another process may have written some meanwhile
@@ -177,10 +179,8 @@ class SpillStore:
                 with contextlib.suppress(OSError):
                     path.rmdir()
             if isinstance(exc, OSError):
-                why = os_error_reason(exc)
-                raise OffloadError(
-                    f"--offload-dir {self.directory}: {why} (writing {format_size(needed)} of converted weights)"
-                ) from None
+                where, doing = f"--offload-dir {self.directory}", f"writing {format_size(needed)} of converted weights"
+                raise write_error(exc, where, doing) from None
             raise
         self._files, self._stale = after, []
         self._checked.update(f.name for f in done)
@@ -199,14 +199,10 @@ class SpillStore:
                     f"--offload-dir {self.directory}: needs {format_size(needed)} for converted weights, the "
                     f"--disk-memory budget of {format_size(self.capacity)} has {format_size(self.num_free)} left"
                 )
-        existing = next(p for p in (self.folder, *self.folder.parents) if p.exists())
-        st = os.statvfs(existing)
-        free = st.f_bavail * st.f_frsize
+        free = free_space(self.folder)
         if needed > free:
-            raise OffloadError(
-                f"--offload-dir {self.directory}: needs {format_size(needed)} for converted weights, "
-                f"{format_size(free)} free"
-            )
+            where = f"--offload-dir {self.directory}"
+            raise DiskFull(where, f"{format_size(free)} free", f"needs {format_size(needed)} for converted weights")
 
     def _drop(self, name: str) -> None:
         """Forget a listed file and delete it (where the filesystem lets us; the manifest may still list it,

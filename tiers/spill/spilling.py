@@ -5,12 +5,18 @@ again; spilled once in the compute dtype, a streamed layer reads only what it us
 layers (those the placement streams, planned on their converted sizes), converts the ones whose files are
 missing or bad, and rewrites the model's layout to read them from their files; the files themselves, their
 manifest and checksums are tiers/spill/spill_store.py's.
+
+Spill files are a cache of the checkpoint: where the disk has no room for them (a write that fails with ENOSPC,
+EDQUOT or EFBIG, or, with no --disk-memory, less free space than they need), the layers left without one stream from
+the checkpoint instead, one line on stderr says so, and no partial file is left. A --disk-memory given larger than
+the folder can hold is refused before anything is written.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,8 +27,9 @@ from offload.common.config import Policy
 from offload.common.errors import OffloadError
 from offload.common.sizes import format_size
 from offload.common.tier import Tier
+from offload.tiers.files import DiskFull, check_disk_budget, free_space
 from offload.tiers.io.backends import make_backend
-from offload.tiers.io.base import ReadBackend, aligned_buffer
+from offload.tiers.io.base import ALIGN, ReadBackend, aligned_buffer
 from offload.tiers.spill.spill_store import DTYPE_CODES, FORMAT, SpillFile, SpillStore, plan_file
 from offload.tiers.weights.checkpoint import TORCH_DTYPES, held_dtype
 from offload.tiers.weights.layout import GroupLayout, ModelLayout
@@ -41,6 +48,7 @@ class SpillStats:
     bytes_written: int  # bytes written by this engine (0: every file was reused)
     bytes_verified: int  # bytes of reused files read once to check them
     bytes_converted: int  # checkpoint bytes read to convert the written layers
+    unwritten: tuple[int, ...] = ()  # layers to spill the disk had no room for: they stream from the checkpoint
 
 
 def spill_layers(
@@ -56,7 +64,9 @@ def spill_layers(
     The placement is planned on the converted sizes: `plan` (the engine's planner) sees spill layouts for the
     layers it will stream, until it streams no layer left unconverted. Layers already in `dtype` keep their
     checkpoint layout. Nothing is written, and `offload_dir` not even created, when no layer that needs
-    converting streams. Reused files are checked first; missing or bad ones are converted and written.
+    converting streams. Reused files are checked first; missing or bad ones are converted and written, those the
+    disk has no room for left to stream from the checkpoint. `capacity`: the --disk-memory budget for them (None:
+    the free space), refused when larger than the folder can hold.
     """
     name = str(dtype).removeprefix("torch.")
     needs = [
@@ -68,6 +78,8 @@ def spill_layers(
     model_dir = paths[0].parent.resolve()
     digest = hashlib.blake2b(str(model_dir).encode(), digest_size=4).hexdigest()
     tier = SpillStore(offload_dir, capacity, namespace=f"{model_dir.name}-{name}-{digest}")
+    if capacity is not None:
+        check_disk_budget("--disk-memory", capacity, tier.folder)
     planned = {
         i: plan_file(
             f"layer{i}.bin",
@@ -83,6 +95,7 @@ def spill_layers(
             f"more than the --disk-memory budget of {format_size(capacity)}"
         )
     converted = 0  # checkpoint bytes read
+    unwritten: list[SpillFile] = []
     if files:
         files_at = [(f, s.st_size, s.st_mtime_ns) for f in paths for s in [os.stat(f)]]
         tier.open({"format": FORMAT, "dtype": name, "files": [[str(p.resolve()), n, t] for p, n, t in files_at]})
@@ -90,8 +103,10 @@ def spill_layers(
         if missing:
             with make_backend(io_backend) as backend:
                 by_name = {planned[i].name: layout.layers[i] for i in spill}
-                tier.write(missing, lambda f: _convert(by_name[f.name], dtype, backend), keep=[f.name for f in files])
+                unwritten = _write(tier, missing, lambda f: _convert(by_name[f.name], dtype, backend), files)
                 converted = backend.bytes_read
+            spill = {i for i in spill if planned[i] not in unwritten}
+            files = [planned[i] for i in sorted(spill)]
     layers = tuple(planned[i].layout(tier.folder) if i in spill else g for i, g in enumerate(layout.layers))
     stats = SpillStats(
         directory=str(tier.folder),
@@ -102,8 +117,44 @@ def spill_layers(
         bytes_written=tier.bytes_written,
         bytes_verified=tier.bytes_verified,
         bytes_converted=converted,
+        unwritten=tuple(i for i in sorted(planned) if planned[i] in unwritten),
     )
     return replace(layout, layers=layers), stats
+
+
+def _write(
+    tier: SpillStore, missing: list[SpillFile], fill: Callable[[SpillFile], dict], files: list[SpillFile]
+) -> list[SpillFile]:
+    """Write the `missing` ones of `files` (the others are reused); returns those the disk has no room for, which
+    stream from the checkpoint instead (said in one line on stderr). Without a budget, as many as the free space
+    holds, in order, are tried."""
+    fits = missing
+    if tier.capacity is None:
+        free = free_space(tier.folder)
+        room = free - ALIGN * (len(missing) + 1)  # bytes; less a page per file for the manifest and the folder
+        fits, taken = [], 0
+        for f in missing:
+            if taken + f.size > room:
+                break
+            fits.append(f)
+            taken += f.size
+    try:
+        if fits:
+            tier.write(fits, fill, keep=[f.name for f in files])
+    except DiskFull as exc:  # nothing of it is left
+        _say_unwritten(str(exc), missing)
+        return missing
+    if len(fits) < len(missing):
+        needed = format_size(sum(f.size for f in missing))
+        _say_unwritten(
+            f"--offload-dir {tier.directory}: {format_size(free)} free, {needed} needed", missing[len(fits) :]
+        )
+    return missing[len(fits) :]
+
+
+def _say_unwritten(why: str, files: list[SpillFile]) -> None:
+    layers = f"{len(files)} converted layers stream" if len(files) > 1 else "1 converted layer streams"
+    print(f"{why}; {layers} from the checkpoint instead of spill files", file=sys.stderr, flush=True)
 
 
 def _spilled_layers(

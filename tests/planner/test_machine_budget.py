@@ -187,3 +187,21 @@ def test_peak_rss_stays_under_the_assumed_cap(tmp_path):
     cap = got["rss"] + available - reserve
     assert got["peak"] <= cap, (got, cap)
     assert held > cap - got["rss"] + (150 << 20)  # the weights held whole would not have fit
+
+
+def test_on_cuda_the_free_device_memory_and_the_ram_available_are_the_budgets(model_dir, small_machine, monkeypatch):
+    """The CUDA branch, its device faked: the free memory less the reserve stands for --device-memory, and the RAM
+    available less its reserve for --host-memory, unless that was given."""
+    held = held_weight_bytes(model_dir, "float32")
+    free = machine_budget.DEVICE_RESERVE + held // 2
+    monkeypatch.setattr(machine_budget.torch.cuda, "mem_get_info", lambda: (free, 80 << 30))
+    small_machine[0] = TOTAL
+    config, assumed = machine_budget.machine_budgets(model_dir, EngineConfig(), "float32", False, HELD)
+    assert config.device_memory == held // 2 and config.host_memory == TOTAL - TOTAL // 16
+    assert assumed.startswith("no --device-memory: planned for ")
+    given = EngineConfig(host_memory=1 << 20)
+    config, _ = machine_budget.machine_budgets(model_dir, given, "float32", False, HELD)
+    assert config.host_memory == 1 << 20  # the user's host budget stands
+    roomy = (1 << 40, 1 << 40)
+    monkeypatch.setattr(machine_budget.torch.cuda, "mem_get_info", lambda: roomy)
+    assert machine_budget.machine_budgets(model_dir, EngineConfig(), "float32", False, HELD) == (EngineConfig(), None)

@@ -19,6 +19,7 @@ float32 (`Int4Groups.inexact` counts the groups where it is not). int8 is w = q 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -31,6 +32,7 @@ GROUP = 32  # values per engine group: every kept block type's (sub-)block
 INT4_EXACT = (T.Q4_0, T.Q4_1, T.Q4_K)
 INT8_EXACT = (T.Q8_0,)
 _K_BLOCK = 256  # values per Q4_K super-block
+DEQUANT_ROWS = 1024  # rows of a quantized token table or head dequantized at a time, not the whole table at once
 
 
 class Int4Groups(NamedTuple):
@@ -114,4 +116,9 @@ def float_tensor(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> tuple[tor
         return torch.from_numpy(raw.copy().view(np.int16)).view(torch.bfloat16).reshape(shape), "BF16"
     if qtype in FLOATS:
         return torch.from_numpy(raw.copy().view("<f4" if qtype == T.F32 else "<f2")).reshape(shape), FLOATS[qtype]
-    return torch.from_numpy(gguf_quants.dequantize(raw, qtype)).reshape(shape), "F32"
+    if raw.ndim != 2:
+        return torch.from_numpy(gguf_quants.dequantize(raw, qtype)).reshape(shape), "F32"
+    out = np.empty((raw.shape[0], math.prod(shape) // max(raw.shape[0], 1)), dtype=np.float32)
+    for start in range(0, raw.shape[0], DEQUANT_ROWS):  # gguf's temporaries are several times their rows' output
+        out[start : start + DEQUANT_ROWS] = gguf_quants.dequantize(raw[start : start + DEQUANT_ROWS], qtype)
+    return torch.from_numpy(out).reshape(shape), "F32"

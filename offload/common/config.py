@@ -120,17 +120,17 @@ class EngineConfig:
         "the process does not hold yet. Without it (and without --device-memory), a model that does not fit is "
         "planned for the RAM available, less a sixteenth of the machine's (at least 256 MiB) for the system.",
         size=True,
-        default_text="none; a model that does not fit: the RAM available",
+        default_text="RAM available",
     )
     device_memory: int | None = knob(
         None,
         "budgets",
-        "weights + KV cache on the compute device; what does not fit streams",
+        "weights + KV cache on the compute device; the rest streams",
         doc="With no --max-num-seqs and no --kv-cache-memory, the cost model picks the batch and KV cache for the "
         "workload within it. Without it, a model that does not fit is planned on CUDA for the device memory free "
         "less 512 MiB (and, without --host-memory, the RAM available for layers), on a CPU as --memory says.",
         size=True,
-        default_text="none; a model that does not fit: what the machine has",
+        default_text="the free memory",
     )
     host_memory: int | None = knob(
         None,

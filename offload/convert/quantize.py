@@ -255,7 +255,8 @@ def _write_shard(
         for p, offset in zip(shard, offsets, strict=True):
             data = part(p).contiguous()
             assert data.dtype == TORCH_DTYPES[p.dtype][0] and tuple(data.shape) == p.shape, (p, data.shape)
-            raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+            # the tensor's own bytes, not a copy of them (a copy doubled a float32 token table's gigabyte)
+            raw = memoryview(data.view(torch.uint8).numpy()).cast("B") if data.numel() else b""
             pad = start + offset - f.tell()
             f.write(b"\0" * pad)
             digest.update(b"\0" * pad)

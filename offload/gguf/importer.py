@@ -393,4 +393,14 @@ def resolve_model(model: str | Path) -> Path:
         + stats.summary(),
         file=sys.stderr,
     )
+    _return_freed_memory()  # the run that follows plans for the RAM this process does not hold
     return out
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap the import freed back to the system (glibc keeps it otherwise: 450 MiB after a 2 GB file)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to hand back this way
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

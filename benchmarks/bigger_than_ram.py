@@ -1,4 +1,4 @@
-"""A model bigger than the machine's RAM, run with no memory flags: this engine beside llama.cpp (issue 46).
+"""A model bigger than the machine's RAM, run with no memory flags: this engine beside llama.cpp.
 
     python benchmarks/bigger_than_ram.py [--gguf FILE | --layers N [--dense] [--keep]] [--ram-limit SIZE]
                                          [--engines ours,llama.cpp] [--batches 1,8] [--prompt-tokens 32]

@@ -139,3 +139,13 @@ def kv_block_bytes(model_dir: Path, block_size: int, kv_dtype: str = "auto") -> 
     spec, _ = load_spec(model_dir)
     dims = (spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
     return KVCache.block_bytes(*dims, getattr(torch, spec.dtype), kv_dtype)
+
+
+def failure_status(exc: BaseException) -> str:
+    """A worker's exception as its row's status, its traceback on stderr (the worker's log): an engine that cannot
+    run here is a result, not a crash of the benchmark."""
+    import traceback
+
+    traceback.print_exc()
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"failed: {type(exc).__name__}: {reason}"[:300]

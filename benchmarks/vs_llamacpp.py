@@ -46,12 +46,11 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench_common import machine, timestamp, write_report
+from bench_common import failure_status, machine, timestamp, write_report
 from peer_engines import Workload, evict, files_under, ours_config, peak_rss_bytes, rss_bytes, storage_read_bytes
 
 RESULTS = Path(__file__).parent / "results" / "vs_llamacpp.json"
@@ -267,10 +266,8 @@ def worker_main(job_file: Path) -> None:
     job = Job(**json.loads(job_file.read_text()))
     try:
         result = WORKERS[job.engine](job)
-    except Exception as exc:  # an engine that cannot run here is a result, not a crash of the benchmark
-        traceback.print_exc()
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        result = Measured(job.engine, job.setting, job.batch, status=f"failed: {type(exc).__name__}: {reason}"[:300])
+    except Exception as exc:
+        result = Measured(job.engine, job.setting, job.batch, status=failure_status(exc))
     job_file.with_suffix(".result.json").write_text(json.dumps(asdict(result)))
 
 

@@ -217,6 +217,7 @@ def test_losing_a_concurrent_build_keeps_the_winner(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.slow
+@pytest.mark.fixed_kernels
 def test_generate_without_a_model_chats_with_the_real_model(smollm2_gguf: Path, capsys) -> None:
     """The default model is the wheel's SmolLM2, imported once, asked DEMO_QUESTIONS as chat turns."""
     from offload.cli import main

@@ -17,6 +17,7 @@ ENGINE = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "4"]
 
 
 @pytest.mark.slow
+@pytest.mark.fixed_kernels
 def test_the_endpoint_answers_a_chat_request(smollm2_gguf: Path, tmp_path: Path) -> None:
     served = start_server(smollm2_gguf, tmp_path / "server.log", "--served-model-name", "smollm2", *ENGINE)
     try:

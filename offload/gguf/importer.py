@@ -22,6 +22,8 @@ every command take the GGUF file itself: imported once into the cache, keyed by 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -393,14 +395,6 @@ def resolve_model(model: str | Path) -> Path:
         + stats.summary(),
         file=sys.stderr,
     )
-    _return_freed_memory()  # the run that follows plans for the RAM this process does not hold
-    return out
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap the import freed back to the system (glibc keeps it otherwise: 450 MiB after a 2 GB file)."""
-    import contextlib
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to hand back this way
+    with contextlib.suppress(OSError, AttributeError):  # the heap the import freed, back to the system (glibc)
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return out

@@ -288,3 +288,11 @@ def smollm2_float(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) 
     from real_model import write_float_copy
 
     return write_float_copy(smollm2_gguf, tmp_path_factory.mktemp("smollm2-float"))
+
+
+def slow_disk_cpu(disk_read: float = 1e8):
+    """A CPU machine's profile for plans that must not depend on the machine running the tests: 16 GiB, a slow disk."""
+    from offload.common.hardware import ComputeUnit, HardwareProfile
+
+    ram = ComputeUnit(16 << 30, 2e10, {"float32": 1e11})
+    return HardwareProfile("test cpu", "cpu", ram, ram, 0.0, 0.0, disk_read, disk_read, "test")

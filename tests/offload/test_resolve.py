@@ -6,24 +6,18 @@ import dataclasses
 
 import pytest
 
-from conftest import make_checkpoint
+from conftest import make_checkpoint, slow_disk_cpu
 from offload import build as build_module
 from offload import cli
 from offload.api import LLM
 from offload.common.config import DEFAULT_KV_CACHE, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from offload.common.errors import OffloadError
-from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.planner import autoconfig
 from offload.planner.autoconfig import needs_plan, resolve
 from offload.prompts import Prompts
 from offload.scheduler.cost.predict import Workload
 
 PROMPTS = ["the quick brown fox", "jumps over the lazy dog again"]
-
-
-def slow_disk_cpu() -> HardwareProfile:
-    ram = ComputeUnit(16 << 30, 2e10, {"float32": 1e11})
-    return HardwareProfile("test cpu", "cpu", ram, ram, 0.0, 0.0, 1e8, 1e8, "test")
 
 
 @pytest.fixture(scope="module")

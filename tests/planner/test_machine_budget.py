@@ -11,12 +11,11 @@ import textwrap
 
 import pytest
 
-from conftest import make_checkpoint
+from conftest import make_checkpoint, slow_disk_cpu
 from offload import cli
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
-from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.planner import autoconfig, machine_budget
 from offload.planner.autoconfig import resolve
 from offload.planner.machine_budget import MachineMemory, held_weight_bytes, machine_memory
@@ -24,11 +23,6 @@ from offload.planner.machine_budget import MachineMemory, held_weight_bytes, mac
 HELD = 300 << 20  # this process's RSS, held still so that plans repeat
 TOTAL = 64 << 20  # the faked machine's RAM: its reserve is a sixteenth, 4 MiB
 ONE_SEQUENCE = 3 << 20  # a 640-token sequence's activations and KV cache (the default workload's), about
-
-
-def slow_disk_cpu() -> HardwareProfile:
-    ram = ComputeUnit(16 << 30, 2e10, {"float32": 1e11})
-    return HardwareProfile("test cpu", "cpu", ram, ram, 0.0, 0.0, 1e8, 1e8, "test")
 
 
 @pytest.fixture(scope="module")

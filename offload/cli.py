@@ -90,7 +90,7 @@ def _generate(args: argparse.Namespace) -> None:
         ids = [encoder.encode_chat([{"role": "user", "content": p}], i) for i, p in enumerate(prompts)]
     else:
         ids = [encoder.encode(p, i) for i, p in enumerate(prompts)]
-    workload = Workload(max(map(len, ids)), params.max_new_tokens, len(ids))  # what the planner sizes for
+    workload = Workload(max(map(len, ids)), max(params.max_new_tokens, 1), len(ids))  # what the planner sizes for
     with LLM(model_dir, config, workload, encoder) as llm:  # closing writes the KV blocks queued for disk
         _say_plan(llm)
         if args.show_placement:
@@ -397,7 +397,7 @@ def _batch(args: argparse.Namespace) -> None:
         read_config(model_dir)  # the folder's own error before the tokenizer's
         encoder = Prompts.load(model_dir)
         lengths = [len(encoder.encode_chat(r.messages) if r.chat else encoder.encode(r.prompt)) for r in requests]
-        new_tokens = min(max(p.max_new_tokens for r in requests for p in r.params), 4096)
+        new_tokens = min(max(1, *(p.max_new_tokens for r in requests for p in r.params)), 4096)
         workload = Workload(max(lengths), new_tokens, len(lengths))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the job as Ctrl-C does: synced
     try:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from offload.common.config import SamplingParams
 from offload.common.errors import OffloadError
+from offload.common.outputs import CoreCounters, Delta, RequestMetrics, TokenLogprob
 from offload.model.detokenize import TextStream
 from offload.model.engine import Engine, StepOutput
 from offload.model.sampling import sample
@@ -36,90 +37,6 @@ from offload.tiers.kv.blocks import BlockTables
 from offload.tiers.kv.lower_tiers import KVTiers
 from offload.tiers.weights.weight_store import WeightStore
 
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """A sampled token's log-probability under the model (before temperature and top-k/top-p), and the top
-    alternatives', most likely first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestMetrics:
-    """One request's timeline, in time.perf_counter() seconds."""
-
-    arrival: float
-    first_token: float | None  # None: finished (aborted) before its first token
-    finished: float
-    prompt_tokens: int
-    output_tokens: int
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def time_per_output_token(self) -> float | None:
-        """Mean time between output tokens after the first; None with fewer than two."""
-        if self.first_token is None or self.output_tokens < 2:
-            return None
-        return (self.finished - self.first_token) / (self.output_tokens - 1)
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """What one step added to one request. The last delta of a request has its finish_reason and metrics."""
-
-    request_id: int
-    token_ids: tuple[int, ...]  # new tokens (at most one per step)
-    text: str  # new text; "" where the model has no tokenizer
-    time: float  # time.perf_counter() when the step ended
-    finish_reason: str | None = None  # "stop" (eos or a stop string), "length" or "abort"
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked for them
-    metrics: RequestMetrics | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CoreCounters:
-    """Totals over the core's life; two snapshots subtract into the statistics of what ran between them."""
-
-    requests_added: int = 0
-    requests_finished: int = 0  # aborted ones included
-    requests_aborted: int = 0
-    prompt_tokens: int = 0  # of requests added
-    generated_tokens: int = 0
-    # a step that computed any prefill tokens counts as prefill, a mixed one too (it costs about what a decode
-    # step costs plus its prompt tokens), so that decode_* measure decode-only steps cleanly
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0  # decode-only steps
-    decode_tokens: int = 0  # tokens sampled by decode-only steps
-    steps: int = 0
-    preemptions: int = 0
-    moved_down: int = 0  # running sequences whose KV moved to host RAM instead of being preempted
-    moved_up: int = 0  # running sequences whose KV came back from host RAM to the device part
-    bytes_read: int = 0  # weight bytes read from storage
-    h2d_bytes: int = 0  # weight bytes copied host -> device
-    read_seconds: float = 0.0  # wall time with at least one weight read in flight
-    stall_seconds: float = 0.0  # time the engine waited for weight reads
-    prefill_tokens: int = 0  # known tokens computed (prompts, and recomputation after preemptions)
-    prefix_lookup_tokens: int = 0  # tokens of admitted sequences looked up in the prefix cache
-    prefix_hit_tokens: int = 0  # of those, tokens whose keys and values came from cached blocks, not computed
-    kv_bytes_down: int = 0  # KV bytes moved from the device part of the pool to host RAM or disk
-    kv_bytes_up: int = 0  # KV bytes brought back to the device
-    kv_blocks_prefetched: int = 0  # cached KV blocks read from disk while a step computed, ahead of their admission
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
-
-    def __sub__(self, before: CoreCounters) -> CoreCounters:
-        """What ran between snapshot `before` and this one."""
-        return CoreCounters(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(CoreCounters)})
-
-
 PREFILL_SAMPLE = 64  # prefill tokens a step must compute to measure the prefill rate (below, decode dominates)
 
 
@@ -131,6 +48,7 @@ class _Request:
     arrival: float
     first_token: float | None = None
     matcher: object | None = None  # llguidance.LLMatcher: a constrained request's grammar state
+    prompt_logprobs: dict[int, TokenLogprob] | None = None  # by position, as the steps compute them; None once given
 
 
 class EngineCore:
@@ -199,6 +117,11 @@ class EngineCore:
         ids = list(prompt_ids)
         if params.stop and self._tokenizer is None:
             raise OffloadError("stop strings need a tokenizer, and this model has none")
+        if params.prompt_logprobs is not None and params.prompt_logprobs_start >= len(ids):
+            raise OffloadError(
+                f"prompt_logprobs_start {params.prompt_logprobs_start} is past the prompt's last token "
+                f"(it has {len(ids)})"
+            )
         matcher = self.grammars.matcher(params)  # OffloadError naming the field if the constraint does not compile
         text = None if self._tokenizer is None else TextStream(self._tokenizer(), params.stop, stream_text)
         generator = None
@@ -207,6 +130,8 @@ class EngineCore:
         self._next_id += 1
         seq = Sequence(rid, ids, params, priority=priority)
         self._requests[rid] = _Request(seq, generator, text, time.perf_counter(), matcher=matcher)
+        if params.prompt_logprobs is not None:
+            self._requests[rid].prompt_logprobs = {}
         self.batcher.add(self._requests[rid].seq)
         self._totals["requests_added"] += 1
         self._totals["prompt_tokens"] += len(ids)
@@ -276,6 +201,7 @@ class EngineCore:
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.wants_logits]
         masks = self.grammars.start_masks([r.matcher for r in sampled])  # computed while the layers run
         out = self._run(plan)
+        self._score_prompts(out.scored)
         reqs = [self._requests[i] for i in out.seq_ids]
         logits = out.logits if masks is None else masks.apply(out.logits)
         tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
@@ -289,13 +215,39 @@ class EngineCore:
             self._totals["decode_tokens"] += plan.num_decode_tokens
         self._totals["prefill_tokens"] += plan.num_prefill_tokens
         self._totals["steps"] += 1
-        self._totals["generated_tokens"] += len(tokens)
         self.peak_kv_blocks = max(self.peak_kv_blocks, self.tables.num_used)
-        verdicts = {r.seq.seq_id: self._verdict(r, token) for r, token in zip(reqs, tokens, strict=True)}
+        # a prompt-only request (max_new_tokens 0) ends with its prefill: its row's token is not taken
+        taken = [r.seq.params.max_new_tokens > 0 for r in reqs]
+        self._totals["generated_tokens"] += sum(taken)
+        verdicts = {r.seq.seq_id: self._verdict(r, t) for r, t, k in zip(reqs, tokens, taken, strict=True) if k}
         self.batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)), verdicts)
-        for req, token, lp in zip(reqs, tokens, logprobs, strict=True):
-            deltas.append(self._advance(req, token, lp, now))
+        for req, token, lp, k in zip(reqs, tokens, logprobs, taken, strict=True):
+            if k:
+                deltas.append(self._advance(req, token, lp, now))
+            else:
+                del self._requests[req.seq.seq_id]
+                deltas.append(self._final(req, (), "", now, ()))
         return deltas
+
+    def _score_prompts(self, scored: tuple[tuple[int, int, torch.Tensor], ...]) -> None:
+        """Keep the logprobs of the prompt tokens the step's scored positions predict (position p's logits give
+        token p + 1's), with the top alternatives each request asked for."""
+        for seq_id, first, logits in scored:
+            req = self._requests[seq_id]
+            prompt = req.seq.prompt_ids
+            targets = prompt[first + 1 : first + 1 + logits.shape[0]]
+            wanted = [req.seq.params.prompt_logprobs] * len(targets)
+            for k, lp in enumerate(_logprobs(logits, targets, wanted)):
+                req.prompt_logprobs[first + 1 + k] = lp
+
+    def _given_prompt_logprobs(self, req: _Request) -> tuple[TokenLogprob | None, ...]:
+        """The prompt's logprobs, on the first delta that goes out (then never again)."""
+        got, req.prompt_logprobs = req.prompt_logprobs, None
+        if got is None:
+            return ()
+        return tuple(
+            got[p] if p else None for p in range(req.seq.params.prompt_logprobs_start, len(req.seq.prompt_ids))
+        )
 
     def _run(self, plan: StepPlan) -> StepOutput:
         """The engine's step over `plan`, once the KV tiers carried out what the pools logged (blocks evicted to make
@@ -321,7 +273,9 @@ class EngineCore:
         text = "" if req.text is None else req.text.take(final=seq.is_finished)
         lps = () if logprob is None else (logprob,)
         if not seq.is_finished:
-            return Delta(seq.seq_id, (token,), text, now, logprobs=lps)
+            return Delta(
+                seq.seq_id, (token,), text, now, logprobs=lps, prompt_logprobs=self._given_prompt_logprobs(req)
+            )
         del self._requests[seq.seq_id]
         return self._final(req, (token,), text, now, lps)
 
@@ -330,8 +284,11 @@ class EngineCore:
         if seq.finish_reason == "abort" and req.text is not None:
             text = req.text.take(final=False)  # what was safe to show; no stop string can complete now
         self._totals["requests_finished"] += 1
-        metrics = RequestMetrics(req.arrival, req.first_token, now, len(seq.prompt_ids), len(seq.output_ids))
-        return Delta(seq.seq_id, tokens, text, now, seq.finish_reason, lps, metrics)
+        metrics = RequestMetrics(
+            req.arrival, req.first_token, now, len(seq.prompt_ids), len(seq.output_ids), seq.prompt_cached
+        )
+        prompt_lps = self._given_prompt_logprobs(req) if seq.finish_reason != "abort" else ()
+        return Delta(seq.seq_id, tokens, text, now, seq.finish_reason, lps, metrics, prompt_lps)
 
     # ---- scoring and the KV pool ------------------------------------------------------------------
 

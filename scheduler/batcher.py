@@ -142,13 +142,16 @@ class Batcher:
                 self.waiting.remove(seq)
                 deferred.append(seq)
                 continue
-            admitted = self.tables.admit(seq.seq_id, seq.token_ids, budget, self._reads_disk())
+            admitted = self.tables.admit(seq.seq_id, seq.token_ids, budget, self._reads_disk(), seq.most_cached)
             if admitted is None and self.host_tables is not None:  # the device part is full: its KV goes to host RAM
-                admitted = self.host_tables.admit(seq.seq_id, seq.token_ids, budget, self._reads_disk())
+                admitted = self.host_tables.admit(
+                    seq.seq_id, seq.token_ids, budget, self._reads_disk(), seq.most_cached
+                )
                 seq.kv_tier = Tier.HOST if admitted is not None else Tier.DEVICE
             if admitted is None:
                 break
             table, seq.num_cached, end = admitted
+            seq.prompt_cached = min(seq.num_cached, len(seq.prompt_ids))
             self.waiting.remove(seq)
             seq.state = SeqState.PREFILLING
             self.running.append(seq)
@@ -168,7 +171,7 @@ class Batcher:
 
     def _cached_prefix(self, seq: Sequence) -> int:
         """Tokens of `seq` an admission now would take from cached blocks (`BlockTables.cached_prefix`)."""
-        return self.tables.cached_prefix(seq.seq_id, seq.token_ids, self._reads_disk())
+        return self.tables.cached_prefix(seq.seq_id, seq.token_ids, self._reads_disk(), seq.most_cached)
 
     def _next_in_line(self, n: int) -> list[Sequence]:
         """The `n` waiting sequences likely admitted next, in that order: without prefix reuse the queue's first;
@@ -291,6 +294,7 @@ class Batcher:
             wants_logits=end == seq.num_tokens,
             is_decode=seq.state is SeqState.DECODING,
             kv_tier=seq.kv_tier,
+            scored=seq.scored,
         )
 
     def _tables_of(self, seq: Sequence) -> BlockTables:
@@ -326,6 +330,10 @@ class Batcher:
             self._tables_of(seq).commit(seq.seq_id, seq.token_ids, seq.num_cached)
             if not chunk.wants_logits:  # a prefill chunk short of the last known token
                 continue
+            if seq.params.max_new_tokens == 0:  # the prompt only: its blocks stay cached for the requests after it
+                self.finish(seq, "length")
+                finished.append(seq)
+                continue
             seq.output_ids.append(next_tokens[chunk.seq_id])
             seq.state = SeqState.DECODING
             reason = self._finish_reason(seq, verdicts.get(seq.seq_id, NO_VERDICT))
@@ -335,7 +343,12 @@ class Batcher:
         return finished
 
     def _finish_reason(self, seq: Sequence, verdict: Verdict) -> str | None:
-        if verdict.stop_string or (not seq.params.ignore_eos and seq.output_ids[-1] in self.eos_ids):
+        last = seq.output_ids[-1]
+        if (
+            verdict.stop_string
+            or (not seq.params.ignore_eos and last in self.eos_ids)
+            or last in seq.params.stop_token_ids
+        ):
             return "stop"
         if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.limits.max_model_len:
             return "length"

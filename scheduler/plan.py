@@ -22,10 +22,20 @@ class SeqChunk:
     # recomputed after a preemption), which count as prefill
     is_decode: bool = False
     kv_tier: str = Tier.DEVICE  # whose cache block_table indexes: the device part's, or the host part's
+    # positions [lo, hi) of the sequence whose logits are wanted besides the sampled one (a prompt's logprobs); the
+    # engine returns those that fall in this chunk (a chunk cut across micro-batches keeps the range in each piece)
+    scored: tuple[int, int] | None = None
 
     @property
     def context_len(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def scored_positions(self) -> range:
+        """The positions of `scored` this chunk computes (empty without)."""
+        if self.scored is None:
+            return range(0)
+        return range(max(self.scored[0], self.start_pos), min(self.scored[1], self.context_len))
 
 
 @dataclass(frozen=True, slots=True)

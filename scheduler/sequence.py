@@ -37,6 +37,7 @@ class Sequence:
     kv_tier: str = Tier.DEVICE  # where its KV blocks are while admitted: DEVICE, or HOST when the device's were full
     skipped: int = 0  # admissions that passed it over for a sequence with a longer cached prefix
     priority: int = 0  # admission class: a lower one is admitted first (interactive 0, background batch jobs 1)
+    prompt_cached: int = 0  # prompt tokens its last admission took from the prefix cache (not computed)
 
     @property
     def token_ids(self) -> list[int]:
@@ -54,3 +55,19 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.state is SeqState.FINISHED
+
+    @property
+    def scored(self) -> tuple[int, int] | None:
+        """Positions [lo, hi) whose logits its prompt's logprobs need (position p's give token p + 1's), until its
+        first token is sampled; None when it asked for none or has them."""
+        if self.params.prompt_logprobs is None or self.output_ids:
+            return None
+        lo, hi = max(self.params.prompt_logprobs_start, 1) - 1, len(self.prompt_ids) - 1
+        return (lo, hi) if lo < hi else None
+
+    @property
+    def most_cached(self) -> int | None:
+        """The most tokens an admission may take from the prefix cache: those before its `scored` positions (None: no
+        limit)."""
+        scored = self.scored
+        return None if scored is None else scored[0]

@@ -413,6 +413,15 @@ class SamplingParams:
     ignore_eos: bool = knob(False, "sampling", "keep generating past end-of-sequence tokens")
     # report each sampled token's logprob and this many top alternatives (the API and endpoint ask; no flag)
     logprobs: int | None = None
+    # each prompt token's logprob with this many top alternatives, from position prompt_logprobs_start on (the
+    # endpoints' echo and logprob_start_len ask; no flag): computed in the scheduled steps, never taken from the
+    # prefix cache; on the request's first delta
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
+    stop_token_ids: tuple[int, ...] = knob(
+        (), "sampling", "token id that ends the reply, as end-of-sequence does; repeatable", repeat=True, metavar="ID"
+    )
+    min_p: float = knob(0.0, "sampling", "sample among tokens at least P times as likely as the top one", metavar="P")
     # constrained decoding (offload/model/structured.py): at most one of a JSON schema (a dict or JSON text, kept as
     # compact JSON text), a regular expression, or a Lark grammar in llguidance's dialect
     json_schema: str | None = knob(
@@ -435,8 +444,8 @@ class SamplingParams:
         given = [f for f in ("json_schema", "regex", "grammar") if getattr(self, f) is not None]
         if len(given) > 1:
             raise OffloadError(f"give at most one of json_schema, regex and grammar, got {' and '.join(given)}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise OffloadError(f"max_new_tokens must be at least 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise OffloadError(f"max_new_tokens must be at least 0 (0: the prompt only), got {self.max_new_tokens!r}")
         if not self.temperature >= 0:  # also rejects NaN
             raise OffloadError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_k < 0:
@@ -447,8 +456,15 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
             raise OffloadError("stop strings must not be empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise OffloadError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise OffloadError(f"{name} must be in 0..{MAX_LOGPROBS}, got {value!r}")
+        if self.prompt_logprobs_start < 0:
+            raise OffloadError(f"prompt_logprobs_start must be >= 0, got {self.prompt_logprobs_start!r}")
+        if not 0.0 <= self.min_p <= 1.0:  # also rejects NaN
+            raise OffloadError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

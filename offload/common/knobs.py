@@ -96,7 +96,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[str, Any]
             kw["action"] = "store_const"
             kw["const"] = not f.default
         elif k.repeat:
-            kw |= {"action": "append", "metavar": k.metavar or "TEXT"}
+            kw |= {"action": "append", "metavar": k.metavar or "TEXT"} | ({"type": int} if "int" in str(f.type) else {})
         else:
             kind = _NUMBERS.get(str(f.type).split("|")[0].strip()) if not k.size else None
             if kind is not None and not k.choices:

@@ -22,6 +22,8 @@ class StepOutput:
     seq_ids: tuple[int, ...]  # chunks that asked for logits, in plan order
     # [len(seq_ids), vocab] float32; with plan.all_logits, [their tokens, vocab] in packed order
     logits: torch.Tensor
+    # the logits chunks asked for at their `scored` positions: (seq id, first position, [positions, vocab] float32)
+    scored: tuple[tuple[int, int, torch.Tensor], ...] = ()
 
 
 @dataclass(slots=True)
@@ -31,6 +33,8 @@ class _Prepared:
     sin: torch.Tensor
     batch: PagedBatch  # on the device of the micro-batch's KV cache
     logit_rows: torch.Tensor  # [rows] indices into the micro-batch's tokens
+    # the rows in logit_rows, in order: (seq id, first position, rows) for scored positions, (seq id, -1, 1) sampled
+    segments: list[tuple[int, int, int]]
     kv_tier: str
     staging: Staging | None  # a host micro-batch attending on the compute device
 
@@ -77,11 +81,17 @@ class Engine:
         rows = torch.cat([h[p.logit_rows] for h, p in zip(hidden, prepared, strict=True)])
         logits = self.family.head(self.spec, self.weights.head, rows).float()
         seq_ids = tuple(c.seq_id for c in plan.chunks if c.wants_logits or plan.all_logits)
-        return StepOutput(seq_ids, logits)
+        segments = [s for p in prepared for s in p.segments]
+        if plan.all_logits or all(pos < 0 for _, pos, _ in segments):
+            return StepOutput(seq_ids, logits)
+        parts = logits.split([n for _, _, n in segments])
+        sampled = [t for t, (_, pos, _) in zip(parts, segments, strict=True) if pos < 0]
+        scored = tuple((i, pos, t) for t, (i, pos, _) in zip(parts, segments, strict=True) if pos >= 0)
+        return StepOutput(seq_ids, torch.cat(sampled) if sampled else logits[:0], scored)
 
     def _prepare(self, mb: MicroBatch, all_logits: bool) -> _Prepared:
         block_size = self.kv.block_size
-        token_ids, positions, slots, starts, rows = [], [], [], [0], []
+        token_ids, positions, slots, starts, rows, segments = [], [], [], [0], [], []
         for c in mb.chunks:
             pos = range(c.start_pos, c.context_len)
             token_ids.extend(c.token_ids)
@@ -89,8 +99,13 @@ class Engine:
             slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in pos)
             if all_logits:
                 rows.extend(range(starts[-1], starts[-1] + len(c.token_ids)))
-            elif c.wants_logits:
-                rows.append(starts[-1] + len(c.token_ids) - 1)
+            else:
+                if scored := c.scored_positions:
+                    rows.extend(starts[-1] + p - c.start_pos for p in scored)
+                    segments.append((c.seq_id, scored.start, len(scored)))
+                if c.wants_logits:
+                    rows.append(starts[-1] + len(c.token_ids) - 1)
+                    segments.append((c.seq_id, -1, 1))
             starts.append(starts[-1] + len(c.token_ids))
         width = max(len(c.block_table) for c in mb.chunks)
         tables = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in mb.chunks]
@@ -112,4 +127,4 @@ class Engine:
             tables_used = [c.block_table for c in mb.chunks]
             staged = staging(tables_used, contexts, batch, block_size, cache_device, self.device)
             self.staged_micro_batches += 1
-        return _Prepared(tensor(token_ids), cos, sin, batch, tensor(rows), mb.kv_tier, staged)
+        return _Prepared(tensor(token_ids), cos, sin, batch, tensor(rows), segments, mb.kv_tier, staged)

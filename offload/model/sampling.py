@@ -1,6 +1,8 @@
-"""Pick the next token from logits: greedy, or temperature / top-k / top-p sampling with per-request seeds."""
+"""Pick the next token from logits: greedy, or temperature / top-k / top-p / min-p sampling with per-request seeds."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -9,7 +11,8 @@ from offload.kernels.argmax import argmax
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [vocab] float32 scaled by temperature, with tokens outside top-k and top-p set to -inf."""
+    """logits [vocab] float32 scaled by temperature, with tokens outside top-k, top-p and min-p set to -inf (min-p
+    compares probabilities after temperature, as vLLM and SGLang do)."""
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -20,6 +23,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # drop a token once the tokens ranked above it already hold top_p of the mass; the first stays
         drop = (probs.cumsum(-1) - probs) >= params.top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0.0:  # p(token) < min_p * p(most likely) <=> logit < max logit + log(min_p)
+        logits = logits.masked_fill(logits < logits.max() + math.log(params.min_p), float("-inf"))
     return logits
 
 

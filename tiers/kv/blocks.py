@@ -222,16 +222,24 @@ class BlockTables:
             return []
         return extend_chain(self._keys.setdefault(seq_id, []), self.root, token_ids, self.block_size)
 
-    def cached_prefix(self, seq_id: int, token_ids: Sequence[int], read_disk: bool = True) -> int:
+    def cached_prefix(
+        self, seq_id: int, token_ids: Sequence[int], read_disk: bool = True, most: int | None = None
+    ) -> int:
         """Tokens of `token_ids` an admission now would take from cached blocks (device or lower tiers, without
         reading them): whole blocks, short of the last token, which is always computed (its logits are needed).
-        `read_disk`: as `admit` would be given it."""
+        `read_disk` and `most`: as `admit` would be given them."""
         if self.root is None:
             return 0
-        keys = self.keys(seq_id, token_ids)[: (len(token_ids) - 1) // self.block_size]
+        keys = self._lookup_keys(seq_id, token_ids, most)
         on_device = len(self.pool.lookup(keys))
         below = self._below(keys[on_device:], read_disk)
         return (on_device + below) * self.block_size
+
+    def _lookup_keys(self, seq_id: int, token_ids: Sequence[int], most: int | None) -> list[bytes]:
+        """The keys of the blocks an admission may take from the cache: whole blocks short of the last token and of
+        `most` tokens."""
+        limit = len(token_ids) - 1 if most is None else min(len(token_ids) - 1, most)
+        return self.keys(seq_id, token_ids)[: limit // self.block_size]
 
     def prefetch(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Have the lower tiers start bringing up the cached blocks an admission of `seq_id` now would fetch from
@@ -254,15 +262,16 @@ class BlockTables:
             self.lower.land(self.pool)
 
     def admit(
-        self, seq_id: int, token_ids: Sequence[int], budget: int, read_disk: bool = True
+        self, seq_id: int, token_ids: Sequence[int], budget: int, read_disk: bool = True, most: int | None = None
     ) -> tuple[list[int], int, int] | None:
-        """Start the table of a sequence not in the cache: its longest cached prefix (short of the last token), then
-        fresh blocks for up to `budget` more tokens. Returns (table, cached tokens, end of the first chunk), or None
-        (nothing taken) when the blocks do not fit. `read_disk`: whether blocks only the disk holds count as cached
-        (False: they are computed again; the scheduler prices which is faster)."""
+        """Start the table of a sequence not in the cache: its longest cached prefix (short of the last token, and of
+        `most` tokens if given: the positions from there on are computed, for their logits), then fresh blocks for up
+        to `budget` more tokens. Returns (table, cached tokens, end of the first chunk), or None (nothing taken) when
+        the blocks do not fit. `read_disk`: whether blocks only the disk holds count as cached (False: they are
+        computed again; the scheduler prices which is faster)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has a table")
-        keys = self.keys(seq_id, token_ids)[: (len(token_ids) - 1) // self.block_size]
+        keys = self._lookup_keys(seq_id, token_ids, most)
         device = self.pool.lookup(keys)
         below = self._below(keys[len(device) :], read_disk)
         room = self.pool.num_free - sum(1 for b in device if not self.pool.refs(b))  # sharing takes cached ones

@@ -24,6 +24,7 @@ from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.model.engine import Engine
 from offload.model.expert_streaming import expert_caches, layer_experts, model_layouts, read_gates
 from offload.model.loader import load_spec
+from offload.model.speculation.drafters import make_drafter
 from offload.planner.autoconfig import resolve
 from offload.planner.cold_experts import cold_experts
 from offload.planner.host_attention_prices import choose_host_attention
@@ -205,7 +206,19 @@ def build(
     # loaded with the weights: no generate call pays for it (a first load imports for ~1 s)
     prompts = prompts if prompts is not None else Prompts.load(model_dir)
     decoder = (lambda: prompts) if prompts.tokenizer is not None else None
-    core = EngineCore(engine, tables, limits, eos_ids(model_dir, spec), store, decoder, kv_tiers, host_tables)
+    drafter = make_drafter(config.speculate)
+    core = EngineCore(
+        engine,
+        tables,
+        limits,
+        eos_ids(model_dir, spec),
+        store,
+        decoder,
+        kv_tiers,
+        host_tables,
+        drafter,
+        config.num_speculative_tokens,
+    )
     return EngineParts(
         model_dir=model_dir,
         spec=spec,

@@ -170,6 +170,12 @@ def _summary(llm, completions) -> str:
         f"{pl.block_size} tokens, peak {s.peak_kv_blocks} blocks ({kv_used} token slots)",
         f"prefix     {_prefix_line(llm, s)}",
     ]
+    if llm.config.speculate is not None:
+        lines.append(
+            f"speculate  {llm.config.speculate}, up to {llm.config.num_speculative_tokens} drafted tokens a step: "
+            f"{s.accepted_tokens} of {s.drafted_tokens} accepted ({s.acceptance_rate:.0%}), "
+            f"{s.generated_tokens / max(s.steps, 1):.2f} tokens a step"
+        )
     if pl.spill is not None:
         lines.append(f"spill      {_spill_line(pl.spill, pl.layer_tiers)}")
     if s.experts is not None:

@@ -28,11 +28,13 @@ from offload.common.outputs import CoreCounters, Delta, RequestMetrics, TokenLog
 from offload.model.detokenize import TextStream
 from offload.model.engine import Engine, StepOutput
 from offload.model.sampling import sample
+from offload.model.speculation.acceptance import accept_draft
+from offload.model.speculation.drafters import Drafter
 from offload.model.structured import Grammars
 from offload.scheduler.batcher import Batcher, BatchLimits, Verdict
 from offload.scheduler.kv_prices import KVPrices
 from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
-from offload.scheduler.sequence import Sequence
+from offload.scheduler.sequence import SeqState, Sequence
 from offload.tiers.kv.blocks import BlockTables
 from offload.tiers.kv.lower_tiers import KVTiers
 from offload.tiers.weights.weight_store import WeightStore
@@ -62,6 +64,8 @@ class EngineCore:
         tokenizer: Callable[[], object] | None,
         kv_tiers: KVTiers | None = None,
         host_tables: BlockTables | None = None,
+        drafter: Drafter | None = None,
+        num_draft: int = 4,
     ) -> None:
         """`tokenizer` returns the model's tokenizer; None: token ids in, token ids out.
         `kv_tiers`: the host and disk parts of the KV pool, settled before every step (None: the device part only);
@@ -72,6 +76,7 @@ class EngineCore:
         self.kv_prices = KVPrices(tables.block_size, kv_tiers.counters) if kv_tiers is not None else None
         self.batcher = Batcher(tables, limits, eos_ids, host_tables, self.kv_prices)
         self._tokenizer = tokenizer
+        self.drafter, self.num_draft = drafter, num_draft  # speculative decoding: up to num_draft tokens a step
         self.grammars = Grammars(tokenizer, engine.spec.vocab_size, eos_ids)
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
@@ -196,30 +201,42 @@ class EngineCore:
         deltas, self._aborted = self._aborted, []
         if not self.batcher.has_work:
             return deltas
+        self._draft()
         plan = self.batcher.schedule()
         start = time.perf_counter()
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.wants_logits]
         masks = self.grammars.start_masks([r.matcher for r in sampled])  # computed while the layers run
         out = self._run(plan)
-        self._score_prompts(out.scored)
+        drafted = {c.seq_id: c.drafted for c in plan.chunks if c.wants_logits and c.drafted}
+        verify = self._score_prompts(out.scored, drafted)
         reqs = [self._requests[i] for i in out.seq_ids]
         logits = out.logits if masks is None else masks.apply(out.logits)
-        tokens = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
-        logprobs = _logprobs(out.logits, tokens, [r.seq.params.logprobs for r in reqs])
+        sampled = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+        # a prompt-only request (max_new_tokens 0) ends with its prefill: its row's token is not taken
+        taken = [r.seq.params.max_new_tokens > 0 for r in reqs]
+        tokens, logprobs, verdicts = [], [], {}
+        for i, (r, token) in enumerate(zip(reqs, sampled, strict=True)):
+            rows = out.logits[i : i + 1]
+            if r.seq.seq_id in verify:  # the drafted positions' logits, then its last one's
+                rows = torch.cat([verify[r.seq.seq_id], rows])
+                token = accept_draft(rows, r.seq.draft[: rows.shape[0] - 1], token, r.seq.params, r.generator)
+                self._totals["drafted_tokens"] += rows.shape[0] - 1
+            kept, verdicts[r.seq.seq_id] = self._walk(r, (token,) if isinstance(token, int) else token, taken[i])
+            self._totals["accepted_tokens"] += len(kept) - 1
+            tokens.append(kept)
+            logprobs.append(tuple(_logprobs(rows[: len(kept)], list(kept), [r.seq.params.logprobs] * len(kept))))
         now = time.perf_counter()
         if self.kv_prices is not None and plan.num_prefill_tokens >= PREFILL_SAMPLE:  # the cost of recomputing KV
             self.kv_prices.observe_prefill(plan.num_prefill_tokens, now - start)
         kind = "prefill_seconds" if plan.num_prefill_tokens else "decode_seconds"
         self._totals[kind] += now - start
+        emitted = sum(len(t) for t, k in zip(tokens, taken, strict=True) if k)
         if not plan.num_prefill_tokens:
-            self._totals["decode_tokens"] += plan.num_decode_tokens
+            self._totals["decode_tokens"] += emitted
         self._totals["prefill_tokens"] += plan.num_prefill_tokens
         self._totals["steps"] += 1
         self.peak_kv_blocks = max(self.peak_kv_blocks, self.tables.num_used)
-        # a prompt-only request (max_new_tokens 0) ends with its prefill: its row's token is not taken
-        taken = [r.seq.params.max_new_tokens > 0 for r in reqs]
-        self._totals["generated_tokens"] += sum(taken)
-        verdicts = {r.seq.seq_id: self._verdict(r, t) for r, t, k in zip(reqs, tokens, taken, strict=True) if k}
+        self._totals["generated_tokens"] += emitted
         self.batcher.postprocess(plan, dict(zip(out.seq_ids, tokens, strict=True)), verdicts)
         for req, token, lp, k in zip(reqs, tokens, logprobs, taken, strict=True):
             if k:
@@ -229,16 +246,43 @@ class EngineCore:
                 deltas.append(self._final(req, (), "", now, ()))
         return deltas
 
-    def _score_prompts(self, scored: tuple[tuple[int, int, torch.Tensor], ...]) -> None:
+    def _draft(self) -> None:
+        """Each decoding request's draft for the next step (none for a request held to a grammar)."""
+        if self.drafter is None:
+            return
+        for seq in self.batcher.running:
+            if seq.state is SeqState.DECODING and self._requests[seq.seq_id].matcher is None:
+                seq.draft = self.drafter.propose(seq.token_ids, self.num_draft)
+
+    def _walk(self, req: _Request, tokens: tuple[int, ...], taken: bool) -> tuple[tuple[int, ...], Verdict]:
+        """The tokens a request keeps of those a step gave it: up to the first that ends it (fed to its grammar and
+        text on the way), and what the last one's verdict is."""
+        if not taken:
+            return tokens[:1], Verdict()
+        for n, token in enumerate(tokens, 1):
+            verdict = self._verdict(req, token)
+            if n == len(tokens) or self.batcher.finish_reason(req.seq, verdict, tokens[:n]):
+                return tokens[:n], verdict
+        raise AssertionError("unreachable: the last token returns")
+
+    def _score_prompts(
+        self, scored: tuple[tuple[int, int, torch.Tensor], ...], drafted: dict[int, int]
+    ) -> dict[int, torch.Tensor]:
         """Keep the logprobs of the prompt tokens the step's scored positions predict (position p's logits give
-        token p + 1's), with the top alternatives each request asked for."""
+        token p + 1's), with the top alternatives each request asked for; the logits of drafted positions (a chunk
+        cut across micro-batches has them in pieces) are returned by request id instead."""
+        verify: dict[int, list[torch.Tensor]] = {}
         for seq_id, first, logits in scored:
+            if seq_id in drafted:
+                verify.setdefault(seq_id, []).append(logits)
+                continue
             req = self._requests[seq_id]
             prompt = req.seq.prompt_ids
             targets = prompt[first + 1 : first + 1 + logits.shape[0]]
             wanted = [req.seq.params.prompt_logprobs] * len(targets)
             for k, lp in enumerate(_logprobs(logits, targets, wanted)):
                 req.prompt_logprobs[first + 1 + k] = lp
+        return {seq_id: torch.cat(parts) for seq_id, parts in verify.items()}
 
     def _given_prompt_logprobs(self, req: _Request) -> tuple[TokenLogprob | None, ...]:
         """The prompt's logprobs, on the first delta that goes out (then never again)."""
@@ -267,17 +311,15 @@ class EngineCore:
             req.text.push(token)
         return Verdict(stop_string=req.text is not None and req.text.stopped, grammar_done=grammar_done)
 
-    def _advance(self, req: _Request, token: int, logprob: TokenLogprob | None, now: float) -> Delta:
+    def _advance(self, req: _Request, tokens: tuple[int, ...], logprobs: tuple, now: float) -> Delta:
         seq = req.seq
         req.first_token = req.first_token or now
         text = "" if req.text is None else req.text.take(final=seq.is_finished)
-        lps = () if logprob is None else (logprob,)
+        lps = tuple(lp for lp in logprobs if lp is not None)
         if not seq.is_finished:
-            return Delta(
-                seq.seq_id, (token,), text, now, logprobs=lps, prompt_logprobs=self._given_prompt_logprobs(req)
-            )
+            return Delta(seq.seq_id, tokens, text, now, logprobs=lps, prompt_logprobs=self._given_prompt_logprobs(req))
         del self._requests[seq.seq_id]
-        return self._final(req, (token,), text, now, lps)
+        return self._final(req, tokens, text, now, lps)
 
     def _final(self, req: _Request, tokens: tuple[int, ...], text: str, now: float, lps: tuple) -> Delta:
         seq = req.seq

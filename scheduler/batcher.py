@@ -39,6 +39,9 @@ from offload.tiers.kv.blocks import BlockTables
 
 LOOKAHEAD = 64  # waiting sequences compared by cached prefix at each admission
 MAX_SKIPS = 16  # admissions a waiting sequence may be passed over for a longer cached prefix
+# drafted tokens one step verifies at most, over all its sequences: where weights stream, a pass costs about the same
+# up to many rows, while a batch this large fills the pass with decode tokens by itself
+MAX_DRAFTED = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +113,7 @@ class Batcher:
     def schedule(self) -> StepPlan:
         """Plan the next step; it computes something whenever there is work."""
         budget = self.limits.max_step_tokens
+        drafts = MAX_DRAFTED  # drafted tokens the step may verify
         chunks: list[SeqChunk] = []
         planned: set[int] = set()
         preemptions = self.num_preemptions
@@ -122,11 +126,15 @@ class Batcher:
                 if seq.state is not state:  # preempted earlier in this step
                     continue
                 end = seq.num_cached + min(budget, seq.num_uncached)
-                table = self._grow_or_preempt(seq, end, planned)
+                drafted = self._draft_room(seq, budget - (end - seq.num_cached), drafts)
+                table = self._tables_of(seq).grow(seq.seq_id, end + drafted) if drafted else None
+                if table is None:
+                    drafted, table = 0, self._grow_or_preempt(seq, end, planned)
                 if table is not None:
-                    chunks.append(self._chunk(seq, end, table))
+                    chunks.append(self._chunk(seq, end, table, drafted))
                     planned.add(seq.seq_id)
-                    budget -= end - seq.num_cached
+                    budget -= end + drafted - seq.num_cached
+                    drafts -= drafted
         in_flight = self._in_flight(chunks)
         deferred: list[Sequence] = []
         while (
@@ -283,18 +291,30 @@ class Batcher:
         end = seq.num_cached + min(self.limits.max_step_tokens, seq.num_uncached)
         return max(tables.blocks_for(end) - len(tables.table(seq.seq_id)), 0)
 
-    def _chunk(self, seq: Sequence, end: int, table: list[int]) -> SeqChunk:
-        """Tokens num_cached .. end - 1 of `seq`; the chunk that reaches its last token samples the next."""
+    def _draft_room(self, seq: Sequence, budget: int, drafts: int) -> int:
+        """How many of its drafted tokens a decoding `seq` verifies this step: what the step's budget leaves after one
+        token for each decoding sequence not yet planned, within the step's drafted tokens and the context window."""
+        if seq.state is not SeqState.DECODING or not seq.draft:
+            return 0
+        others = sum(1 for s in self.running if s.state is SeqState.DECODING) - 1  # an upper bound: planned ones too
+        window = self.limits.max_model_len - 1 - seq.num_tokens
+        return max(0, min(len(seq.draft), budget - others, drafts, window))
+
+    def _chunk(self, seq: Sequence, end: int, table: list[int], drafted: int = 0) -> SeqChunk:
+        """Tokens num_cached .. end - 1 of `seq`, then `drafted` of its draft; the chunk that reaches its last token
+        samples the next (and, with a draft, has the logits that verify it at its scored positions)."""
         start = seq.num_cached
+        scored = (end - 1, end - 1 + drafted) if drafted else seq.scored
         return SeqChunk(
             seq.seq_id,
-            tuple(seq.token_ids[start:end]),
+            tuple(seq.token_ids[start:end]) + seq.draft[:drafted],
             start,
             tuple(table),
             wants_logits=end == seq.num_tokens,
             is_decode=seq.state is SeqState.DECODING,
             kv_tier=seq.kv_tier,
-            scored=seq.scored,
+            scored=scored,
+            drafted=drafted,
         )
 
     def _tables_of(self, seq: Sequence) -> BlockTables:
@@ -316,7 +336,7 @@ class Batcher:
         self.num_preemptions += 1
 
     def postprocess(
-        self, plan: StepPlan, next_tokens: dict[int, int], verdicts: dict[int, Verdict] | None = None
+        self, plan: StepPlan, next_tokens: dict[int, int | tuple[int, ...]], verdicts: dict[int, Verdict] | None = None
     ) -> list[Sequence]:
         """Record what the step cached and each sampled token, and end the sequences it finished, every finish reason
         decided here; `verdicts`: what the caller found in a sequence's token (none: nothing). Returns the sequences
@@ -326,7 +346,10 @@ class Batcher:
         finished = []
         for chunk in plan.chunks:
             seq = by_id[chunk.seq_id]
-            seq.num_cached = chunk.context_len
+            seq.draft = ()
+            # drafted positions hold keys and values only once accepted: cached up to the first of them for now
+            verified = chunk.scored[1] + 1 - chunk.drafted if chunk.drafted else chunk.context_len
+            seq.num_cached = min(chunk.context_len, verified)
             self._tables_of(seq).commit(seq.seq_id, seq.token_ids, seq.num_cached)
             if not chunk.wants_logits:  # a prefill chunk short of the last known token
                 continue
@@ -334,23 +357,31 @@ class Batcher:
                 self.finish(seq, "length")
                 finished.append(seq)
                 continue
-            seq.output_ids.append(next_tokens[chunk.seq_id])
+            tokens = next_tokens[chunk.seq_id]
+            tokens = (tokens,) if isinstance(tokens, int) else tuple(tokens)
+            assert 1 <= len(tokens) <= chunk.drafted + 1
+            seq.output_ids.extend(tokens)  # the accepted drafts, then the target's own token after them
+            seq.num_cached += len(tokens) - 1
+            self._tables_of(seq).commit(seq.seq_id, seq.token_ids, seq.num_cached)
             seq.state = SeqState.DECODING
-            reason = self._finish_reason(seq, verdicts.get(seq.seq_id, NO_VERDICT))
+            reason = self.finish_reason(seq, verdicts.get(seq.seq_id, NO_VERDICT))
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def _finish_reason(self, seq: Sequence, verdict: Verdict) -> str | None:
-        last = seq.output_ids[-1]
+    def finish_reason(self, seq: Sequence, verdict: Verdict = NO_VERDICT, ahead: tuple[int, ...] = ()) -> str | None:
+        """What its last output token ends `seq` with ("stop" or "length"), or None; `ahead`: as if these tokens
+        followed its outputs (the core asks of each accepted draft token, so that none follows one that ends it)."""
+        last = ahead[-1] if ahead else seq.output_ids[-1]
         if (
             verdict.stop_string
             or (not seq.params.ignore_eos and last in self.eos_ids)
             or last in seq.params.stop_token_ids
         ):
             return "stop"
-        if len(seq.output_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.limits.max_model_len:
+        produced, total = len(seq.output_ids) + len(ahead), seq.num_tokens + len(ahead)
+        if produced >= seq.params.max_new_tokens or total >= self.limits.max_model_len:
             return "length"
         if verdict.grammar_done:  # only the end of the sequence may follow
             return "stop"

@@ -25,6 +25,9 @@ class SeqChunk:
     # positions [lo, hi) of the sequence whose logits are wanted besides the sampled one (a prompt's logprobs); the
     # engine returns those that fall in this chunk (a chunk cut across micro-batches keeps the range in each piece)
     scored: tuple[int, int] | None = None
+    # of token_ids, the last `drafted` are a drafter's guesses (speculative decoding): verified by the logits at the
+    # chunk's scored positions and its last one, and uncached until the core accepts them
+    drafted: int = 0
 
     @property
     def context_len(self) -> int:
@@ -65,7 +68,8 @@ class StepPlan:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for c in self.chunks if c.is_decode)
+        """Tokens of decoding sequences: their last sampled one and any drafted after it."""
+        return sum(len(c.token_ids) for c in self.chunks if c.is_decode)
 
     @property
     def num_prefill_tokens(self) -> int:

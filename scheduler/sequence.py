@@ -38,6 +38,7 @@ class Sequence:
     skipped: int = 0  # admissions that passed it over for a sequence with a longer cached prefix
     priority: int = 0  # admission class: a lower one is admitted first (interactive 0, background batch jobs 1)
     prompt_cached: int = 0  # prompt tokens its last admission took from the prefix cache (not computed)
+    draft: tuple[int, ...] = ()  # a drafter's guesses at the tokens after its last one, for the next step to verify
 
     @property
     def token_ids(self) -> list[int]:

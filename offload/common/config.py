@@ -30,6 +30,8 @@ KV_GROUP_SIZE = 32  # the default of those
 RING_SLOTS = 2  # device buffers streamed layers pass through, unless configured: the engine's and the planner's
 BLOCK_SIZE = 16  # tokens per KV block, unless configured
 DEFAULT_KV_CACHE = 1 << 30  # bytes of KV cache where neither the user nor the cost model sizes it
+SPECULATE = (None, "ngram")  # speculative decoding's drafters (offload/model/drafters.py); None: off
+MAX_DRAFT = 64  # tokens a drafter may propose per sequence and step
 DEFAULT_MAX_NUM_SEQS = 64  # sequences per step where neither the user nor the cost model sizes the batch
 
 
@@ -282,6 +284,17 @@ class EngineConfig:
         metavar="N",
     )
     micro_batch_tokens: int = knob(2048, "scheduler", "tokens per micro-batch inside a step", metavar="N")
+    speculate: str | None = knob(
+        None,
+        "scheduler",
+        "speculative decoding: ngram (drafts from tokens seen earlier in the sequence)",
+        doc="A decoding sequence's drafted tokens are verified in the same weight pass as its next token; greedy "
+        "output stays the target's own, sampled output keeps the target's distribution (rejection sampling). "
+        "Requests held to a grammar do not speculate.",
+        metavar="METHOD",
+        default_text="none",
+    )
+    num_speculative_tokens: int = knob(4, "scheduler", "tokens a drafter proposes per sequence and step", metavar="K")
     # ---- I/O
     io_backend: str = knob(
         "auto",
@@ -311,6 +324,10 @@ class EngineConfig:
             raise OffloadError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.io_backend not in IO_BACKENDS:
             raise OffloadError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {self.io_backend!r}")
+        if self.speculate not in SPECULATE:
+            raise OffloadError(f"speculate must be one of {', '.join(map(str, SPECULATE[1:]))}, got {self.speculate!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= MAX_DRAFT:
+            raise OffloadError(f"num_speculative_tokens must be in 1..{MAX_DRAFT}, got {self.num_speculative_tokens!r}")
         if self.ring_slots < 2:
             raise OffloadError(f"ring_slots must be at least 2, got {self.ring_slots!r}")
         if self.offload_dir is not None:

@@ -85,6 +85,13 @@ class CoreCounters:
     kv_bytes_down: int = 0  # KV bytes moved from the device part of the pool to host RAM or disk
     kv_bytes_up: int = 0  # KV bytes brought back to the device
     kv_blocks_prefetched: int = 0  # cached KV blocks read from disk while a step computed, ahead of their admission
+    drafted_tokens: int = 0  # speculative decoding: drafted tokens verified (the step's extra rows)
+    accepted_tokens: int = 0  # of those, accepted: tokens a sequence took beyond one per step
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Of the drafted tokens verified, the share accepted (speculative decoding)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:

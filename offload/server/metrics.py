@@ -103,6 +103,10 @@ class _CoreCollector:
         yield counter("offload_prompt_tokens", "Prompt tokens of requests added", c.prompt_tokens)
         yield counter("offload_generation_tokens", "Tokens generated", c.generated_tokens)
         yield counter("offload_steps", "Engine steps", c.steps)
+        yield counter("offload_spec_drafted_tokens", "Drafted tokens verified (speculative decoding)", c.drafted_tokens)
+        yield counter(
+            "offload_spec_accepted_tokens", "Drafted tokens accepted (speculative decoding)", c.accepted_tokens
+        )
         yield counter("offload_preemptions", "Sequences preempted for KV space", c.preemptions)
         tiers = CounterMetricFamily(
             "offload_weight_bytes_read", "Weight bytes moved, by the tier they came from", labels=["tier"]

@@ -168,3 +168,20 @@ def test_a_greedy_draft_is_accepted_while_it_agrees() -> None:
 def test_an_unknown_method_is_refused() -> None:
     with pytest.raises(OffloadError, match="speculate must be one of ngram"):
         EngineConfig(speculate="medusa")
+
+
+@pytest.mark.slow
+@pytest.mark.fixed_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_real_model_answers_the_same_with_and_without_drafts(smollm2_gguf, dtype) -> None:
+    """A verify step's rows get the logits a one-row step gives them on the native CPU path (the kernels at their
+    fixed thresholds): greedy output is the plain output token for token, on a reply that copies its input."""
+    passage = "The quick brown fox jumps over the lazy dog. " * 3 + "Then it ran home to sleep."
+    ask = [{"role": "user", "content": f"Copy this text exactly:\n\n{passage}"}]
+    out = {}
+    for speculate in (None, "ngram"):
+        with LLM(smollm2_gguf, EngineConfig(dtype=dtype, speculate=speculate, kv_cache_bytes=64 << 20)) as llm:
+            (reply,) = llm.generate_ids([llm.encode_chat(ask)], SamplingParams(max_new_tokens=40))
+            out[speculate] = (reply.token_ids, llm.core.counters())
+    assert out["ngram"][0] == out[None][0]
+    assert out["ngram"][1].accepted_tokens >= 10 and out["ngram"][1].steps < out[None][1].steps

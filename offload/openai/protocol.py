@@ -6,8 +6,8 @@ Both faces that speak it import it from here, below them: the HTTP server (offlo
 Requests are validated in strict mode (a string is not a number, a number is not a string) and every failure
 becomes a `RequestError` naming the field, which the server answers with OpenAI's error JSON and a batch job
 writes to its errors file. Fields that OpenAI clients send and this engine has no use for are ignored; fields
-that would change the answer and that the engine cannot honour (penalties, echo, best_of) are refused rather than
-silently dropped.
+that would change the answer and that the engine cannot honour (penalties, best_of other than n) are refused rather
+than silently dropped. A completion's `echo` puts the prompt before it (offload/openai/echo.py).
 
 `response_format` (json_schema, json_object) and `tools` with `tool_choice` become a grammar the reply is held to
 (offload/model/structured.py, offload/openai/tool_calls.py); a schema or grammar that does not compile is a 400 naming
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from offload.common.config import MAX_LOGPROBS, SamplingParams
 from offload.core import Delta, TokenLogprob
 from offload.model.structured import grammar_error
+from offload.openai.echo import Echo
 from offload.openai.tool_calls import ToolUse
 
 MAX_N = 8  # choices per request: each is a sequence of its own in the batch
@@ -127,6 +128,7 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt only (its logprobs), nothing generated
     logprobs: int | None = Field(None, ge=0, le=COMPLETION_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -268,10 +270,11 @@ def validate(body: object, model: type[Sampling]) -> Sampling:
         raise RequestError(400, f"{field or 'body'}: {err['msg']}", field or None) from None
     request.refuse_unsupported()
     request.check_constraint()
-    for name in ("echo", "best_of"):
-        value = getattr(request, name, None)
-        if value not in (None, False) and not (name == "best_of" and value == request.n):
-            raise RequestError(400, f"{name} is not supported by this engine", name)
+    if request.max_tokens == 0 and not getattr(request, "echo", False):  # only a completion takes 0
+        raise RequestError(400, "max_tokens 0 returns nothing without echo: give at least 1", "max_tokens")
+    best_of = getattr(request, "best_of", None)
+    if best_of not in (None, request.n):
+        raise RequestError(400, "best_of is not supported by this engine (other than equal to n)", "best_of")
     return request
 
 
@@ -285,7 +288,7 @@ def token_budget(request: Sampling, context_left: int) -> int:
     16 for completions and what the context leaves for chat."""
     if isinstance(request, ChatRequest):
         return request.max_completion_tokens or request.max_tokens or context_left
-    return request.max_tokens or COMPLETION_DEFAULT_TOKENS
+    return COMPLETION_DEFAULT_TOKENS if request.max_tokens is None else request.max_tokens
 
 
 def sampling_params(request: Sampling, max_new_tokens: int, seed_offset: int) -> SamplingParams:
@@ -294,6 +297,7 @@ def sampling_params(request: Sampling, max_new_tokens: int, seed_offset: int) ->
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         logprobs = request.logprobs
+    echoed = logprobs if getattr(request, "echo", False) else None  # echo's prompt tokens have logprobs too
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=request.temperature,
@@ -303,6 +307,7 @@ def sampling_params(request: Sampling, max_new_tokens: int, seed_offset: int) ->
         ignore_eos=request.ignore_eos,
         top_k=request.top_k,
         logprobs=logprobs,
+        prompt_logprobs=echoed,
         **request.constraint(),
     )
 
@@ -357,12 +362,16 @@ def _reason(deltas: list[Delta]) -> str:
     return deltas[-1].finish_reason if deltas else "abort"
 
 
-def completion_body(head: dict, outputs: list[list[Delta]], prompt_tokens: int, logprobs: bool, token_text) -> dict:
-    """A whole /v1/completions response: one choice per output (a request's deltas)."""
+def completion_body(
+    head: dict, outputs: list[list[Delta]], prompt_tokens: int, logprobs: bool, token_text, echoes: list[Echo] = ()
+) -> dict:
+    """A whole /v1/completions response: one choice per output (a request's deltas), after its prompt in `echoes`."""
     choices = []
     for index, deltas in enumerate(outputs):
-        lp = completion_logprobs(deltas, token_text, 0) if logprobs else None
+        lp = completion_logprobs(deltas, token_text, len(echoes[index].text) if echoes else 0) if logprobs else None
         text = "".join(d.text for d in deltas)
+        if echoes:
+            text, lp = echoes[index].before(text, lp, deltas[0] if deltas else None, token_text)
         choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(deltas)})
     used = sum(len(d.token_ids) for deltas in outputs for d in deltas)
     return {**head, "object": "text_completion", "choices": choices, "usage": usage(prompt_tokens, used)}

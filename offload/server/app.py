@@ -19,16 +19,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from offload.common.errors import OffloadError
-from offload.core import Delta
 from offload.openai import protocol
+from offload.openai.echo import Echo
 from offload.openai.protocol import ChatRequest, CompletionRequest, RequestError
+from offload.server import limits
 from offload.server.batches import BatchRunner, BatchStore, add_batch_routes
 from offload.server.front import AsyncFront, Draining, QueueFull, RequestStream
 from offload.server.metrics import Metrics
 from offload.server.settings import ServeSettings
-from offload.server.sse import chat_chunks, completion_chunks, sse
-
-DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming request's client is still there
+from offload.server.sglang_routes import add_sglang_routes
+from offload.server.sse import chat_chunks, collect, completion_chunks, sse, unless_gone
 
 
 class Server:
@@ -96,6 +96,12 @@ class Server:
     def token_text(self, token_id: int) -> str:
         return self.llm.token_text(token_id)
 
+    def echo(self, prompt: str | list[int], ids: list[int]) -> Echo:
+        """A prompt as a completion's `echo` returns it: the string sent, or the token ids sent, decoded."""
+        if isinstance(prompt, str) or self.llm.prompts.tokenizer is None:
+            return Echo(prompt if isinstance(prompt, str) else "", tuple(ids))
+        return Echo(self.llm.prompts.decode(ids, skip_special_tokens=False), tuple(ids))
+
     def ready(self) -> AsyncFront:
         if self.front is None:
             raise RequestError(503, "the model is still loading", kind="service_unavailable")
@@ -127,6 +133,8 @@ class Server:
             )
 
     def encode(self, prompt: str | list[int], index: int, field: str) -> list[int]:
+        if isinstance(prompt, str):  # a text too long for the window is refused by its length, untokenized
+            limits.check_text(self.llm, prompt, f"prompt {index}", field)
         try:
             return self.llm.encode(prompt, index)  # the engine's one tokenizer, shared with its decoding
         except OffloadError as exc:
@@ -135,6 +143,8 @@ class Server:
     def encode_chat(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.llm.prompts.has_chat_template:
             raise RequestError(400, "this model has no chat template: use /v1/completions", "messages")
+        chars = limits.conversation_chars(conversation)
+        limits.prompt_bounds(self.llm).check_text(chars, "the conversation", "messages")
         try:
             return self.llm.encode_chat(conversation, 0, tools)
         except OffloadError as exc:
@@ -144,6 +154,7 @@ class Server:
         """The checks every generation request passes, in order: the key, the body, the model, readiness."""
         self.authorize(request)
         req = protocol.parse(await request.body(), kind)
+        limits.check_lists(req)
         self.check_model(req.model)
         return req, self.ready()
 
@@ -173,6 +184,7 @@ def create_app(server: Server) -> FastAPI:
             server.front.close()
 
     app = FastAPI(title="offload", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(limits.BodyLimit, cap=lambda method, path: limits.body_cap(server, method, path))
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -187,6 +199,7 @@ def create_app(server: Server) -> FastAPI:
 
     if server.settings.batch_dir is not None:
         add_batch_routes(app, server)
+    add_sglang_routes(app, server)  # SGLang's native API: /generate and its companions
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -208,7 +221,11 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, front = await server.accept(request, CompletionRequest)
-        prompts = [server.encode(p, i, "prompt") for i, p in enumerate(req.prompts())]
+        sent = req.prompts()
+        prompts = [server.encode(p, i, "prompt") for i, p in enumerate(sent)]
+        echoes = []  # with echo: each choice's prompt, to come before it
+        if req.echo:
+            echoes = [server.echo(p, ids) for p, ids in zip(sent, prompts, strict=True) for _ in range(req.n)]
         jobs = [
             (ids, protocol.sampling_params(req, protocol.token_budget(req, server.llm.max_model_len - len(ids)), k))
             for ids in prompts
@@ -218,10 +235,11 @@ def create_app(server: Server) -> FastAPI:
         rid, created = protocol.new_id("cmpl"), protocol.now()
         head = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
         if req.stream:
-            return sse(completion_chunks(server, req, head, streams, sum(len(p) for p in prompts)))
-        outputs = await _unless_gone(request, _collect(streams))
+            return sse(completion_chunks(server, req, head, streams, sum(len(p) for p in prompts), echoes))
+        outputs = await unless_gone(request, collect(streams))
         prompt_tokens = sum(len(p) for p in prompts)
-        return protocol.completion_body(head, outputs, prompt_tokens, req.logprobs is not None, server.token_text)
+        logprobs = req.logprobs is not None
+        return protocol.completion_body(head, outputs, prompt_tokens, logprobs, server.token_text, echoes)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -234,43 +252,8 @@ def create_app(server: Server) -> FastAPI:
         if req.stream:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
             return sse(chat_chunks(server, req, head, streams, len(ids), tools))
-        outputs = await _unless_gone(request, _collect(streams))
+        outputs = await unless_gone(request, collect(streams))
         head = {"id": rid, "created": created, "model": req.model}
         return protocol.chat_body(head, outputs, len(ids), req.logprobs, server.token_text, tools)
 
     return app
-
-
-async def _drain_one(stream: RequestStream) -> list[Delta]:
-    try:
-        return [d async for d in stream]
-    finally:
-        stream.close()
-
-
-async def _collect(streams: list[RequestStream]) -> list[list[Delta]]:
-    """Every choice's deltas; an error in one aborts the others. Cancelled (the client gone): all abort."""
-    tasks = [asyncio.ensure_future(_drain_one(s)) for s in streams]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except OffloadError as exc:
-        raise RequestError(500, str(exc), kind="server_error") from None
-    finally:
-        for task in tasks:
-            task.cancel()
-        for s in streams:
-            s.close()
-
-
-async def _unless_gone(request: Request, work):
-    """Await `work`; if the client disconnects first, cancel it (which aborts its requests) and answer 499."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise RequestError(499, "the client closed the connection", kind="client_closed")
-    finally:
-        task.cancel()

@@ -10,9 +10,10 @@
     await front.drain(timeout=30.0)                 # no new requests; running ones finish (or are aborted)
 
 The one place that crosses threads. Event-loop side: `submit()` puts commands (add, abort) in an inbox and reads
-its request's deltas from an asyncio.Queue. Core side: the thread takes the inbox, steps the core while it has
-work, sleeps on an Event when it has none, and hands each step's deltas to the loop in one call. A caller that
-stops reading (a client gone, a task cancelled) aborts its request, so its KV blocks go back to the pool.
+its request's deltas from an asyncio.Queue; `call()` puts in a function to run on the core between two steps.
+Core side: the thread takes the inbox, steps the core while it has work, sleeps on an Event when it has none, and
+hands each step's deltas to the loop in one call. A caller that stops reading (a client gone, a task cancelled)
+aborts its request, so its KV blocks go back to the pool.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from offload.common.config import SamplingParams
 from offload.common.errors import OffloadError
 from offload.core import CoreCounters, Delta, EngineCore
+
+T = TypeVar("T")
 
 
 class QueueFull(OffloadError):
@@ -116,9 +121,8 @@ class AsyncFront:
         self.core = core
         self.max_waiting = max_waiting
         self.draining = False
-        self._inbox: queue.SimpleQueue = (
-            queue.SimpleQueue()
-        )  # ("add", stream, ids, params, priority) | ("abort", stream)
+        # ("add", stream, ids, params, priority) | ("abort", stream) | ("call", future, fn)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
         self._streams: dict[int, _Stream] = {}  # core thread only: request id -> its stream
@@ -163,6 +167,15 @@ class AsyncFront:
         self._idle.clear()
         self._send(("add", stream, prompt_ids, params, priority))
         return RequestStream(self, stream)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the core thread between two steps (the core is single-threaded) and return what it returns;
+        what it raises is raised here. Raises Draining once the front is shutting down."""
+        if self.draining or self._stop:
+            raise Draining("the server is shutting down")
+        done = self._loop.create_future()
+        self._send(("call", done, fn))
+        return await done
 
     def _closed(self, stream: _Stream) -> None:
         if not stream.done:
@@ -265,7 +278,28 @@ class AsyncFront:
                     batch.append((stream, exc))
                     continue
                 self._streams[stream.request_id] = stream
+            elif command[0] == "call":
+                _, done, fn = command
+                self._call(done, fn)
             else:
                 stream = command[1]
                 if stream.request_id is not None and self.core.abort(stream.request_id):
                     self._streams.pop(stream.request_id, None)
+
+    def _call(self, done: asyncio.Future, fn: Callable[[], object]) -> None:
+        try:
+            result = fn()
+        except Exception as exc:
+            self._loop.call_soon_threadsafe(_settle, done, None, exc)
+        else:
+            self._loop.call_soon_threadsafe(_settle, done, result, None)
+
+
+def _settle(done: asyncio.Future, result: object, error: BaseException | None) -> None:
+    """On the event loop: hand a core-thread call's outcome to its awaiting caller (unless it gave up waiting)."""
+    if done.cancelled():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)

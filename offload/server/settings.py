@@ -55,12 +55,23 @@ class ServeSettings:
         default_text="~/.cache/offload/batches/MODEL-NAME",
     )
     log_level: str = knob("info", "server", "uvicorn's log level", choices=LOG_LEVELS)
+    # bytes; None: derived from the context window once the model is loaded (offload/server/limits.py)
+    max_body_bytes: int | None = knob(
+        None,
+        "server",
+        "largest request body accepted; a larger one gets 413",
+        flag="--max-request-size",
+        size=True,
+        default_text="derived from the context window, see docs/serving.md",
+    )
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 0:
             raise OffloadError(f"max_waiting must be >= 0, got {self.max_waiting!r}")
         if self.drain_timeout < 0:
             raise OffloadError(f"drain_timeout must be >= 0, got {self.drain_timeout!r}")
+        if self.max_body_bytes is not None and self.max_body_bytes < 1:
+            raise OffloadError(f"max_body_bytes must be >= 1, got {self.max_body_bytes!r}")
         if self.log_level not in LOG_LEVELS:
             raise OffloadError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 

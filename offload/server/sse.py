@@ -2,7 +2,8 @@
 
 Each choice's deltas come from its RequestStream; several choices (n > 1) are merged as they arrive, and a reader
 that fell behind the engine sends what has arrived in one chunk. Closing the stream (the client gone) aborts
-whatever has not finished.
+whatever has not finished. A reply that is not streamed takes its choices whole: `collect`, under `unless_gone`,
+which aborts them when the client disconnects first.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from offload.common.errors import OffloadError
 from offload.core import Delta
 from offload.openai import protocol
+from offload.openai.echo import Echo
 from offload.openai.protocol import RequestError
 from offload.openai.tool_calls import CallStream, ToolUse
 from offload.server.front import RequestStream
@@ -34,6 +37,7 @@ def join_deltas(deltas: list[Delta]) -> Delta:
         last.finish_reason,
         tuple(lp for d in deltas for lp in d.logprobs),
         last.metrics,
+        tuple(lp for d in deltas for lp in d.prompt_logprobs),  # the first delta's only
     )
 
 
@@ -72,6 +76,44 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta
             s.close()
 
 
+DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming request's client is still there
+
+
+async def _drain_one(stream: RequestStream) -> list[Delta]:
+    try:
+        return [d async for d in stream]
+    finally:
+        stream.close()
+
+
+async def collect(streams: list[RequestStream]) -> list[list[Delta]]:
+    """Every choice's deltas; an error in one aborts the others. Cancelled (the client gone): all abort."""
+    tasks = [asyncio.ensure_future(_drain_one(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except OffloadError as exc:
+        raise RequestError(500, str(exc), kind="server_error") from None
+    finally:
+        for task in tasks:
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+async def unless_gone(request: Request, work):
+    """Await `work`; if the client disconnects first, cancel it (which aborts its requests) and answer 499."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise RequestError(499, "the client closed the connection", kind="client_closed")
+    finally:
+        task.cancel()
+
+
 def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -86,19 +128,28 @@ def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def completion_chunks(server, req, head, streams, prompt_tokens: int) -> AsyncIterator[dict]:
+async def completion_chunks(
+    server, req, head, streams, prompt_tokens: int, echoes: list[Echo] = ()
+) -> AsyncIterator[dict]:
+    """With `echoes` (a request with echo), each choice's first chunk starts with its prompt."""
     include_usage = req.include_usage()
-    offsets = [0] * len(streams)
+    offsets = [len(e.text) for e in echoes] if echoes else [0] * len(streams)
+    pending = list(echoes) if echoes else [None] * len(streams)  # prompts not yet sent
     generated = [0] * len(streams)
     async for index, delta in merged(streams):
-        if not delta.text and delta.finish_reason is None and req.logprobs is None:
+        echo = pending[index]
+        if not delta.text and delta.finish_reason is None and req.logprobs is None and echo is None:
             continue  # a token whose text is held back (a partial character or a possible stop string)
         logprobs = None
         if req.logprobs is not None:
             logprobs = protocol.completion_logprobs([delta], server.token_text, offsets[index])
         offsets[index] += len(delta.text)
         generated[index] += len(delta.token_ids)
-        choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        text = delta.text
+        if echo is not None:
+            text, logprobs = echo.before(text, logprobs, delta, server.token_text)
+            pending[index] = None
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         yield {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
     if include_usage:
         yield {**head, "choices": [], "usage": protocol.usage(prompt_tokens, sum(generated))}

@@ -13,8 +13,8 @@ import torch
 from offload.build import ExpertParts, KVParts, build
 from offload.common.config import EngineConfig, Policy, SamplingParams
 from offload.common.errors import OffloadError
+from offload.common.outputs import CoreCounters, Delta
 from offload.common.tier import Tier
-from offload.core import CoreCounters, Delta
 from offload.eval import Perplexity, Progress, check_context, evaluate
 from offload.prompts import Prompts
 from offload.run_stats import RunStats

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from offload.core import CoreCounters
+from offload.common.outputs import CoreCounters
 from offload.tiers.experts.expert_cache import ExpertStats
 
 

@@ -30,7 +30,7 @@ from offload.batch.job_files import (
     write_errors,
 )
 from offload.common.errors import OffloadError
-from offload.core import Delta
+from offload.common.outputs import Delta
 
 
 @dataclass(frozen=True, slots=True)

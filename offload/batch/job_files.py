@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from offload.common.config import SamplingParams
 from offload.common.errors import OffloadError
-from offload.core import Delta
+from offload.common.outputs import Delta
 from offload.openai import protocol
 from offload.openai.protocol import ChatRequest, CompletionRequest, RequestError
 from offload.openai.tool_calls import ToolUse

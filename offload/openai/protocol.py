@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from offload.common.config import MAX_LOGPROBS, SamplingParams
-from offload.core import Delta, TokenLogprob
+from offload.common.outputs import Delta, TokenLogprob
 from offload.model.structured import grammar_error
 from offload.openai.echo import Echo
 from offload.openai.tool_calls import ToolUse

@@ -37,7 +37,7 @@ from offload.batch.job_files import (
     result_record,
     write_errors,
 )
-from offload.core import Delta
+from offload.common.outputs import Delta
 from offload.openai.protocol import RequestError
 from offload.server.front import AsyncFront, Draining
 

@@ -27,7 +27,8 @@ from typing import TypeVar
 
 from offload.common.config import SamplingParams
 from offload.common.errors import OffloadError
-from offload.core import CoreCounters, Delta, EngineCore
+from offload.common.outputs import CoreCounters, Delta
+from offload.core import EngineCore
 
 T = TypeVar("T")
 

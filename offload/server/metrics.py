@@ -13,8 +13,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from offload.common.outputs import Delta
 from offload.common.tier import Tier
-from offload.core import Delta
 from offload.server.front import AsyncFront
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)  # seconds

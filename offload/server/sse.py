@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from offload.common.errors import OffloadError
-from offload.core import Delta
+from offload.common.outputs import Delta
 from offload.openai import protocol
 from offload.openai.echo import Echo
 from offload.openai.protocol import RequestError

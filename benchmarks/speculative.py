@@ -22,6 +22,12 @@ first, untimed.
 Goals (ngram): >= 1.5x tokens/s on grounded prompts and >= 0.97x on open chat, output identical. Prints a table and
 writes benchmarks/results/speculative.json with the machine it ran on. --quick runs one prompt of each kind with 16
 new tokens.
+
+--synthetic instead streams the random 1.1B checkpoint of offload_vs_peers.py (TinyLlama-1.1B's shape, 22 layers)
+under --budget (600MB) with drafters of known acceptance: the plain run's own tokens, each corrupted with probability
+1 - a (a = 0.6, 0.8, 0.95; chains of 4 and 8), its tokens per pass against theory, (1 - a^(k+1)) / (1 - a); and
+chains of 16-64 tokens that all pass, for what verifying k rows in one pass costs against a one-token pass. Writes
+benchmarks/results/speculative-synthetic.json.
 """
 
 from __future__ import annotations
@@ -100,6 +106,115 @@ def pass_seconds(run: dict) -> float:
     return run["decode_seconds"] / max(run["decode_steps"], 1)
 
 
+class CorruptedOracle:
+    """A drafter of known acceptance: the plain run's own next tokens, each replaced by another token with
+    probability 1 - `accept` (seeded by its position, so that reruns draft alike). Acceptance stops at the first
+    replaced token, so a pass takes 1 + the run of good drafts: (1 - a^(k+1)) / (1 - a) tokens on average. It
+    records where each proposal started, so that the tokens a pass took are the distance to the next proposal."""
+
+    def __init__(self, prompt_len: int, output: list[int], accept: float, vocab: int) -> None:
+        self.prompt_len, self.output, self.accept, self.vocab = prompt_len, output, accept, vocab
+        self.starts: list[tuple[int, int]] = []  # (tokens generated before the proposal, tokens proposed)
+
+    def propose(self, token_ids, k: int) -> tuple[int, ...]:
+        import random
+
+        done = len(token_ids) - self.prompt_len
+        draft = []
+        for i, token in enumerate(self.output[done : done + k]):
+            good = random.Random(done * 1000 + i).random() < self.accept
+            draft.append(token if good else (token + 1) % self.vocab)
+        self.starts.append((done, len(draft)))
+        return tuple(draft)
+
+    def tokens_per_pass(self, k: int) -> float:
+        """Tokens a pass took, over the passes whose draft was a full k tokens (the last ones are cut by the length)."""
+        taken = [b[0] - a[0] for a, b in zip(self.starts, self.starts[1:], strict=False) if a[1] == k]
+        return sum(taken) / max(len(taken), 1)
+
+
+def synthetic(args) -> int:
+    """Tokens per pass against theory on the 1.1B checkpoint streamed under --budget, with drafters of known
+    acceptance; and what a pass verifying k drafted tokens costs against a one-token pass."""
+    from peer_engines import peers_checkpoint
+
+    from offload.api import LLM
+    from offload.common.config import EngineConfig
+    from offload.common.sizes import parse_size
+
+    model = peers_checkpoint(args.work_dir, 22)
+    config = EngineConfig(device_memory=parse_size(args.budget, "--budget"), kv_cache_bytes=64 << 20, max_num_seqs=1)
+    prompt = [(7 * i + 3) % 32000 for i in range(32)]
+    rows = []
+    with LLM(model, config) as llm:
+        run_one(llm, prompt[:8], 2)  # one-time costs, untimed
+        plain = run_one(llm, prompt, args.new_tokens)
+        streamed = llm.placement.streamed_bytes_per_pass
+        for accept in (0.6, 0.8, 0.95):
+            for k in (4, 8):
+                oracle = CorruptedOracle(len(prompt), plain["tokens"], accept, 32000)
+                llm.core.drafter, llm.core.num_draft = oracle, k
+                got = run_one(llm, prompt, args.new_tokens)
+                llm.core.drafter = None
+                theory = (1 - accept ** (k + 1)) / (1 - accept)
+                measured = oracle.tokens_per_pass(k)
+                rows.append(
+                    {
+                        "accept": accept,
+                        "k": k,
+                        "theory": theory,
+                        "tokens_per_pass": measured,
+                        "off": measured / theory - 1,
+                        "pass_cost": pass_seconds(got) / pass_seconds(plain),
+                        "speedup": got["decode_tokens_per_second"] / plain["decode_tokens_per_second"],
+                        "identical": got["tokens"] == plain["tokens"],
+                    }
+                )
+        for k in (16, 32, 64):  # a chain every token of which passes: the cost of verifying k rows in one pass
+            oracle = CorruptedOracle(len(prompt), plain["tokens"], 1.0, 32000)
+            llm.core.drafter, llm.core.num_draft = oracle, k
+            got = run_one(llm, prompt, args.new_tokens)
+            llm.core.drafter = None
+            rows.append(
+                {
+                    "accept": 1.0,
+                    "k": k,
+                    "theory": k + 1,
+                    "tokens_per_pass": oracle.tokens_per_pass(k),
+                    "off": None,
+                    "pass_cost": pass_seconds(got) / pass_seconds(plain),
+                    "speedup": got["decode_tokens_per_second"] / plain["decode_tokens_per_second"],
+                    "identical": got["tokens"] == plain["tokens"],
+                }
+            )
+    print(
+        f"1.1B-shape Llama (22 layers, bf16), {streamed / 2**20:.0f} MiB streamed a pass, batch 1, "
+        f"{args.new_tokens} new tokens; plain {plain['decode_tokens_per_second']:.2f} tokens/s"
+    )
+    print(f"{'accept':>6} {'k':>3} {'theory':>7} {'measured':>8} {'off':>6} {'pass cost':>9} {'speedup':>7} same")
+    for r in rows:
+        off = "" if r["off"] is None else f"{r['off']:+.0%}"
+        print(
+            f"{r['accept']:6.2f} {r['k']:3d} {r['theory']:7.2f} {r['tokens_per_pass']:8.2f} {off:>6} "
+            f"{r['pass_cost']:8.2f}x {r['speedup']:6.2f}x {r['identical']}"
+        )
+    write_report(
+        args.out.with_name(args.out.stem + "-synthetic.json"),
+        {
+            "benchmark": "speculative --synthetic",
+            "when": timestamp(),
+            "machine": machine(args.work_dir),
+            "model": "random bf16 Llama of TinyLlama-1.1B's shape, 22 layers",
+            "budget": args.budget,
+            "new_tokens": args.new_tokens,
+            "streamed_bytes_per_pass": streamed,
+            "plain": plain,
+            "rows": rows,
+        },
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="ngram", help="comma-separated --speculate methods")
@@ -110,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "offload" / "bench")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--synthetic", action="store_true", help="the 1.1B checkpoint with drafters of known acceptance"
+    )
+    parser.add_argument("--budget", default="600MB", help="--synthetic: the device budget the 1.1B streams under")
     args = parser.parse_args(argv)
+    if args.synthetic:
+        return synthetic(args)
     from offload.api import LLM
     from offload.common.config import EngineConfig
     from offload.common.sizes import parse_size

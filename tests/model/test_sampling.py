@@ -172,7 +172,7 @@ def test_sampling_follows_the_distribution() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field", "value"),
     [
-        ({"max_new_tokens": 0}, "max_new_tokens", "0"),
+        ({"max_new_tokens": -1}, "max_new_tokens", "-1"),
         ({"max_new_tokens": 2.5}, "max_new_tokens", "2.5"),
         ({"temperature": -0.1}, "temperature", "-0.1"),
         ({"top_k": -1}, "top_k", "-1"),

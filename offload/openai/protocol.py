@@ -21,11 +21,12 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from offload.common.config import MAX_LOGPROBS, SamplingParams
 from offload.common.outputs import Delta, TokenLogprob
 from offload.model.structured import grammar_error
+from offload.openai.bodies import RequestError, checked, decoded
 from offload.openai.echo import Echo
 from offload.openai.tool_calls import ToolUse
 
@@ -33,19 +34,6 @@ MAX_N = 8  # choices per request: each is a sequence of its own in the batch
 MAX_STOPS = 4  # as OpenAI
 COMPLETION_LOGPROBS = 5  # the most top logprobs the completions API allows
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-
-
-class RequestError(Exception):
-    """A request the server refuses: HTTP status, message, the offending field, OpenAI's error type and code."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", code=None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(BaseModel):
@@ -251,23 +239,12 @@ class ChatRequest(Sampling):
 
 def parse(raw: bytes, model: type[Sampling]) -> Sampling:
     """The request body as `model`, or RequestError(400) naming the first bad field."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(400, f"the request body is not valid JSON ({exc})") from None
-    return validate(body, model)
+    return validate(decoded(raw), model)
 
 
 def validate(body: object, model: type[Sampling]) -> Sampling:
     """A decoded request body as `model`, or RequestError(400) naming the first bad field."""
-    if not isinstance(body, dict):
-        raise RequestError(400, "the request body must be a JSON object")
-    try:
-        request = model.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(part) for part in err["loc"] if not _type_tag(part))
-        raise RequestError(400, f"{field or 'body'}: {err['msg']}", field or None) from None
+    request = checked(body, model)
     request.refuse_unsupported()
     request.check_constraint()
     if request.max_tokens == 0 and not getattr(request, "echo", False):  # only a completion takes 0
@@ -276,11 +253,6 @@ def validate(body: object, model: type[Sampling]) -> Sampling:
     if best_of not in (None, request.n):
         raise RequestError(400, "best_of is not supported by this engine (other than equal to n)", "best_of")
     return request
-
-
-def _type_tag(part: str | int) -> bool:
-    """Whether a part of a pydantic error location names a member of a union type rather than a field."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in part)
 
 
 def token_budget(request: Sampling, context_left: int) -> int:

@@ -10,15 +10,14 @@ field, answered with the server's error JSON (offload/openai/protocol.py's Reque
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from offload.common.config import MAX_LOGPROBS, SamplingParams
 from offload.common.errors import OffloadError
 from offload.model.structured import grammar_error
-from offload.openai.protocol import RequestError
+from offload.openai.bodies import RequestError, checked, decoded
 
 MAX_BATCH = 64  # engine requests one /generate may make: prompts times n
 MAX_N = 8  # samples per prompt
@@ -231,25 +230,9 @@ class GenerateRequest(BaseModel):
 
 def parse(raw: bytes) -> GenerateRequest:
     """A /generate body as a GenerateRequest, or RequestError(400) naming the first bad field."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(400, f"the request body is not valid JSON ({exc})") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, "the request body must be a JSON object")
-    try:
-        request = GenerateRequest.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(part) for part in err["loc"] if not _type_tag(part))
-        raise RequestError(400, f"{field or 'body'}: {err['msg']}", field or None) from None
+    request = checked(decoded(raw), GenerateRequest)
     request.check()
     return request
-
-
-def _type_tag(part: str | int) -> bool:
-    """Whether a part of a pydantic error location names a member of a union type rather than a field."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in part)
 
 
 def _flat(ids: object) -> bool:

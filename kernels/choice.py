@@ -128,6 +128,7 @@ _forced: list[str] = []  # a path every kernel takes while timing (innermost las
 _shaped: set[str] = set()  # the timings of this process's model's own product shapes (for the summary)
 _memo: dict[tuple, str] = {}  # (OFFLOAD_KERNELS' mode, kernel, rows, shape) -> path, for the timings adopted
 _adopted: list[Choices] = []  # this process's timings (kernels/timing.py's `ensure`)
+_one_row_up_to = [1]  # products of up to this many rows take the path of one row (`one_row_path_up_to`)
 
 
 @contextlib.contextmanager
@@ -151,6 +152,8 @@ def path(kernel: str, rows: int, shape: tuple[int, int] | None = None) -> str:
     that the native kernel can take these tensors. Asked for every kernel of every layer: answers are memoized."""
     if _forced:
         return _forced[-1] if _forced[-1] in PLAN[kernel][0] else TORCH
+    if kernel in PRODUCTS and rows <= _one_row_up_to[0]:
+        rows = 1
     asked = (environment.kernel_mode(), kernel, rows, shape)
     if (known := _memo.get(asked)) is None:
         known = _memo[asked] = _decide(kernel, rows, shape)
@@ -164,6 +167,14 @@ def _decide(kernel: str, rows: int, shape: tuple[int, int] | None) -> str:
         return next((p for start, p in reversed(UNMEASURED.get(kernel, ())) if rows >= start), NATIVE)
     timed = kept()
     return timed.path(kernel, rows, shape) if timed is not None else TORCH
+
+
+def one_row_path_up_to(rows: int) -> None:
+    """Products of up to `rows` rows take the path they take for one row, from now on in this process (a larger
+    `rows` than before only). Speculative decoding's verify step gives a sequence k + 1 rows where a plain step gives
+    it one: on the same path each row rounds as alone, so greedy output stays the plain output (a path that switches
+    between 1 and k + 1 rows, as bfloat16 products do where oneDNN wins from 8 rows, would part them)."""
+    _one_row_up_to[0] = max(_one_row_up_to[0], rows)
 
 
 def native(kernel: str, rows: int, shape: tuple[int, int] | None = None) -> bool:
@@ -188,10 +199,11 @@ def shaped(names: set[str]) -> None:
 
 
 def forget() -> None:
-    """Drop this process's timings."""
+    """Drop this process's timings, and the rows that take one row's path."""
     _adopted.clear()
     _shaped.clear()
     _memo.clear()
+    _one_row_up_to[0] = 1
 
 
 def read(file: Path) -> Choices | None:

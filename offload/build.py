@@ -19,7 +19,7 @@ from offload.common.model_config import ModelSpec
 from offload.common.tier import Tier
 from offload.convert.quantize import check_runnable
 from offload.core import EngineCore
-from offload.kernels import native, timing
+from offload.kernels import choice, native, timing
 from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.model.engine import Engine
 from offload.model.expert_streaming import expert_caches, layer_experts, model_layouts, read_gates
@@ -207,6 +207,8 @@ def build(
     prompts = prompts if prompts is not None else Prompts.load(model_dir)
     decoder = (lambda: prompts) if prompts.tokenizer is not None else None
     drafter = make_drafter(config.speculate)
+    if drafter is not None:  # a verify step's rows round as a one-row step's (kernels/choice.py)
+        choice.one_row_path_up_to(config.num_speculative_tokens + 1)
     core = EngineCore(
         engine,
         tables,

@@ -52,6 +52,18 @@ def test_offload_kernels_native_takes_the_fixed_thresholds(monkeypatch):
     assert choice.path("rms_norm", 4096) == "native"
 
 
+def test_a_speculating_engine_takes_one_rows_path_for_its_verify_rows(monkeypatch):
+    """A verify step of k + 1 rows rounds as k + 1 one-row steps do: its products take the one-row path."""
+    monkeypatch.setenv("OFFLOAD_KERNELS", "native")
+    try:
+        choice.one_row_path_up_to(20)
+        assert [choice.path("bf16", r) for r in (1, 17, 20, 21)] == ["native", "native", "native", "torch"]
+        assert choice.path("rms_norm", 4096) == "native"  # not a product: as before
+    finally:
+        choice.forget()
+    assert choice.path("bf16", 17) == "torch"
+
+
 @pytest.fixture
 def measured(monkeypatch, tmp_path):
     """The timed mode in a cache folder of its own, the timings made up (counted), no native kernel built anew."""

@@ -143,10 +143,19 @@ def synthetic(args) -> int:
     from offload.common.sizes import parse_size
 
     model = peers_checkpoint(args.work_dir, 22)
-    config = EngineConfig(device_memory=parse_size(args.budget, "--budget"), kv_cache_bytes=64 << 20, max_num_seqs=1)
+    # built speculating (so that verify rows take the one-row path, as any speculating engine's do), its drafter then
+    # replaced: none for the plain run, the oracle for the others
+    config = EngineConfig(
+        device_memory=parse_size(args.budget, "--budget"),
+        kv_cache_bytes=64 << 20,
+        max_num_seqs=1,
+        speculate="ngram",
+        num_speculative_tokens=64,
+    )
     prompt = [(7 * i + 3) % 32000 for i in range(32)]
     rows = []
     with LLM(model, config) as llm:
+        llm.core.drafter = None
         run_one(llm, prompt[:8], 2)  # one-time costs, untimed
         plain = run_one(llm, prompt, args.new_tokens)
         streamed = llm.placement.streamed_bytes_per_pass

@@ -22,13 +22,14 @@ Each engine and batch runs in a process of its own, the GGUF file's pages evicte
 (posix_fadvise DONTNEED), the engines taken in turn batch by batch:
   ours       `offload.api.LLM(FILE, workload=...)`: no config, so no budget (EngineConfig's defaults), planned for
              the row's prompts and new tokens as `offload generate` plans for its own. The file goes through
-             offload/gguf/importer.py's resolve_model, which today imports it into a model directory in the cache
-             folder before anything runs; OFFLOAD_CACHE_DIR is a scratch folder under the work dir whose import is
-             removed before every process, so every row pays the import. What the cache holds per machine is there
-             already, as any earlier run leaves it: the hardware profile and the native CPU kernels are copied from
-             `--machine-cache` (default: the usual cache folder), the profile measured once where there is none and
-             the model may not fit (`offload probe --quick`: minutes), and the kernels timed at the model's matrix
-             shapes, all before the rows and untimed; a row that still built or timed kernels says so.
+             offload/gguf/resolve.py's resolve_model, which runs a Q4_0 file in place: a folder of its metadata and
+             tokenizer in the cache, the weights read from the file itself (a file it cannot run in place it
+             imports into a model directory first); OFFLOAD_CACHE_DIR is a scratch folder under the work dir whose
+             GGUF folder is removed before every process, so every row pays for making it. What the cache holds per
+             machine is there already, as any earlier run leaves it: the hardware profile and the native CPU kernels
+             are copied from `--machine-cache` (default: the usual cache folder), the profile measured once where
+             there is none and the model may not fit (`offload probe --quick`: minutes), and the kernels timed at the
+             model's matrix shapes, all before the rows and untimed; a row that still built or timed kernels says so.
   llama.cpp  llama-cpp-python's low-level API (benchmarks/vs_llamacpp.py's LlamaCpp): the file memory-mapped
              (use_mmap), CPU weight repacking off (use_extra_bufts=False: a repacked copy would sit in RAM), as its
              documentation advises for a model bigger than RAM; n_threads the machine's cores; a batch as
@@ -430,13 +431,13 @@ def run_llama_cpp(job: Job) -> Measured:
 
 
 def run_ours(job: Job) -> Measured:
-    """`LLM(FILE)` with the row's workload and no config; the import is timed on its own first (resolve_model, which
-    LLM calls again and then finds done)."""
+    """`LLM(FILE)` with the row's workload and no config; resolving the file (its in-place folder, or its import) is
+    timed on its own first (resolve_model, which LLM calls again and then finds done)."""
     import torch
 
     from offload.api import LLM
     from offload.common.config import SamplingParams
-    from offload.gguf.importer import resolve_model
+    from offload.gguf.resolve import resolve_model
     from offload.scheduler.cost.predict import Workload
 
     start = time.perf_counter()
@@ -738,11 +739,15 @@ def check_room(folder: Path, need: int, keep_free: int, what: str) -> None:
 
 
 def import_shape(gguf: Path) -> tuple[dict, int]:
-    """config.json of ours' import of `gguf` and the bytes it writes, from the file's metadata and tensor table."""
+    """config.json of the model ours runs for `gguf` and the bytes it writes beside the file (0: run in place), from
+    the file's metadata and tensor table."""
     from offload.gguf.importer import import_shape, local_layout
+    from offload.gguf.in_place import in_place_config
     from offload.gguf.metadata import open_gguf
 
-    return import_shape(open_gguf(gguf), gguf, local_layout())
+    reader = open_gguf(gguf)
+    config = in_place_config(reader, gguf)
+    return (config, 0) if config is not None else import_shape(reader, gguf, local_layout())
 
 
 def products(config: dict) -> list[tuple[str, int, int]]:
@@ -753,7 +758,10 @@ def products(config: dict) -> list[tuple[str, int, int]]:
     d = config.get("head_dim") or h // heads
     q, kv = heads * d, config.get("num_key_value_heads", heads) * d
     n = config.get("moe_intermediate_size") or config["intermediate_size"]
-    kind = "int4" if (config.get("quantization_config") or {}).get("bits") == 4 else "bf16"
+    quant = config.get("quantization_config") or {}
+    if quant.get("layout") == "gguf":  # blocks in place: kernels/gguf_linear.py's products, not timed per shape
+        return []
+    kind = "int4" if quant.get("bits") == 4 else "bf16"
     stored = ((q, h), (kv, h), (h, q), (n, h), (h, n))
     stacked = ((q + 2 * kv, h), (2 * n, h))
     return [(kind, *m) for m in (*stored, *stacked)] + [("logits", config["vocab_size"], h)]
@@ -854,7 +862,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         if "ours" in engines:
             config, imported = import_shape(gguf)
             check_room(work_dir, imported, args.keep_free, "ours' import of the file")
-            plans = imported >= (ram_limit or ram_bytes()) // 2  # else it surely fits: no plan, no profile read
+            held = imported or gguf.stat().st_size  # what ours holds or streams: the import, or the file in place
+            plans = held >= (ram_limit or ram_bytes()) // 2  # else it surely fits: no plan, no profile read
             prepare_cache(setup.cache, (args.machine_cache or cache_dir()).expanduser(), plans)
             warm_kernels(setup.cache, config)
         described = describe_file(gguf)

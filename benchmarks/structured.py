@@ -310,7 +310,7 @@ def _parses(text: str) -> bool:
 def streamed_model(work_dir: Path) -> Path:
     """The peer benchmark's 1.1B shape with SmolLM2's vocabulary and tokenizer (random bf16 weights)."""
     from offload.demo import real_model_file
-    from offload.gguf.importer import resolve_model
+    from offload.gguf.resolve import resolve_model
 
     model = ensure_checkpoint(
         work_dir / "llama-22L-bf16-smolvocab", SHAPE | {"num_hidden_layers": 22, "vocab_size": 49152}
@@ -337,7 +337,7 @@ def main() -> None:
         args.replies, args.requests, args.repeats, args.skip_streamed = 24, 16, 1, True
     from offload.common.config import EngineConfig
     from offload.demo import ensure_demo_model, real_model_file
-    from offload.gguf.importer import resolve_model
+    from offload.gguf.resolve import resolve_model
 
     real = resolve_model(real_model_file())
     work = args.work_dir / "structured"

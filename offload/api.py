@@ -187,7 +187,7 @@ class LLM:
         prompts: Prompts | None = None,
     ) -> None:
         from offload.demo import default_model
-        from offload.gguf.importer import resolve_model
+        from offload.gguf.resolve import resolve_model
 
         model_dir = resolve_model(model) if model is not None else default_model()  # a GGUF file: imported once
         self.parts = build(model_dir, config or EngineConfig(), workload, prompts)

@@ -224,6 +224,9 @@ def _weights_format(llm) -> str:
     quant = llm.spec.quant
     if quant is None:
         return llm.placement.dtype
+    if quant.layout == "gguf":
+        blocks = f"{quant.stored_bits:g} bits a weight"
+        return f"{llm.placement.dtype}, layer matrices as the GGUF file's blocks, read in place ({blocks})"
     return f"{llm.placement.dtype}, layer matrices int{quant.bits} ({quant.name})"
 
 
@@ -698,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
             # a GGUF file's plan needs its shape only: read from its header, nothing imported or written
             args.shape, args.stored = gguf_shape(Path(model).expanduser())
         elif model is not None and args.command != "convert":
-            from offload.gguf.importer import resolve_model
+            from offload.gguf.resolve import resolve_model
 
             args.model = str(resolve_model(model))  # a GGUF file: its import in the cache, made once
         args.run(args)

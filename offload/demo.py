@@ -109,7 +109,7 @@ def default_model() -> Path:
     gguf = real_model_file()
     if gguf is None:
         return ensure_demo_model()
-    from offload.gguf.importer import resolve_model
+    from offload.gguf.resolve import resolve_model
 
     return resolve_model(gguf)
 

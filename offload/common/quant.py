@@ -9,7 +9,9 @@ from offload.common.errors import OffloadError
 
 QUANT_METHOD = "offload"  # config.json's quantization_config.quant_method for checkpoints `offload convert` writes
 BITS = (4, 8)
-LAYOUTS = ("cpu", "triton")
+# gguf: the matrices as a GGUF file holds them, Q4_0, Q4_1 or Q8_0 blocks read in place (kernels/gguf_linear.py,
+# offload/gguf/in_place.py); bits and group_size then say 4 and 32 (the blocks' own)
+LAYOUTS = ("cpu", "triton", "gguf")
 GROUP_SIZES = (32, 64, 128)
 MIN_GROUP = 32  # an input width no group size divides down to this stays unquantized
 
@@ -24,6 +26,11 @@ class WeightQuant:
     # checkpoint names of projection weights ("model.layers.3.mlp.down_proj.weight") kept in a float dtype: a GGUF
     # import keeps there the matrices this format cannot hold exactly (offload/gguf/importer.py)
     unquantized: frozenset[str] = field(default=frozenset())
+    # gguf: each head's q and k rows in llama.cpp's interleaved order ([head_dim / 2, 2] where Hugging Face has
+    # [2, head_dim / 2]); the model puts their products back in Hugging Face's order before the rotary
+    interleaved_qk: bool = False
+    # gguf: bits a weight of the layer matrices takes as stored, their scales included (Q4_0 4.5, Q4_1 5, Q8_0 8.5)
+    stored_bits: float = 0.0
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -34,6 +41,10 @@ class WeightQuant:
             raise ValueError(f"group_size must be one of {GROUP_SIZES} (or 0: per channel), got {self.group_size!r}")
         if self.bits == 4 and self.group_size == 0:
             raise ValueError("int4 needs a group size (32, 64 or 128): one scale per channel loses too much")
+        if self.layout == "gguf" and (self.bits, self.group_size) != (4, 32):
+            raise ValueError(
+                f"the gguf layout is bits 4, group_size 32 (its blocks'), got {self.bits}, {self.group_size}"
+            )
         if self.bits == 8 and self.layout == "cpu" and self.group_size != 0:
             raise ValueError(
                 "int8 in the cpu layout has one scale per output channel (torch's int8 CPU matmul takes one per row); "
@@ -90,8 +101,9 @@ def parse_quant(config: dict, source: str) -> WeightQuant | None:
             f"{source}: quantization_config.unquantized must be a list of tensor names, got {unquantized!r}"
         )
     try:
-        return WeightQuant(q["bits"], q["group_size"], q["layout"], frozenset(unquantized))
+        extra = {"interleaved_qk": bool(q.get("interleaved_qk", False)), "stored_bits": float(q.get("stored_bits", 0))}
+        return WeightQuant(q["bits"], q["group_size"], q["layout"], frozenset(unquantized), **extra)
     except KeyError as exc:
         raise OffloadError(f"{source}: quantization_config has no field {exc.args[0]!r}") from None
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise OffloadError(f"{source}: quantization_config: {exc}") from None

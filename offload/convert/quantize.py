@@ -42,6 +42,7 @@ from offload.tiers.weights.checkpoint import (
     Checkpoint,
     ModelTensors,
     TensorSpec,
+    gguf_extents,
     weights_fingerprint,
 )
 
@@ -336,10 +337,13 @@ def read_manifest(model_dir: Path) -> dict:
 
 def check_runnable(model_dir: Path, spec: ModelSpec, device: torch.device) -> None:
     """Refuse a converted checkpoint that cannot run here, before any weight is read: missing or truncated files,
-    the cpu layout on another device, or int4 codes packed by a torch whose CPU packing differs from this one's.
-    A float checkpoint passes."""
+    the cpu layout on another device, or int4 codes packed by a torch whose CPU packing differs from this one's; a
+    GGUF run in place whose file is missing or changed. A float checkpoint passes."""
     quant = spec.quant
     if quant is None:
+        return
+    if quant.layout == "gguf":  # a GGUF file run in place: its index names the file, which must be as indexed
+        gguf_extents(model_dir)
         return
     manifest = read_manifest(model_dir)
     for name, entry in manifest["files"].items():

@@ -1,5 +1,6 @@
-"""A GGUF file's shape for `offload plan`, from its header and tensor table alone: the ModelSpec its import would
-run (config.json as offload/gguf/importer.py writes it) and its weights' bytes as the file stores them. No weight is
+"""A GGUF file's shape for `offload plan`, from its header and tensor table alone: the ModelSpec the engine runs
+(config.json as offload/gguf/in_place.py writes it for a file run in place, else as offload/gguf/importer.py's import
+writes it) and its weights' bytes as the file stores them. No weight is
 read, nothing is imported and nothing is written, so planning a file of many GB takes seconds."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from gguf import GGUFReader
 
 from offload.common.model_config import ModelSpec, parse_model_config
 from offload.gguf.importer import import_shape, local_layout
+from offload.gguf.in_place import in_place_config
 from offload.gguf.metadata import open_gguf
 from offload.planner.models import StoredType, StoredWeights
 
@@ -20,9 +22,11 @@ HEAD = ("output.", "output_norm.")
 
 def gguf_shape(path: Path) -> tuple[ModelSpec, StoredWeights]:
     """The spec of the model in GGUF file `path` and its weights as stored; an OffloadError where the import would
-    refuse the file."""
+    refuse the file. Imported bytes 0: the file runs in place."""
     reader = open_gguf(path)
-    config, imported = import_shape(reader, path, local_layout())
+    config, imported = in_place_config(reader, path), 0
+    if config is None:
+        config, imported = import_shape(reader, path, local_layout())
     return parse_model_config(config, str(path), name=path.stem), stored_weights(reader, path, imported)
 
 

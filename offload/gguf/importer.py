@@ -16,19 +16,15 @@ split or repacked is joined back (offload/gguf/families.py): deepseek2's kv_b_pr
 as published (config.json's quantization_config "mxfp4", every other tensor float).
 
 The output is written as `offload convert`'s is (offload/convert/quantize.py): aligned safetensors, MANIFEST with
-checksums and, per tensor, what was kept and what it cost, a temporary folder renamed into place. `resolve_model` lets
-every command take the GGUF file itself: imported once into the cache, keyed by `source_key`.
+checksums and, per tensor, what was kept and what it cost, a temporary folder renamed into place. A command given the
+GGUF file itself runs it in place where it can (offload/gguf/resolve.py), else its import, made once in the cache.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import hashlib
 import json
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +36,9 @@ from gguf import quants as gguf_quants
 
 from offload.common.errors import OffloadError
 from offload.common.model_config import parse_model_config
-from offload.common.paths import cache_dir
+from offload.common.progress import Progress, decimal_size
 from offload.common.quant import QUANT_METHOD, WeightQuant
 from offload.convert.quantize import FORMAT, MANIFEST, Planned, check_new, file_sha256, staged, write_weights
-from offload.convert.staging import sweep_staged
 from offload.gguf.codes import (
     FLOATS,
     GROUP,
@@ -60,13 +55,11 @@ from offload.gguf.kept import ImportStats, Kept
 from offload.gguf.metadata import (
     ROPE_FACTORS,
     architecture,
-    check_magic,
     gguf_source,
     hf_config,
     open_gguf,
     rotary_row_order,
 )
-from offload.gguf.progress import Progress, decimal_size
 from offload.gguf.tokenizer import write_tokenizer
 from offload.kernels.quant_linear import SCALES_SUFFIX, cpu_pack_probe, to_cpu_layout
 from offload.model.registry import get_family, model_tensors
@@ -103,7 +96,7 @@ class _Model:
 
 def import_gguf(path: Path, out: Path, layout: str) -> ImportStats:
     """Write the model in GGUF file `path` to the new directory `out`, its int4/int8 matrices in `layout`; on a
-    terminal, the bytes written so far and the time left are shown on stderr (offload/gguf/progress.py)."""
+    terminal, the bytes written so far and the time left are shown on stderr (offload/common/progress.py)."""
     check_new(out)
     reader = open_gguf(path)
     model = _model(reader, path, layout)
@@ -155,7 +148,7 @@ def _model(reader: GGUFReader, path: Path, layout: str) -> _Model:
     arch = architecture(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     quantized = any(t.tensor_type not in FLOATS for t in reader.tensors)
-    config = hf_config(reader, path, "float32" if quantized else _float_dtype(reader))
+    config = hf_config(reader, path, "float32" if quantized else float_dtype(reader))
     spec = parse_model_config(config, str(path), name=path.stem)
     family = get_family(config["architectures"][0], str(path))
     family.check(spec, str(path))
@@ -190,7 +183,7 @@ def _gguf(tensors: dict[str, ReaderTensor], hf_name: str, path: Path) -> tuple[R
     return g, expert
 
 
-def _float_dtype(reader: GGUFReader) -> str:
+def float_dtype(reader: GGUFReader) -> str:
     """The dtype of a file without quantized tensors: its matrices' (float32 when they mix or are float32)."""
     kinds = {FLOATS[t.tensor_type] for t in reader.tensors if len(t.shape) > 1}
     if kinds == {"F16"}:
@@ -364,37 +357,3 @@ def source_key(path: Path, layout: str) -> str:
             f.seek(i * max(size - 4096, 0) // (KEY_SAMPLES - 1))
             digest.update(f.read(4096))
     return digest.hexdigest()[:16]
-
-
-def resolve_model(model: str | Path) -> Path:
-    """The model directory `model` names: a directory as it is; a GGUF file's import in the cache folder
-    (cache_dir()/gguf), made on first use in the layout this machine multiplies (triton with CUDA, else cpu). What
-    an import killed outright left there is removed first (offload/convert/staging.py's `sweep_staged`)."""
-    path = Path(model).expanduser()
-    if not path.is_file():
-        return path
-    layout = local_layout()
-    check_magic(path)  # a file that is not GGUF is said as such; the import reads the rest
-    out = cache_dir() / "gguf" / f"{path.stem}-{layout}-{source_key(path, layout)}"
-    sweep_staged(out.parent)
-    if (out / MANIFEST).is_file():
-        return out
-    print(
-        f"importing  {path} ({decimal_size(path.stat().st_size)}) into {out.parent} once; later runs reuse it",
-        file=sys.stderr,
-    )
-    start = time.perf_counter()
-    try:
-        stats = import_gguf(path, out, layout)
-    except (OffloadError, OSError):
-        if (out / MANIFEST).is_file():  # another process imported it meanwhile
-            return out
-        raise
-    print(
-        f"imported   {path} in {time.perf_counter() - start:.1f} s -> {out} (once; later runs reuse it)\n"
-        + stats.summary(),
-        file=sys.stderr,
-    )
-    with contextlib.suppress(OSError, AttributeError):  # the heap the import freed, back to the system (glibc)
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return out

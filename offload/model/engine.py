@@ -70,7 +70,7 @@ class Engine:
     def step(self, plan: StepPlan) -> StepOutput:
         prepared = [self._prepare(mb, plan.all_logits) for mb in plan.micro_batches]
         table, token_ids = self.weights.embedding([p.token_ids for p in prepared])  # rows read, if left in storage
-        hidden = [self.family.embed(table, ids) for ids in token_ids]
+        hidden = [self.family.embed(table, ids).to(self.dtype) for ids in token_ids]  # a GGUF table's rows: float32
         for layer in range(self.spec.num_layers):
             w = self.weights.acquire(layer)
             kvs = {tier: cache.layer(layer) for tier, cache in self.caches.items()}

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
 from offload.kernels.activation import silu_mul
+from offload.kernels.gguf_linear import gguf_linear, gguf_logits, gguf_rows, is_blocks
 from offload.kernels.linear import linear, logits
 from offload.kernels.paged_attention import paged_attention
 from offload.kernels.quant_linear import SCALES_SUFFIX, quant_linear, stack_outputs
@@ -92,7 +93,7 @@ class LlamaFamily:
             if len({(m.dtype, m.shape[1:], m.device) for m in mats}) != 1:
                 continue
             scales = [w.get(p + SCALES_SUFFIX) for p in parts]
-            if all(sc is None for sc in scales) and mats[0].is_floating_point():
+            if all(sc is None for sc in scales) and (mats[0].is_floating_point() or is_blocks(mats[0])):
                 stacked = (torch.cat(mats),)
             elif all(sc is not None for sc in scales) and spec.quant is not None:
                 if len({(sc.dtype, sc.shape[0], sc.shape[2:]) for sc in scales}) != 1:
@@ -111,6 +112,8 @@ class LlamaFamily:
         return out
 
     def embed(self, w: Weights, token_ids: torch.Tensor) -> torch.Tensor:
+        if is_blocks(w["embed"]):  # a GGUF token table as the file holds it: float32 rows, the engine casts them
+            return gguf_rows(w["embed"], token_ids)
         return F.embedding(token_ids, w["embed"])  # [tokens, hidden]
 
     def layer(self, spec: ModelSpec, layer: int, w: Weights, hidden: torch.Tensor, inp: LayerInput) -> torch.Tensor:
@@ -131,11 +134,15 @@ class LlamaFamily:
         heads, kv_heads = spec.num_heads, spec.num_kv_heads
         if "qkv_proj" in w and not spec.qk_norm:  # q and k side by side in one product: rotated in one pass
             qkv = project(spec, w, "qkv_proj", x, FUSED_BIAS["qkv_proj"]).view(tokens, heads + 2 * kv_heads, d)
+            if spec.quant is not None and spec.quant.interleaved_qk:
+                qkv = torch.cat((hf_order(qkv[:, : heads + kv_heads]), qkv[:, heads + kv_heads :]), dim=1)
             q, k = apply_rotary_heads(qkv[:, : heads + kv_heads], inp.cos, inp.sin).split((heads, kv_heads), dim=1)
             v = qkv[:, heads + kv_heads :]
         else:
             q, k, v = projections(spec, w, "qkv_proj", x, (spec.q_size, spec.kv_size, spec.kv_size))
             q, k, v = q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d)
+            if spec.quant is not None and spec.quant.interleaved_qk:
+                q, k = hf_order(q), hf_order(k)
             if spec.qk_norm:
                 q = rms_norm(q, w["q_norm"], spec.rms_norm_eps)
                 k = rms_norm(k, w["k_norm"], spec.rms_norm_eps)
@@ -156,7 +163,8 @@ class LlamaFamily:
         return project(spec, w, "o_proj", out.reshape(tokens, spec.q_size), "o_bias")
 
     def head(self, spec: ModelSpec, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
-        return logits(rms_norm(hidden, w["norm"], spec.rms_norm_eps), w["lm_head"])  # [tokens, vocab]
+        x, head = rms_norm(hidden, w["norm"], spec.rms_norm_eps), w["lm_head"]
+        return gguf_logits(x, head) if is_blocks(head) else logits(x, head)  # [tokens, vocab], float32
 
 
 def swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
@@ -178,11 +186,20 @@ def projections(
 
 
 def project(spec: ModelSpec, w: Weights, name: str, x: torch.Tensor, bias: str) -> torch.Tensor:
-    """x @ W.T + b for the layer's matrix `name`, quantized (codes and scales) or in the compute dtype."""
+    """x @ W.T + b for the layer's matrix `name`, quantized (codes and scales, or GGUF blocks) or in the compute
+    dtype."""
     scales = w.get(name + SCALES_SUFFIX)
     if scales is None:
+        if is_blocks(w[name]):
+            return gguf_linear(x, w[name], w.get(bias))
         return linear(x, w[name], w.get(bias))
     return quant_linear(x, w[name], scales, spec.quant, w.get(bias))
+
+
+def hf_order(t: torch.Tensor) -> torch.Tensor:
+    """Heads [tokens, heads, head_dim] whose dims are in llama.cpp's interleaved order (the products of q or k rows
+    its converter permuted: HF's dim i at 2i, dim head_dim / 2 + i at 2i + 1) in Hugging Face's order again."""
+    return t.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,7 +19,9 @@ from offload.kernels.paged_batch import PagedBatch
 from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.model.host_attention import Staging
 from offload.tiers.kv.kv_cache import KVLayer
-from offload.tiers.weights.checkpoint import ModelTensors, TensorGroup, TensorSpec
+from offload.tiers.weights.checkpoint import GGUF_BLOCKS, ModelTensors, TensorGroup, TensorSpec
+from offload.tiers.weights.embedding import HEAD
+from offload.tiers.weights.embedding import TABLE as EMBED
 from offload.tiers.weights.layout import Weights
 
 ARCHITECTURES: dict[str, str] = {
@@ -109,9 +111,17 @@ def model_tensors(family: Family, spec: ModelSpec) -> ModelTensors:
     if spec.tie_word_embeddings:
         head = {"norm": head["norm"]}
     layers = tuple(family.layer_tensors(spec, i) for i in range(spec.num_layers))
+    embed = family.embed_tensors(spec)
     if spec.quant is not None:
         layers = tuple(quantized_tensors(group, spec.quant) for group in layers)
-    return ModelTensors(embed=family.embed_tensors(spec), head=head, layers=layers)
+    if spec.quant is not None and spec.quant.layout == "gguf":  # the token table and the head as the file has them
+        embed, head = ({s: _as_stored(s, t) if s in (EMBED, HEAD) else t for s, t in g.items()} for g in (embed, head))
+    return ModelTensors(embed=embed, head=head, layers=layers)
+
+
+def _as_stored(short: str, t: TensorSpec) -> TensorSpec:
+    """A GGUF file's matrix `short` read as the file stores it: float, or blocks (kernels/gguf_linear.py)."""
+    return TensorSpec(t.name, t.shape, GGUF_BLOCKS, t.row)
 
 
 def quantized_tensors(group: TensorGroup, quant: WeightQuant) -> TensorGroup:
@@ -123,6 +133,9 @@ def quantized_tensors(group: TensorGroup, quant: WeightQuant) -> TensorGroup:
     for short, t in group.items():
         if not _quantizable(short, t, quant):
             out[short] = t
+            continue
+        if quant.layout == "gguf":  # blocks as the file holds them, scales inside: one tensor
+            out[short] = _as_stored(short, t)
             continue
         prefix = t.name.removesuffix(".weight")
         n, k = t.shape

@@ -52,7 +52,7 @@ class StoredWeights:
     types: tuple[StoredType, ...]  # the most bytes first
     largest_layer_bytes: int  # as SizeEstimate's: the embeddings, one decoder layer or the head
     largest_layer_name: str
-    imported_bytes: int  # what importing it writes, the form the engine reads (offload/gguf/importer.py)
+    imported_bytes: int  # what importing it writes (offload/gguf/importer.py); 0: it runs in place, nothing written
 
     @property
     def nbytes(self) -> int:

@@ -259,7 +259,8 @@ def _stored(s: StoredWeights) -> str:
     kinds = ", ".join(f"{t.name} {_gb(t.nbytes)} at {t.bits:.3g}" for t in s.types)
     return (
         f"as stored in {s.file}: {_gb(s.nbytes)} at {s.bits:.3g} bits a weight ({kinds}; largest layer "
-        f"{_gb(s.largest_layer_bytes)}, {s.largest_layer_name}), {_gb(s.imported_bytes)} once imported"
+        f"{_gb(s.largest_layer_bytes)}, {s.largest_layer_name}), "
+        + (f"{_gb(s.imported_bytes)} once imported" if s.imported_bytes else "read in place, nothing imported")
     )
 
 

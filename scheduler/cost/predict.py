@@ -192,8 +192,10 @@ class Context:
     def weight_bytes(self, params: int, bits: int) -> float:
         if bits >= 8 * self.dtype_bytes:
             return params * self.dtype_bytes
-        # + a scale and a zero per group, held in the compute dtype: the checkpoint's group where it is quantized
         quant = self.shape.quant
+        if quant is not None and quant.layout == "gguf" and quant.stored_bits and quant.bits == bits:
+            return params * quant.stored_bits / 8  # GGUF blocks read in place: their scales inside
+        # + a scale and a zero per group, held in the compute dtype: the checkpoint's group where it is quantized
         group = quant.group_size if quant is not None and quant.bits == bits and quant.group_size else QUANT_GROUP
         return params * bits / 8 + params / group * 2 * self.dtype_bytes
 

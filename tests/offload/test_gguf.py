@@ -20,7 +20,6 @@ from offload.api import LLM
 from offload.cli import main
 from offload.common.config import EngineConfig, SamplingParams
 from offload.convert.quantize import MANIFEST, verify
-from offload.gguf import importer as gguf_import
 from offload.gguf.codes import engine_int4, int4_groups
 from offload.gguf.importer import import_gguf
 from offload.gguf.metadata import open_gguf
@@ -492,25 +491,6 @@ def test_bad_files_are_one_line_errors_and_leave_nothing(capsys, tmp_path: Path,
     out.mkdir()
     _one_line_error(capsys, [*convert, str(tiny_gguf)], f"--out {out}: already exists")
     assert list(out.iterdir()) == []
-
-
-def test_a_gguf_model_path_is_imported_once_and_reused(
-    capsys, tiny_gguf: Path, isolated_cache: Path, monkeypatch: pytest.MonkeyPatch
-):
-    imports = []
-    real = gguf_import.import_gguf
-    monkeypatch.setattr(gguf_import, "import_gguf", lambda *a: imports.append(a) or real(*a))
-    argv = ["generate", "--model", str(tiny_gguf), "--prompt", "ab", "--max-new-tokens", "2", "--dtype", "float32"]
-    assert main(argv) == 0
-    assert "imported" in capsys.readouterr().err
-    assert main(argv) == 0
-    assert "imported" not in capsys.readouterr().err
-    assert len(imports) == 1
-    (cached,) = (p for p in (isolated_cache / "gguf").iterdir() if p.name.startswith("tiny-"))
-    assert (cached / MANIFEST).is_file()
-    with LLM(tiny_gguf, EngineConfig(dtype="float32")) as llm:  # the API resolves the same way
-        assert llm.model_dir == cached
-    assert len(imports) == 1
 
 
 @pytest.mark.slow

@@ -18,12 +18,13 @@ from test_gguf import HIDDEN, LAYERS, write_gguf
 
 from offload.cli import main
 from offload.common.errors import OffloadError
+from offload.common.progress import Progress
 from offload.convert.quantize import staged
 from offload.convert.staging import STAGING_MARK, sweep_staged
 from offload.gguf import importer as gguf_import
 from offload.gguf.header import gguf_shape
-from offload.gguf.importer import import_gguf, resolve_model
-from offload.gguf.progress import Progress
+from offload.gguf.importer import import_gguf
+from offload.gguf.resolve import resolve_model
 from offload.model.loader import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +66,14 @@ def q4_0_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def q4_k_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A file of Q4_K blocks, which do not run in place: the engine imports it."""
+    path = tmp_path_factory.mktemp("gguf-plan") / "tiny-q4k.gguf"
+    write_gguf(path, qtype=T.Q4_K)
+    return path
+
+
 def test_a_gguf_file_is_planned_from_its_header_and_nothing_is_written(
     capsys, tmp_path: Path, empty_cache: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -83,14 +92,17 @@ def test_a_gguf_file_is_planned_from_its_header_and_nothing_is_written(
         {"name": "F32", "nbytes": NORMS * 4, "weights": NORMS},
     ]
     assert (plan["stored"]["largest_layer_bytes"], plan["stored"]["largest_layer_name"]) == (layer, "decoder layer")
-    assert plan["model"]["quant"] == {"bits": 4, "group_size": 32, "layout": "cpu", "unquantized": []}
+    assert plan["model"]["quant"] == {  # run in place: the file's own blocks, its q and k rows as llama.cpp wrote them
+        "bits": 4, "group_size": 32, "layout": "gguf", "unquantized": [], "interleaved_qk": True, "stored_bits": 4.5
+    }  # fmt: skip
+    assert plan["stored"]["imported_bytes"] == 0
     assert main(argv) == 0
     sizes = capsys.readouterr().out.splitlines()[2]
     assert sizes.startswith(
         "          as stored in tiny.gguf: 518 kB at 4.85 bits a weight (Q4_0 442 kB at 4.5, Q8_0 71 kB at 8.5, "
         "F32 5 kB at 32; largest layer 223 kB, decoder layer), "
     )
-    assert sizes.endswith(f"{plan['stored']['imported_bytes'] / 1e3:.0f} kB once imported")
+    assert sizes.endswith("read in place, nothing imported")
     assert not empty_cache.exists()
     assert [p.name for p in path.parent.iterdir()] == ["tiny.gguf"]
 
@@ -105,10 +117,16 @@ def test_stored_weights_are_the_tensor_tables_bytes(tmp_path: Path, qtype: T, bi
     assert stored.nbytes == sum(t.nbytes for t in stored.types) < path.stat().st_size
 
 
-def test_the_plan_prices_the_model_the_import_runs(tmp_path: Path, q4_0_gguf: Path):
+def test_the_plan_prices_the_model_run_in_place(q4_0_gguf: Path, empty_cache: Path):
     spec, stored = gguf_shape(q4_0_gguf)
+    in_place, _ = load_spec(resolve_model(q4_0_gguf))
+    assert spec == dataclasses.replace(in_place, name=spec.name) and stored.imported_bytes == 0
+
+
+def test_the_plan_prices_the_model_the_import_runs(tmp_path: Path, q4_k_gguf: Path):
+    spec, stored = gguf_shape(q4_k_gguf)
     out = tmp_path / "imported"
-    import_gguf(q4_0_gguf, out, "cpu")
+    import_gguf(q4_k_gguf, out, "cpu")
     imported, _ = load_spec(out)
     assert spec == dataclasses.replace(imported, name=spec.name)
     with (out / "model.safetensors").open("rb") as f:
@@ -155,27 +173,28 @@ def test_progress_writes_nothing_off_a_terminal():
 
 @pytest.mark.parametrize("command", ["generate", "convert"])
 def test_an_import_says_what_it_does_and_shows_progress_on_a_terminal(
-    q4_0_gguf: Path, tmp_path: Path, empty_cache: Path, monkeypatch: pytest.MonkeyPatch, command: str
+    q4_k_gguf: Path, tmp_path: Path, empty_cache: Path, monkeypatch: pytest.MonkeyPatch, command: str
 ):
     if command == "generate":
-        argv = ["generate", "--model", str(q4_0_gguf), "--prompt", "ab", "--max-new-tokens", "1", "--dtype", "float32"]
+        argv = ["generate", "--model", str(q4_k_gguf), "--prompt", "ab", "--max-new-tokens", "1", "--dtype", "float32"]
     else:
-        argv = ["convert", "--model", str(q4_0_gguf), "--out", str(tmp_path / "out")]
+        argv = ["convert", "--model", str(q4_k_gguf), "--out", str(tmp_path / "out")]
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     assert main(argv) == 0
     err = terminal.getvalue()
     assert "\rimporting  " in err and " written; checking checksums" in err
     assert err.index("\rimporting") < err.index("imported   ")
-    before = f"importing  {q4_0_gguf} (1 MB) into {empty_cache / 'gguf'} once; later runs reuse it\n"
-    assert err.startswith(before) == (command == "generate")
+    before = f"importing  {q4_k_gguf} (1 MB) into {empty_cache / 'gguf'} once; later runs reuse it\n"
+    assert (before in err) == (command == "generate")
+    assert (f"{q4_k_gguf} cannot run in place (tensor 'blk.0.attn_q.weight' is Q4_K" in err) == (command == "generate")
 
 
-def test_an_import_off_a_terminal_says_what_it_does_and_shows_no_progress(capsys, q4_0_gguf: Path, empty_cache: Path):
-    argv = ["generate", "--model", str(q4_0_gguf), "--prompt", "ab", "--max-new-tokens", "1", "--dtype", "float32"]
+def test_an_import_off_a_terminal_says_what_it_does_and_shows_no_progress(capsys, q4_k_gguf: Path, empty_cache: Path):
+    argv = ["generate", "--model", str(q4_k_gguf), "--prompt", "ab", "--max-new-tokens", "1", "--dtype", "float32"]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert err.startswith(f"importing  {q4_0_gguf} (1 MB) into {empty_cache / 'gguf'} once; later runs reuse it\n")
+    assert f"importing  {q4_k_gguf} (1 MB) into {empty_cache / 'gguf'} once; later runs reuse it\n" in err
     assert "imported   " in err and "\r" not in err
     assert main(argv) == 0
     assert "import" not in capsys.readouterr().err  # reused: nothing said

@@ -219,7 +219,7 @@ def test_bad_schemas_and_tool_choices_are_400_naming_the_field(client: openai.Op
 
 @pytest.mark.slow
 def test_a_batch_job_of_mixed_schemas_and_tools(smollm2_gguf: Path, tmp_path: Path) -> None:
-    from offload.gguf.importer import resolve_model
+    from offload.gguf.resolve import resolve_model
 
     model = resolve_model(smollm2_gguf).name  # what an OpenAI line names: the served folder's name
     bodies = [

@@ -1,7 +1,12 @@
-"""Safetensors checkpoints read tensor by tensor, by file extent; the whole file is never loaded.
+"""Checkpoints read tensor by tensor, by file extent; the whole file is never loaded.
 
 A safetensors file is an 8-byte little-endian header length N, N bytes of JSON naming each tensor's
 dtype, shape and [begin, end) byte range relative to the end of the header, then the data.
+
+A GGUF file run in place has a model directory of its metadata only (offload/gguf/in_place.py writes it): config.json,
+the tokenizer, and GGUF_INDEX naming each tensor's extent in the GGUF file under its Hugging Face name. Float
+tensors are read as stored; a matrix in GGUF's blocks is read as uint8 [rows, K / 32, block bytes]
+(kernels/gguf_linear.py multiplies it), which a TensorSpec of dtype GGUF_BLOCKS accepts.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ TORCH_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "BOOL": (torch.bool, 1),
 }
 FLOAT_CODES = ("F32", "F16", "BF16")
+GGUF_INDEX = "gguf_index.json"  # {"source": path, "size": bytes, "tensors": {name: [offset, nbytes, code, shape]}}
+GGUF_BLOCKS = "GGUF"  # a TensorSpec dtype: any float as stored, or GGUF blocks of a type below
+GGUF_BLOCK_BYTES = (18, 20, 34)  # Q4_0, Q4_1, Q8_0: 32 values a block
 
 
 def held_dtype(code: str, compute: torch.dtype) -> torch.dtype:
@@ -148,6 +156,9 @@ class Checkpoint:
         self.model_dir = model_dir
         self.reader = reader
         self.extents: dict[str, Extent] = {}
+        if (model_dir / GGUF_INDEX).is_file():
+            self.extents = gguf_extents(model_dir)
+            return
         for path in _weight_files(model_dir):
             self.extents.update(_parse_header(reader, path))
 
@@ -172,8 +183,16 @@ class Checkpoint:
                 )
             size = ext.nbytes // ext.shape[0]
             ext = Extent(f"{name}[{row}]", ext.path, ext.offset + row * size, size, ext.dtype, shape)
+        if dtype == GGUF_BLOCKS and ext.dtype == "U8":  # blocks of 32 values along the last dimension
+            if len(shape) != 2 or shape[1] % 32 or ext.shape[:2] != (shape[0], shape[1] // 32):
+                raise OffloadError(f"{ext.path.name}: tensor {name} in blocks does not hold a {list(shape)} matrix")
+            if ext.shape[2:] not in ((b,) for b in GGUF_BLOCK_BYTES):
+                raise OffloadError(f"{ext.path.name}: tensor {name} has blocks of {ext.shape[2:]} bytes")
+            return ext
         if ext.shape != shape:
             raise OffloadError(f"{ext.path.name}: tensor {name} has shape {list(ext.shape)}, expected {list(shape)}")
+        if dtype == GGUF_BLOCKS:
+            dtype = None
         if dtype is not None and ext.dtype != dtype:
             raise OffloadError(f"{ext.path.name}: tensor {name} has dtype {ext.dtype}, expected {dtype}")
         if dtype is None and ext.dtype not in FLOAT_CODES:
@@ -191,6 +210,24 @@ class Checkpoint:
         return torch.frombuffer(buf, dtype=dtype).reshape(ext.shape)
 
 
+def gguf_extents(model_dir: Path) -> dict[str, Extent]:
+    """The extents a GGUF index names, in its source file, checked against that file's size."""
+    index = model_dir / GGUF_INDEX
+    try:
+        data = json.loads(index.read_text())
+        source, size = Path(data["source"]), int(data["size"])
+        tensors = {n: Extent(n, source, int(o), int(b), c, tuple(s)) for n, (o, b, c, s) in data["tensors"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise OffloadError(f"{index}: not a GGUF index ({exc})") from None
+    try:
+        found = source.stat().st_size
+    except OSError:
+        raise OffloadError(f"{index}: its GGUF file {source} is missing") from None
+    if found != size:
+        raise OffloadError(f"{source}: {found} bytes, not the {size} its index {index} was made from")
+    return tensors
+
+
 FINGERPRINT_SAMPLES = 16  # 4 KiB reads spread over each weight file
 
 
@@ -200,6 +237,9 @@ def weights_fingerprint(model_dir: Path) -> str:
     samples; reading them costs 64 KiB per file, not the whole checkpoint."""
     digest = hashlib.sha256()
     digest.update((model_dir / "config.json").read_bytes())
+    if (model_dir / GGUF_INDEX).is_file():  # its source's key (size, metadata, samples) and extents
+        digest.update((model_dir / GGUF_INDEX).read_bytes())
+        return digest.hexdigest()
     for path in _weight_files(model_dir):
         size = path.stat().st_size
         digest.update(f"{path.name}:{size}".encode())

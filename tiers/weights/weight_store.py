@@ -27,6 +27,7 @@ import torch
 
 from offload.common.config import Policy
 from offload.common.errors import OffloadError
+from offload.common.progress import Progress
 from offload.common.tier import Tier
 from offload.kernels.linear import pack_weight, packing_pays
 from offload.kernels.quant_linear import SCALES_SUFFIX
@@ -116,16 +117,23 @@ class WeightStore:
         groups = [layout.head, *(self.layouts[i] for i in resident)]
         if self.table is None:
             groups.insert(0, layout.embed)
-        if self.staged:
-            loaded = self._load_staged(groups)
-        else:
-            tiers = [device_tier, *(self._tier(policy.layer_tiers[i]) for i in resident)]
-            # the layers may be packed for the CPU's GEMM; the head stays dense, its logits float32 (kernels.linear)
-            packs = [False] + [self.prepack] * len(resident)
-            fuses = [None] + [fuse] * len(resident)  # the layers', not the head's
-            if self.table is None:  # the embedding is a table of rows, not a product
-                tiers, packs, fuses = [device_tier, *tiers], [False, *packs], [None, *fuses]
-            loaded = [self._load_direct(*args) for args in zip(groups, tiers, packs, fuses, strict=True)]
+        progress = Progress("loading", sum(g.slot_bytes for g in groups))  # on a terminal: bytes read, time left
+        try:
+            if self.staged:
+                loaded = self._load_staged(groups, progress)
+            else:
+                tiers = [device_tier, *(self._tier(policy.layer_tiers[i]) for i in resident)]
+                # layers may be packed for the CPU's GEMM; the head stays dense, its logits float32 (kernels.linear)
+                packs = [False] + [self.prepack] * len(resident)
+                fuses = [None] + [fuse] * len(resident)  # the layers', not the head's
+                if self.table is None:  # the embedding is a table of rows, not a product
+                    tiers, packs, fuses = [device_tier, *tiers], [False, *packs], [None, *fuses]
+                loaded = []
+                for group, *how in zip(groups, tiers, packs, fuses, strict=True):
+                    loaded.append(self._load_direct(group, *how))
+                    progress.advance(group.slot_bytes)
+        finally:
+            progress.close()
         self.embed: Weights = loaded.pop(0) if self.table is None else {}
         self.head, *layers = loaded
         if self.table is None:
@@ -196,7 +204,7 @@ class WeightStore:
             tier.free(staging)
         return out
 
-    def _load_staged(self, groups: list[GroupLayout]) -> list[Weights]:
+    def _load_staged(self, groups: list[GroupLayout], progress: Progress) -> list[Weights]:
         """Read groups once, one at a time, through a pinned staging buffer into packed device buffers."""
         packed = [slot_layout(g, self.dtype) for g in groups]
         staging = take(self.host_tier, max(g.slot_bytes for g in groups), "a staging buffer for loading weights")
@@ -210,6 +218,7 @@ class WeightStore:
                 self.copier.copy(p.copies(staging, buf, scratch)).synchronize()  # the staging buffer is reused next
                 self.h2d_bytes += p.copy_bytes
                 out.append(p.views(buf))
+                progress.advance(group.slot_bytes)
             return out
         finally:
             self.copier.synchronize()

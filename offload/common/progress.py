@@ -1,6 +1,6 @@
-"""A long import's progress on a terminal: bytes done of a known total and the time left at the rate so far, one line
-on stderr rewritten in place, at most every INTERVAL seconds. Where stderr is not a terminal (a log, a pipe) it
-writes nothing: the import's final line says what happened."""
+"""Long work's progress on a terminal (a GGUF import, loading many GB of resident weights): bytes done of a known total
+and the time left at the rate so far, one line on stderr rewritten in place, at most every INTERVAL seconds. Where
+stderr is not a terminal (a log, a pipe) it writes nothing: the work's final line says what happened."""
 
 from __future__ import annotations
 

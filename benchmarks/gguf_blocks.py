@@ -1,0 +1,105 @@
+"""GGUF blocks multiplied as they lie (kernels/gguf_linear.py) against the engine's own int4 on the same values.
+
+x [rows, K] bfloat16 times W [N, K]: W as Q4_0 or Q4_1 blocks read from a GGUF file in place (kernels/csrc/
+gguf_blocks.c; from DENSE_FROM_ROWS rows dequantized for the dense GEMM), against the same codes imported into the
+engine's int4 (torch's CPU packing, bfloat16 scale and zero a group: kernels/native.py's int4_mm, or
+kernels/quant_linear.py's path at that row count), the path an imported GGUF took. Shapes: a Mixtral expert's
+14336 x 4096 and 4096 x 14336, a 4096 x 4096 attention matrix, SmolLM2's 3072 x 576. Weights come from memory, not
+cache: each product cycles through copies of its weight, at least COLD_BYTES in all. Also each matrix's bytes and
+the rate its block product reads them at (GB/s). The "dense" column times the dequantize-then-GEMM path at every row
+count, which is how DENSE_FROM_ROWS is chosen. Prints a table and writes benchmarks/results/gguf_blocks.json.
+
+    python benchmarks/gguf_blocks.py [--repeats 5] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from bench_common import machine, timestamp, write_report
+
+COLD_BYTES = 256 << 20
+SHAPES = {"expert gate/up": (14336, 4096), "expert down": (4096, 14336), "4096 x 4096": (4096, 4096),
+          "SmolLM2 gate/up": (3072, 576)}  # fmt: skip
+ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+
+
+def per_call(fn, weights: list, repeats: int) -> float:
+    """Median over `repeats` passes of the seconds per call, a pass one call per weight copy."""
+    for w in weights:
+        fn(w)
+    passes = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in weights:
+            fn(w)
+        passes.append((time.perf_counter() - start) / len(weights))
+    return statistics.median(passes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="two shapes, rows 1, 8 and 64")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gguf_blocks.json")
+    args = parser.parse_args()
+
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    from offload.common.quant import WeightQuant
+    from offload.gguf.codes import engine_int4, int4_groups
+    from offload.kernels import gguf_linear, quant_linear
+
+    shapes = dict(list(SHAPES.items())[1:3]) if args.quick else SHAPES
+    rows = (1, 8, 64) if args.quick else ROWS
+    fmt = WeightQuant(4, 32, "cpu")
+    out = []
+    for kind in ("Q4_0", "Q4_1"):
+        for name, (n, k) in shapes.items():
+            gen = np.random.default_rng(0)
+            raw = quants.quantize(gen.standard_normal((n, k), dtype=np.float32) * 0.02, T[kind])  # [n, row bytes]
+            blocks = torch.from_numpy(raw.reshape(n, k // 32, -1).copy())
+            codes, scales = engine_int4(int4_groups(raw, T[kind]))
+            packed = quant_linear.to_cpu_layout(codes, 4)
+            scales = scales.to(torch.bfloat16)
+            nbytes = blocks.numel()
+            copies = max(2, -(-COLD_BYTES // nbytes))
+            block_copies = [blocks.clone() for _ in range(copies)]
+            int4_copies = [(packed.clone(), scales.clone()) for _ in range(copies)]
+            for m in rows:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+                ours = per_call(lambda w, x=x: gguf_linear.gguf_linear(x, w), block_copies, args.repeats)
+                dense = per_call(
+                    lambda w, x=x: gguf_linear.dense.linear(x, gguf_linear.dequantize(w, torch.bfloat16)),
+                    block_copies, args.repeats,
+                )  # fmt: skip
+                theirs = per_call(
+                    lambda w, x=x: quant_linear.quant_linear(x, w[0], w[1], fmt), int4_copies, args.repeats
+                )
+                taken = "blocks" if m < gguf_linear.DENSE_FROM_ROWS else "dense"
+                row = {
+                    "type": kind, "shape": name, "n": n, "k": k, "rows": m, "bytes": nbytes,
+                    "gguf_us": ours * 1e6, "dense_us": dense * 1e6, "imported_int4_us": theirs * 1e6,
+                    "taken": taken, "vs_imported": theirs / ours, "read_gb_s": nbytes / ours / 1e9,
+                }  # fmt: skip
+                out.append(row)
+                print(
+                    f"{kind} {name:16s} rows {m:4d}  gguf {ours * 1e6:9.1f} us ({taken})  dense {dense * 1e6:9.1f} us"
+                    f"  imported int4 {theirs * 1e6:9.1f} us  -> {theirs / ours:5.2f}x"
+                    f"  {nbytes / ours / 1e9:6.2f} GB/s",
+                    flush=True,
+                )
+    write_report(
+        args.out,
+        {"machine": machine(Path("/tmp")), "time": timestamp(), "threads": torch.get_num_threads(), "rows": out},
+    )
+
+
+if __name__ == "__main__":
+    main()

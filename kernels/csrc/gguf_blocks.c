@@ -1,0 +1,149 @@
+/* GGUF's own blocks multiplied and dequantized as they lie in the file: Q4_0, Q4_1 and Q8_0, 32 values a block along
+ * a row's inputs (kernels/gguf_linear.py says when each runs).
+ *
+ *     Q4_0  18 B: f16 d, 16 B of codes     w = d (q - 8)
+ *     Q4_1  20 B: f16 d, f16 m, 16 B        w = d q + m
+ *     Q8_0  34 B: f16 d, 32 int8 codes      w = d q
+ *
+ * Q4_0 and Q4_1 hold value j of a block in the low nibble of code byte j and value j + 16 in its high nibble.
+ *
+ * gguf_mm: a block's 32 codes become one vector of bfloat16 (q - 8, q or the int8 code: exact in bfloat16), multiplied
+ * with a row's 32 inputs by AVX-512 BF16's dot product into 16 float32 lanes (exact products), scaled by d and added
+ * to the row's 16 sums; Q4_1's m multiplies the block's sum of inputs. A row's output is its lanes' sum, float32 or
+ * rounded once to bfloat16. Every row takes the same operations in the same order whatever rows are beside it, so an
+ * output does not depend on the batch around it.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define QK 32 /* values a block */
+#define RB 4 /* rows whose sums stay in registers together */
+#define FT 4 /* output features computed together */
+
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+static const int64_t BLOCK_BYTES[3] = {18, 20, 34};
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* A block's 32 codes as bfloat16: the table's value for each nibble (Q4_0: q - 8, Q4_1: q), Q8_0's int8 codes. */
+static inline __m512bh decode(const uint8_t *b, int type, __m512i lut) {
+    if (type == Q8_0) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18))));
+        return _mm512_cvtne2ps_pbh(hi, lo); /* lanes 0-15 from lo */
+    }
+    const __m128i c = _mm_loadu_si128((const __m128i *)(b + (type == Q4_0 ? 2 : 4)));
+    const __m128i low = _mm_and_si128(c, _mm_set1_epi8(15));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi8(15));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_set_m128i(high, low)), lut);
+}
+
+/* F output features (rows of blocks `wr`, `row` bytes apart) for R rows of x from r0: each block decoded once, each
+ * row's 32 inputs loaded once for the F features, F x R independent sums in registers */
+static inline __attribute__((always_inline)) void features_rows(const uint16_t *x, const uint8_t *wr, int64_t row,
+                                                                int type, __m512i lut, const float *xsum, void *y,
+                                                                int f32out, int64_t r0, const int R, int64_t j,
+                                                                const int F, int64_t n, int64_t k) {
+    const int64_t nb = k / QK, bs = BLOCK_BYTES[type];
+    __m512 acc[FT][RB];
+    float mins[FT][RB];
+    for (int f = 0; f < F; f++)
+        for (int r = 0; r < R; r++) acc[f][r] = _mm512_setzero_ps(), mins[f][r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512bh w[FT];
+        __m512 d[FT];
+        for (int f = 0; f < F; f++) {
+            const uint8_t *blk = wr + f * row + b * bs;
+            w[f] = decode(blk, type, lut);
+            d[f] = _mm512_set1_ps(f16_at(blk));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r0 + r) * k + b * QK);
+            for (int f = 0; f < F; f++)
+                acc[f][r] = _mm512_fmadd_ps(d[f], _mm512_dpbf16_ps(_mm512_setzero_ps(), w[f], xv), acc[f][r]);
+        }
+        if (type == Q4_1)
+            for (int f = 0; f < F; f++) {
+                const float m = f16_at(wr + f * row + b * bs + 2);
+                for (int r = 0; r < R; r++) mins[f][r] += m * xsum[(r0 + r) * nb + b];
+            }
+    }
+    for (int f = 0; f < F; f++)
+        for (int r = 0; r < R; r++) {
+            const float s = _mm512_reduce_add_ps(acc[f][r]) + mins[f][r];
+            if (f32out)
+                ((float *)y)[(r0 + r) * n + j + f] = s;
+            else
+                ((uint16_t *)y)[(r0 + r) * n + j + f] = float_to_bf16(s);
+        }
+}
+
+/* F features from j for every row of x */
+static inline __attribute__((always_inline)) void features(const uint16_t *x, const uint8_t *wr, int64_t row,
+                                                           int type, __m512i lut, const float *xsum, void *y,
+                                                           int f32out, int64_t m, int64_t j, const int F, int64_t n,
+                                                           int64_t k) {
+    int64_t r0 = 0;
+    for (; r0 + RB <= m; r0 += RB) features_rows(x, wr, row, type, lut, xsum, y, f32out, r0, RB, j, F, n, k);
+    for (; r0 < m; r0++) features_rows(x, wr, row, type, lut, xsum, y, f32out, r0, 1, j, F, n, k);
+}
+
+/* x: [m, k] bf16; w: [n, k / 32] blocks of `type`; y: [m, n] float32 (f32out) or bf16; xsum: scratch [m, k / 32]
+ * float32 (Q4_1's sums of each block's inputs); threads: OpenMP threads (torch's count). k % 32 == 0. */
+void gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out, int64_t m, int64_t n, int64_t k,
+             float *xsum, int threads) {
+    const int64_t nb = k / QK, row = nb * BLOCK_BYTES[type];
+    if (type == Q4_1)
+        for (int64_t i = 0; i < m * nb; i++) {
+            const uint16_t *xp = x + (i / nb) * k + (i % nb) * QK;
+            xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_load(xp, 0xFFFF), bf16x16_load(xp + 16, 0xFFFF)));
+        }
+    uint16_t table[32]; /* bfloat16 of each nibble's value, indexed by a 16-bit lane's low 5 bits */
+    for (int q = 0; q < 32; q++) table[q] = float_to_bf16((float)((q & 15) - (type == Q4_0 ? 8 : 0))); /* exact */
+    const __m512i lut = _mm512_loadu_si512(table);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < (n + FT - 1) / FT; t++) {
+        const int64_t j = t * FT;
+        if (j + FT <= n)
+            features(x, w + j * row, row, type, lut, xsum, y, f32out, m, j, FT, n, k);
+        else
+            for (int64_t f = j; f < n; f++) features(x, w + f * row, row, type, lut, xsum, y, f32out, m, f, 1, n, k);
+    }
+}
+
+/* W [n, k] in bfloat16 from blocks of `type`: each value in float32 (Q4_0: d (q - 8), Q8_0: d q, both exact; Q4_1:
+ * d q + m rounded once), then rounded to bfloat16, as kernels/gguf_linear.py's dequantize_ref(...).to(bfloat16). */
+void gguf_dequant_bf16(const uint8_t *w, int type, uint16_t *out, int64_t n, int64_t k, int threads) {
+    const int64_t nb = k / QK, bs = BLOCK_BYTES[type];
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + (j * nb + b) * bs;
+            const __m512 d = _mm512_set1_ps(f16_at(blk));
+            __m512 v[2];
+            if (type == Q8_0) {
+                for (int h = 0; h < 2; h++) {
+                    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h));
+                    v[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+                }
+            } else {
+                const __m128i c = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_0 ? 2 : 4)));
+                const __m128i nib[2] = {_mm_and_si128(c, _mm_set1_epi8(15)),
+                                        _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi8(15))};
+                for (int h = 0; h < 2; h++) {
+                    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[h]));
+                    v[h] = type == Q4_0 ? _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(8.0f)), d)
+                                        : _mm512_fmadd_ps(q, d, _mm512_set1_ps(f16_at(blk + 2)));
+                }
+            }
+            bf16x16_store(out + j * k + b * QK, v[0], 0xFFFF);
+            bf16x16_store(out + j * k + b * QK + 16, v[1], 0xFFFF);
+        }
+}

@@ -1,0 +1,129 @@
+"""y = x @ W.T for W held as a GGUF file's own blocks (Q4_0, Q4_1, Q8_0), as read from the file: no repacking.
+
+A matrix [N, K] in blocks is a uint8 tensor [N, K / 32, block bytes]; its last dimension names the block type
+(BLOCK_TYPES), so a tensor says how to read itself. kernels/csrc/gguf_blocks.c multiplies bfloat16 rows with the
+blocks as they lie (each block decoded once into bfloat16 registers, exact products summed in float32), for the few
+rows of a decode step; from DENSE_FROM_ROWS rows the matrix is dequantized to the compute dtype a slice of features at
+a time and multiplied by the dense GEMM (oneDNN, on AMX tiles where the CPU has them), as a prompt's rows want.
+Without the native kernels (another CPU, OFFLOAD_KERNELS=torch, a CUDA device) `dequantize_ref` does the
+dequantizing in torch, then the dense product. An LM head's logits are float32 on every path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from offload.kernels import linear as dense
+from offload.kernels.dispatch import record
+from offload.kernels.native_build import I64, INT, PTR, bind
+
+BLOCK = 32  # values a block, along a row's inputs
+BLOCK_TYPES = {18: "Q4_0", 20: "Q4_1", 34: "Q8_0"}  # bytes a block -> GGUF's type
+TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # kernels/csrc/gguf_blocks.c's enum
+BLOCK_BYTES = {t: b for b, t in BLOCK_TYPES.items()}
+# rows from which dequantizing the matrix for the dense GEMM beats the block kernel, in bfloat16 on the 2-core Intel
+# Xeon with AMX (benchmarks/gguf_blocks.py)
+DENSE_FROM_ROWS = 32
+DEQUANT_BYTES = 32 << 20  # bfloat16 bytes dequantized at a time for the dense GEMM
+
+
+def is_blocks(w: torch.Tensor) -> bool:
+    """Whether `w` is a matrix in GGUF blocks: uint8 [N, K / 32, block bytes] of a type this module reads."""
+    return w.dtype == torch.uint8 and w.dim() == 3 and w.shape[2] in BLOCK_TYPES
+
+
+def block_type(w: torch.Tensor) -> str:
+    return BLOCK_TYPES[w.shape[-1]]
+
+
+def dequantize_ref(w: torch.Tensor) -> torch.Tensor:
+    """Blocks [..., K / 32, bytes] -> float32 [..., K]: Q4_0 d (q - 8) and Q8_0 d q exactly, Q4_1 d q + m rounded
+    once (computed in float64, where it is exact)."""
+    kind = block_type(w)
+    d = w[..., 0:2].contiguous().view(torch.float16).float()  # [..., K / 32, 1]
+    if kind == "Q8_0":
+        q = w[..., 2:].contiguous().view(torch.int8).float()
+        return (q * d).flatten(-2)
+    codes = w[..., 2:] if kind == "Q4_0" else w[..., 4:]
+    q = torch.cat((codes & 15, codes >> 4), dim=-1)  # value j in the low nibble of byte j, j + 16 in the high one
+    if kind == "Q4_0":
+        return ((q.float() - 8) * d).flatten(-2)
+    m = w[..., 2:4].contiguous().view(torch.float16).double()
+    return (q.double() * d.double() + m).float().flatten(-2)
+
+
+def dequantize(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in `dtype` from blocks [N, K / 32, bytes]: the native kernel's bfloat16 where it runs, else the torch
+    reference's values rounded to `dtype` (the same values)."""
+    if dtype == torch.bfloat16 and _fits(w) and (fn := _dequant()) is not None:
+        n, k = w.shape[0], w.shape[1] * BLOCK
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+        fn(w.data_ptr(), TYPE_CODES[block_type(w)], out.data_ptr(), n, k, torch.get_num_threads())
+        return out
+    return dequantize_ref(w).to(dtype)
+
+
+def gguf_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [tokens, K] @ W.T (+ bias) -> [tokens, N] in x's dtype, W in blocks [N, K / 32, bytes]."""
+    y = _product(x, w, float32=False)
+    return y if bias is None else y + bias
+
+
+def gguf_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """An LM head in blocks: x [tokens, hidden] @ W.T -> float32 [tokens, vocab] (kernels/linear.py's `logits`)."""
+    return _product(x, w, float32=True)
+
+
+def gguf_rows(table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """A token table in blocks [vocab, K / 32, bytes]: the rows of `token_ids`, float32 [tokens, K]."""
+    return dequantize_ref(table[token_ids])
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, float32: bool) -> torch.Tensor:
+    x = x.contiguous()
+    if x.shape[0] < DENSE_FROM_ROWS and _native_rows(x, w) and (fn := _mm()) is not None:
+        record("gguf_linear", "native")
+        m, k = x.shape
+        n = w.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32 if float32 else torch.bfloat16)
+        xsum = torch.empty(m * (k // BLOCK), dtype=torch.float32)
+        fn(
+            x.data_ptr(), w.data_ptr(), TYPE_CODES[block_type(w)], y.data_ptr(), int(float32), m, n, k,
+            xsum.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+    record("gguf_linear", "torch")
+    n, k = w.shape[0], w.shape[1] * BLOCK
+    step = max(1, DEQUANT_BYTES // (2 * k))  # output features dequantized at a time
+    parts = []
+    for start in range(0, n, step):
+        part = dequantize(w[start : start + step], x.dtype if x.dtype != torch.float32 else torch.float32)
+        parts.append(dense.logits(x, part) if float32 else dense.linear(x, part))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _fits(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and w.is_contiguous() and is_blocks(w)
+
+
+def _native_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[1] == w.shape[1] * BLOCK and _fits(w)
+
+
+@functools.cache
+def _mm() -> ctypes._CFuncPtr | None:
+    return bind("gguf_blocks", "gguf_mm", [PTR, PTR, INT, PTR, INT, I64, I64, I64, PTR, INT])
+
+
+@functools.cache
+def _dequant() -> ctypes._CFuncPtr | None:
+    return bind("gguf_blocks", "gguf_dequant_bf16", [PTR, INT, PTR, I64, I64, INT])
+
+
+def forget() -> None:
+    """Drop the bound kernels, so that the next call asks kernels/native_build.py again (tests)."""
+    _mm.cache_clear()
+    _dequant.cache_clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import math
 
+from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import ComputeUnit
 
@@ -42,9 +43,23 @@ def gemm_seconds(
     unit: ComputeUnit, dtype: str, params: int, weight_bytes: float, rows: int, packed: bool = False
 ) -> float:
     """[rows, k] x [k, n] products over `params` = k * n weights: compute- or memory-bound, whichever is slower.
-    `packed`: weights the engine keeps packed for the CPU's GEMM (resident ones on a CPU device)."""
+    `packed`: weights the engine keeps packed for the CPU's GEMM (resident ones on a CPU device).
+
+    Quantized weights (`weight_bytes` under the compute dtype's): the measured rate at a few rows is mostly the dense
+    weight's memory traffic, and the quantized kernels read the codes instead, so that time scales with the bytes; the
+    curve's peak rate still bounds the FLOPs (at many rows the codes are dequantized for the dense GEMM)."""
     rate = matmul_rate(unit, dtype, rows, packed)
-    return max(2.0 * params * rows / rate, weight_bytes / unit.memory_bandwidth)
+    flops, dense = 2.0 * params * rows, params * DTYPE_BYTES[dtype]
+    if 0 < weight_bytes < dense:
+        compute = max(flops / rate * weight_bytes / dense, flops / peak_rate(unit, dtype, packed))
+        return max(compute, weight_bytes / unit.memory_bandwidth)
+    return max(flops / rate, weight_bytes / unit.memory_bandwidth)
+
+
+def peak_rate(unit: ComputeUnit, dtype: str, packed: bool = False) -> float:
+    """The highest FLOP/s the unit's curve for `dtype` reaches (its flat rate where it has no curve)."""
+    curve = (unit.packed_matmul_curve.get(dtype) if packed else None) or unit.matmul_curve.get(dtype)
+    return max(r for _, r in curve) if curve else matmul_rate(unit, dtype, 1, packed)
 
 
 def elementwise_bytes(hidden: int, q: int, kv: int, intermediate: int, dtype_bytes: int) -> int:

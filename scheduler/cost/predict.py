@@ -41,6 +41,9 @@ from offload.scheduler.cost.moe_cost import (
 # the call; what the layer itself costs at the least is the profile's measured layer_floor, where it has one.
 LAYER_OVERHEAD = 150e-6
 MXFP4_BITS = 4.25  # gpt-oss's published experts: a 4-bit value and a block of 32 values' 8-bit exponent
+# rows from which quantized weights are dequantized for the dense GEMM (fewer: kernels that read the codes as they
+# are, kernels/quant_linear.py and kernels/gguf_linear.py)
+DEQUANT_FROM_ROWS = 32
 QUANT_GROUP = 64  # weights per scale and zero point when weights are quantized (FlexGen's group size)
 
 
@@ -235,7 +238,7 @@ def _layer_step(
     packed = ctx.on_cpu and tier == Tier.DEVICE  # the engine packs resident layers where that pays
     compute = gemm_seconds(hw.device, ctx.dtype, active, active_bytes, rows_per_mb, packed)
     compute += _elementwise_seconds(ctx, rows_per_mb)
-    if cand.weight_bits < 8 * ctx.dtype_bytes:  # dequantize the layer to the compute dtype
+    if cand.weight_bits < 8 * ctx.dtype_bytes and rows_per_mb >= DEQUANT_FROM_ROWS:  # dequantized for the GEMM
         compute += s.params.active_layer * ctx.dtype_bytes / hw.device.memory_bandwidth
     attention = seqs_per_mb * attention_seconds(ctx, attn_unit, cand.kv_bits, context, prefill)
     floor = layer_floor_seconds(hw.device, ctx.dtype, rows_per_mb if floor_rows is None else floor_rows)

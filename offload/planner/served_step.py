@@ -20,6 +20,7 @@ do; remote clients cost the server less, so on a served machine this errs on the
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import http.client
 import json
 import os
@@ -117,7 +118,9 @@ def _served(folder: Path, dtype: str):
     # profile, which this probe is about to replace
     command += ["--kv-cache-memory", "8MiB", "--served-model-name", "probe", "--io-backend", "pread"]
     with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
     try:
         deadline = time.monotonic() + READY_BOUND
         while not _healthy(port):
@@ -134,6 +137,17 @@ def _served(folder: Path, dtype: str):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Run in a child before its program starts: SIGTERM it when the process that started it dies (Linux's
+    PR_SET_PDEATHSIG), so that a probe killed outright (the OOM killer, SIGKILL) leaves no server behind. Elsewhere
+    nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:

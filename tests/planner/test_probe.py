@@ -425,3 +425,38 @@ def test_a_server_that_does_not_come_up_is_one_line_and_the_probe_goes_on(tmp_pa
     p = probe(tmp_path, dataclasses.replace(TINY, served_tokens=8), log=stages.append)
     assert p.served_step is None and p.device.matmul_curve  # the rest of the profile stands
     assert "serving: not measured (the probe's `offload serve` did not come up: no port)" in stages
+
+
+DYING_PARENT = """
+import subprocess, sys, time
+from offload.planner.served_step import die_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=die_with_parent)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_probes_server_dies_with_the_probe_killed_outright():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def alive(pid: int) -> bool:  # a zombie (dead, not yet reaped by whoever adopted it) is dead
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    parent = subprocess.Popen([sys.executable, "-c", DYING_PARENT], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()  # SIGKILL: nothing of the parent runs
+    parent.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive(child):
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived its parent's SIGKILL by 60 s")

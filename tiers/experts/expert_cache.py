@@ -42,6 +42,7 @@ from offload.tiers.copy import Event
 from offload.tiers.io.base import ReadBackend, ReadRequest
 from offload.tiers.memory import MemoryTier, take
 from offload.tiers.weights.checkpoint import TORCH_DTYPES
+from offload.tiers.weights.landing import LandingBuffers
 from offload.tiers.weights.layout import GroupLayout, Weights
 from offload.tiers.weights.ring import read
 
@@ -106,7 +107,10 @@ class ExpertCache:
         if self.slots == 0:
             raise OffloadError(f"{flag} of {budget} bytes holds no expert (one expert takes {self.slot_cost} bytes)")
         what = f"the expert cache ({flag})"
-        self._bufs = [take(tier, read_bytes, what, flag) for _ in range(self.slots)]
+        # page-locked by the read backend where it reads into those without a bounce copy (tiers/weights/landing.py):
+        # else every miss in flight held a locked copy of its expert beside its slot (8 at a prefill's layer)
+        self._landing = LandingBuffers(tier, backend, read_bytes, self.slots, what)
+        self._bufs = self._landing.buffers
         self._scratch = [take(tier, convert_bytes, what, flag) if convert_bytes else None for _ in range(self.slots)]
         self._free = list(range(self.slots - 1, -1, -1))  # slot indices; pop() takes the lowest
         self._entries: dict[Key, _Entry] = {}
@@ -242,8 +246,9 @@ class ExpertCache:
             entry.requests = []
 
     def close(self) -> None:
-        """Wait for reads in flight (their buffers must outlive them)."""
+        """Wait for reads in flight (their buffers must outlive them), then give the slots back."""
         self.settle()
+        self._landing.close()
 
     # ---- internals ---------------------------------------------------------------------------------
 

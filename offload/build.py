@@ -19,6 +19,7 @@ from offload.common.model_config import ModelSpec
 from offload.common.tier import Tier
 from offload.convert.quantize import check_runnable
 from offload.core import EngineCore
+from offload.draft_core import draft_model
 from offload.kernels import choice, native, timing
 from offload.kernels.quant_linear import SCALES_SUFFIX
 from offload.model.engine import Engine
@@ -144,6 +145,7 @@ def build(
     `prompts`: the model's encoder, where the caller loaded it already (to measure its prompts), else loaded here."""
     given = config
     spec, family = load_spec(model_dir)
+    draft, config = draft_model(model_dir, spec, config, build)  # a draft model: built first, charged to the budget
     device = resolve_device(config.device)
     check_runnable(model_dir, spec, device)  # a quantized checkpoint this device can multiply
     config, prediction, assumed = resolve(model_dir, config, workload)
@@ -206,7 +208,7 @@ def build(
     # loaded with the weights: no generate call pays for it (a first load imports for ~1 s)
     prompts = prompts if prompts is not None else Prompts.load(model_dir)
     decoder = (lambda: prompts) if prompts.tokenizer is not None else None
-    drafter = make_drafter(config.speculate)
+    drafter = draft or make_drafter(config.speculate)
     if drafter is not None:  # a verify step's rows round as a one-row step's (kernels/choice.py)
         choice.one_row_path_up_to(config.num_speculative_tokens + 1)
     core = EngineCore(

@@ -43,12 +43,12 @@ def _parser(sub: argparse._SubParsersAction, name: str, **kw) -> argparse.Argume
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    """--model, as generate, serve, batch and eval take it (main() resolves a GGUF file to its import)."""
+    """--model, as generate, serve, batch and eval take it (main() resolves a GGUF file: offload/gguf/resolve.py)."""
     p.add_argument(
         "--model",
         metavar="DIR|FILE.gguf",
-        help="Hugging Face model directory (config.json, *.safetensors, tokenizer) or GGUF file, imported once "
-        f"(default: {DEFAULT_MODEL})",
+        help="Hugging Face model directory (config.json, *.safetensors, tokenizer) or GGUF file, read in place "
+        f"(imported once where its types need it) (default: {DEFAULT_MODEL})",
     )
 
 
@@ -174,7 +174,7 @@ def _summary(llm, completions) -> str:
         lines.append(
             f"speculate  {llm.config.speculate}, up to {llm.config.num_speculative_tokens} drafted tokens a step: "
             f"{s.accepted_tokens} of {s.drafted_tokens} accepted ({s.acceptance_rate:.0%}), "
-            f"{s.generated_tokens / max(s.steps, 1):.2f} tokens a step"
+            f"{s.generated_tokens / max(s.steps, 1):.2f} tokens a step" + _draft_note(llm.core.drafter)
         )
     if pl.spill is not None:
         lines.append(f"spill      {_spill_line(pl.spill, pl.layer_tiers)}")
@@ -541,6 +541,16 @@ def _probe(args: argparse.Namespace) -> None:
     from offload.planner.probe import run_probe
 
     run_probe(args.out, args.dir, args.disk_bytes, args.quick)
+
+
+def _draft_note(drafter: object) -> str:
+    """A draft model's directory and resident bytes, for the run summary's speculate line ("" for other drafters)."""
+    from offload.common.sizes import format_size
+    from offload.model.speculation.model_drafter import ModelDrafter
+
+    if not isinstance(drafter, ModelDrafter):
+        return ""
+    return f"; draft model {drafter.model_dir}, {format_size(drafter.nbytes)} resident"
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:

@@ -247,12 +247,14 @@ class EngineCore:
         return deltas
 
     def _draft(self) -> None:
-        """Each decoding request's draft for the next step (none for a request held to a grammar)."""
+        """Each decoding request's draft for the next step (none for a request held to a grammar), all of them
+        proposed in one call: a draft model drafts them as one batch."""
         if self.drafter is None:
             return
-        for seq in self.batcher.running:
-            if seq.state is SeqState.DECODING and self._requests[seq.seq_id].matcher is None:
-                seq.draft = self.drafter.propose(seq.token_ids, self.num_draft)
+        reqs = self._requests
+        seqs = [s for s in self.batcher.running if s.state is SeqState.DECODING and reqs[s.seq_id].matcher is None]
+        for seq, draft in zip(seqs, self.drafter.propose([s.token_ids for s in seqs], self.num_draft), strict=True):
+            seq.draft = draft
 
     def _walk(self, req: _Request, tokens: tuple[int, ...], taken: bool) -> tuple[tuple[int, ...], Verdict]:
         """The tokens a request keeps of those a step gave it: up to the first that ends it (fed to its grammar and
@@ -372,8 +374,10 @@ class EngineCore:
             self.kv_tiers.flush()
 
     def close(self) -> None:
-        """Stop the grammar worker; the blocks the last step computed go through to disk."""
+        """Stop the grammar worker and the drafter; the blocks the last step computed go through to disk."""
         self.grammars.close()
+        if self.drafter is not None:
+            self.drafter.close()
         self._settle_kv()
 
 

@@ -30,9 +30,16 @@ KV_GROUP_SIZE = 32  # the default of those
 RING_SLOTS = 2  # device buffers streamed layers pass through, unless configured: the engine's and the planner's
 BLOCK_SIZE = 16  # tokens per KV block, unless configured
 DEFAULT_KV_CACHE = 1 << 30  # bytes of KV cache where neither the user nor the cost model sizes it
-SPECULATE = (None, "ngram")  # speculative decoding's drafters (offload/model/drafters.py); None: off
+SPECULATE = (None, "ngram", "self")  # speculative decoding's drafters by name (or a draft model's path); None: off
 MAX_DRAFT = 64  # tokens a drafter may propose per sequence and step
 DEFAULT_MAX_NUM_SEQS = 64  # sequences per step where neither the user nor the cost model sizes the batch
+
+
+def _is_path(value: object) -> bool:
+    """Whether `value` names an existing file or directory (a draft model, for `speculate`)."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        return False
+    return os.path.exists(os.path.expanduser(os.fspath(value)))
 
 
 def embed_read_buffer(row_bytes: int) -> int:
@@ -287,10 +294,13 @@ class EngineConfig:
     speculate: str | None = knob(
         None,
         "scheduler",
-        "speculative decoding: ngram (drafts from tokens seen earlier in the sequence)",
-        doc="A decoding sequence's drafted tokens are verified in the same weight pass as its next token; greedy "
-        "output stays the target's own, sampled output keeps the target's distribution (rejection sampling). "
-        "Requests held to a grammar do not speculate.",
+        "speculative decoding: ngram, self (its own int4 copy drafts) or PATH (a draft model)",
+        doc="ngram drafts from tokens seen earlier in the sequence; PATH is a draft model's directory or GGUF file "
+        "with the same tokenizer. A decoding sequence's drafted tokens are verified in the same weight pass as its "
+        "next token; greedy output stays the target's own, sampled output keeps the target's distribution "
+        "(rejection sampling). "
+        "A draft model (self: converted once into the cache folder, or the model itself where it is int4) runs "
+        "resident on the CPU, its bytes charged to the memory budget. Requests held to a grammar do not speculate.",
         metavar="METHOD",
         default_text="none",
     )
@@ -324,8 +334,12 @@ class EngineConfig:
             raise OffloadError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.io_backend not in IO_BACKENDS:
             raise OffloadError(f"io_backend must be one of {', '.join(IO_BACKENDS)}, got {self.io_backend!r}")
-        if self.speculate not in SPECULATE:
-            raise OffloadError(f"speculate must be one of {', '.join(map(str, SPECULATE[1:]))}, got {self.speculate!r}")
+        if self.speculate not in SPECULATE and not _is_path(self.speculate):
+            raise OffloadError(
+                f"speculate must be ngram, self or a draft model's directory or GGUF file, got {self.speculate!r}"
+            )
+        if isinstance(self.speculate, os.PathLike):
+            object.__setattr__(self, "speculate", os.fspath(self.speculate))
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= MAX_DRAFT:
             raise OffloadError(f"num_speculative_tokens must be in 1..{MAX_DRAFT}, got {self.num_speculative_tokens!r}")
         if self.ring_slots < 2:

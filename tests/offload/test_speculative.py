@@ -37,11 +37,12 @@ def run(model_dir, prompts, params, speculate="ngram", **config):
 
 def test_ngram_proposes_what_followed_the_latest_earlier_occurrence() -> None:
     drafter = NgramDrafter(min_n=1, max_n=3)
-    assert drafter.propose([1, 2, 9, 1, 2, 7, 1, 2], 2) == (7, 1)  # the latest (1, 2) before the end
-    assert drafter.propose([5, 1, 2, 3, 6, 2, 3], 4) == (6, 2, 3, 6)  # past the end, the run after (2, 3) repeats
-    assert drafter.propose([9, 7, 7], 3) == (7, 7, 7)
-    assert drafter.propose([1, 2, 3], 4) == ()  # nothing repeats
-    assert drafter.propose([256, 1, 256], 2) == (1, 256)  # whole tokens only, never bytes inside one
+    assert drafter.lookup([1, 2, 9, 1, 2, 7, 1, 2], 2) == (7, 1)  # the latest (1, 2) before the end
+    assert drafter.lookup([5, 1, 2, 3, 6, 2, 3], 4) == (6, 2, 3, 6)  # past the end, the run after (2, 3) repeats
+    assert drafter.lookup([9, 7, 7], 3) == (7, 7, 7)
+    assert drafter.lookup([1, 2, 3], 4) == ()  # nothing repeats
+    assert drafter.lookup([256, 1, 256], 2) == (1, 256)  # whole tokens only, never bytes inside one
+    assert drafter.propose([[9, 7, 7], [1, 2, 3]], 2) == [(7, 7), ()]  # one draft per sequence, in order
 
 
 @pytest.mark.parametrize(
@@ -67,9 +68,11 @@ class Oracle:
     def __init__(self, prompt: list[int], output: tuple[int, ...]) -> None:
         self.prompt, self.output = prompt, output
 
-    def propose(self, token_ids, k):
-        done = len(token_ids) - len(self.prompt)
-        return tuple(self.output[done : done + k])
+    def propose(self, sequences, k):
+        return [tuple(self.output[len(ids) - len(self.prompt) :][:k]) for ids in sequences]
+
+    def close(self):
+        pass
 
 
 def deltas(model_dir, prompt, params, drafter=None) -> list:
@@ -166,8 +169,8 @@ def test_a_greedy_draft_is_accepted_while_it_agrees() -> None:
 
 
 def test_an_unknown_method_is_refused() -> None:
-    with pytest.raises(OffloadError, match="speculate must be one of ngram"):
-        EngineConfig(speculate="medusa")
+    with pytest.raises(OffloadError, match="speculate must be ngram, self or a draft model's directory or GGUF file"):
+        EngineConfig(speculate="medusa")  # no such method, and no such file
 
 
 @pytest.mark.slow

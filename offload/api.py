@@ -172,7 +172,7 @@ def _completion(prompt: str | None, prompt_ids: list[int], deltas: list[Delta]) 
 
 class LLM:
     """A model loaded for generation: `LLM(model_dir).generate(prompts, SamplingParams(...))`. `model=None` runs the
-    embedded demo model; a GGUF file runs its import (offload/gguf/importer.py's resolve_model).
+    embedded demo model; a GGUF file runs in place, or its import (offload/gguf/resolve.py's resolve_model).
 
     `config` is resolved for `workload` as every face resolves it (offload/planner/autoconfig.py's resolve): with a
     budget and neither the batch nor the KV cache fixed, the cost model sizes both, so `LLM(model,
@@ -189,7 +189,7 @@ class LLM:
         from offload.demo import default_model
         from offload.gguf.resolve import resolve_model
 
-        model_dir = resolve_model(model) if model is not None else default_model()  # a GGUF file: imported once
+        model_dir = resolve_model(model) if model is not None else default_model()  # a GGUF file: in place
         self.parts = build(model_dir, config or EngineConfig(), workload, prompts)
         self.config, self.model_dir, self.spec = self.parts.config, model_dir, self.parts.spec
         self.prompts = self.parts.prompts

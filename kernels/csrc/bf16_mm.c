@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "simd.h"
+#include "team.h"
 
 #define TILE 16 /* output features a task computes */
 #define FB 4 /* features whose sums stay in registers together */
@@ -46,38 +47,45 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
 /* x: [m, k] bf16; w: [n, k] bf16; y: [m, n] bf16, or float32 where f32. n % 16 == 0, k % 32 == 0. */
 void bf16_mm(const uint16_t *x, const uint16_t *w, void *y, int64_t m, int64_t n, int64_t k, int f32, int threads) {
     const int64_t chunks = k / 32;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < n / TILE; t++) {
-        const uint16_t *wt = w + t * TILE * k;
-        /* the next tile's lines, spread over this tile's blocks: where the hardware's prefetchers leave a tile's
-         * first pass waiting on memory */
-        const int64_t lines = TILE * k * 2 / 64, blocks = (m + RB - 1) / RB * (TILE / FB);
-        const int64_t per_block = (lines + blocks - 1) / blocks;
-        const char *next = t + 1 < n / TILE ? (const char *)(wt + TILE * k) : NULL;
-        for (int64_t r0 = 0; r0 < m; r0 += RB) {
-            __m512 sums[RB][TILE];
-            const int64_t rows = m - r0 < RB ? m - r0 : RB;
-            for (int f0 = 0; f0 < TILE; f0 += FB) {
-                const int64_t first = (r0 / RB * (TILE / FB) + f0 / FB) * per_block;
-                const int64_t last = first + per_block < lines ? first + per_block : lines;
-                const uint16_t *xr = x + r0 * k, *wf = wt + f0 * k;
-                if (rows == RB) /* R a constant in each call: the sums stay in registers */
-                    block(xr, wf, k, chunks, RB, sums, f0, next, first, last);
-                else if (rows == 3)
-                    block(xr, wf, k, chunks, 3, sums, f0, next, first, last);
-                else if (rows == 2)
-                    block(xr, wf, k, chunks, 2, sums, f0, next, first, last);
-                else
-                    block(xr, wf, k, chunks, 1, sums, f0, next, first, last);
-            }
-            for (int64_t i = 0; i < rows; i++) {
-                const __m512 s = sum16(sums[i]);
-                const int64_t r = r0 + i;
-                if (f32)
-                    _mm512_storeu_ps((float *)y + r * n + t * TILE, s);
-                else
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * n + t * TILE), (__m256i)_mm512_cvtneps_pbh(s));
+    team tm = team_begin(threads);
+#pragma omp parallel num_threads(tm.threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < n / TILE; t++) {
+            const uint16_t *wt = w + t * TILE * k;
+            /* the next tile's lines, spread over this tile's blocks: where the hardware's prefetchers leave a tile's
+             * first pass waiting on memory */
+            const int64_t lines = TILE * k * 2 / 64, blocks = (m + RB - 1) / RB * (TILE / FB);
+            const int64_t per_block = (lines + blocks - 1) / blocks;
+            const char *next = t + 1 < n / TILE ? (const char *)(wt + TILE * k) : NULL;
+            for (int64_t r0 = 0; r0 < m; r0 += RB) {
+                __m512 sums[RB][TILE];
+                const int64_t rows = m - r0 < RB ? m - r0 : RB;
+                for (int f0 = 0; f0 < TILE; f0 += FB) {
+                    const int64_t first = (r0 / RB * (TILE / FB) + f0 / FB) * per_block;
+                    const int64_t last = first + per_block < lines ? first + per_block : lines;
+                    const uint16_t *xr = x + r0 * k, *wf = wt + f0 * k;
+                    if (rows == RB) /* R a constant in each call: the sums stay in registers */
+                        block(xr, wf, k, chunks, RB, sums, f0, next, first, last);
+                    else if (rows == 3)
+                        block(xr, wf, k, chunks, 3, sums, f0, next, first, last);
+                    else if (rows == 2)
+                        block(xr, wf, k, chunks, 2, sums, f0, next, first, last);
+                    else
+                        block(xr, wf, k, chunks, 1, sums, f0, next, first, last);
+                }
+                for (int64_t i = 0; i < rows; i++) {
+                    const __m512 s = sum16(sums[i]);
+                    const int64_t r = r0 + i;
+                    if (f32)
+                        _mm512_storeu_ps((float *)y + r * n + t * TILE, s);
+                    else
+                        _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * n + t * TILE),
+                                            (__m256i)_mm512_cvtneps_pbh(s));
+                }
             }
         }
+        team_share_done(&tm);
     }
+    team_end(&tm);
 }

@@ -18,6 +18,7 @@
 
 #include "bf16.h"
 #include "simd.h"
+#include "team.h"
 
 #define MAX_DIM 256 /* head size */
 
@@ -128,13 +129,19 @@ void decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
                            int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale, float *scores,
                            int64_t max_len, int threads) {
     const job j = {q, k, v, tables, lens, starts, out, scores, width, hq, hkv, d, block_size, max_len, scale};
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t task = 0; task < n * hkv; task++) {
-        if (d == 64)
-            attend(&j, task, 2);
-        else if (d == 128)
-            attend(&j, task, 4);
-        else
-            attend(&j, task, d / 32);
+    team t = team_begin(threads);
+#pragma omp parallel num_threads(t.threads)
+    {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t task = 0; task < n * hkv; task++) {
+            if (d == 64)
+                attend(&j, task, 2);
+            else if (d == 128)
+                attend(&j, task, 4);
+            else
+                attend(&j, task, d / 32);
+        }
+        team_share_done(&t);
     }
+    team_end(&t);
 }

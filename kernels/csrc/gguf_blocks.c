@@ -11,13 +11,15 @@
  * with a row's 32 inputs by AVX-512 BF16's dot product into 16 float32 lanes (exact products), scaled by d and added
  * to the row's 16 sums; Q4_1's m multiplies the block's sum of inputs. A row's output is its lanes' sum, float32 or
  * rounded once to bfloat16. Every row takes the same operations in the same order whatever rows are beside it, so an
- * output does not depend on the batch around it.
+ * output does not depend on the batch around it. Four output features are computed together (each block's inputs
+ * loaded once for them, sixteen independent sums in registers), each by one thread: the same bits on any team.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "team.h"
 
 #define QK 32 /* values a block */
 #define RB 4 /* rows whose sums stay in registers together */
@@ -108,14 +110,21 @@ void gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out,
     uint16_t table[32]; /* bfloat16 of each nibble's value, indexed by a 16-bit lane's low 5 bits */
     for (int q = 0; q < 32; q++) table[q] = float_to_bf16((float)((q & 15) - (type == Q4_0 ? 8 : 0))); /* exact */
     const __m512i lut = _mm512_loadu_si512(table);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < (n + FT - 1) / FT; t++) {
-        const int64_t j = t * FT;
-        if (j + FT <= n)
-            features(x, w + j * row, row, type, lut, xsum, y, f32out, m, j, FT, n, k);
-        else
-            for (int64_t f = j; f < n; f++) features(x, w + f * row, row, type, lut, xsum, y, f32out, m, f, 1, n, k);
+    team t = team_begin(threads); /* one thread while another process holds a core (team.h) */
+#pragma omp parallel num_threads(t.threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t tile = 0; tile < (n + FT - 1) / FT; tile++) {
+            const int64_t j = tile * FT;
+            if (j + FT <= n)
+                features(x, w + j * row, row, type, lut, xsum, y, f32out, m, j, FT, n, k);
+            else
+                for (int64_t f = j; f < n; f++)
+                    features(x, w + f * row, row, type, lut, xsum, y, f32out, m, f, 1, n, k);
+        }
+        team_share_done(&t);
     }
+    team_end(&t);
 }
 
 /* W [n, k] in bfloat16 from blocks of `type`: each value in float32 (Q4_0: d (q - 8), Q8_0: d q, both exact; Q4_1:

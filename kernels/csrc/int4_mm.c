@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "team.h"
 
 #define UNIT 16 /* output features of one nibble of a unit's 16 bytes */
 #define BLOCK 64 /* output features in one block of torch's packing */
@@ -79,65 +80,71 @@ void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, u
     for (int q = 0; q < 32; q++) table[q] = float_to_bf16((float)((q & 15) - 8)); /* exact */
     const __m512i lut = _mm512_loadu_si512(table);
     const int64_t units = n / (2 * UNIT); /* 32 features: both nibbles of 16 bytes of each row */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t block = u / 2, half = u % 2; /* which 16 bytes of a block's rows */
-        const int64_t first = block * BLOCK + half * UNIT; /* low nibbles: first..first+15; high: first+32.. */
-        const uint8_t *rows = codes + block * k * 32 + half * 16;
-        __m512 acc_y[2][ROWS], acc_g[2][ROWS];
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-            const int64_t rn = m - r0 < ROWS ? m - r0 : ROWS;
-            for (int64_t r = 0; r < rn; r++) acc_y[0][r] = acc_y[1][r] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < groups; g++) {
-                /* a later group's scales: a cache line each, a row of scales apart, which the hardware prefetcher
-                 * does not follow */
-                if (g + PREFETCH < groups)
-                    for (int h = 0; h < 2; h++)
-                        _mm_prefetch((const char *)(sz + ((g + PREFETCH) * n + first + 32 * h) * 2), _MM_HINT_T0);
-                /* the next block's codes for this group, requested into L2 by a block's second unit (the first has
-                 * read these rows' lines already): from memory they stream in while this block computes */
-                if (half == 1 && block + 1 < n / BLOCK && r0 == 0)
-                    for (int64_t l = g * group * 32; l < (g + 1) * group * 32; l += 64)
-                        _mm_prefetch((const char *)(codes + (block + 1) * k * 32 + l), _MM_HINT_T1);
-                group_sz gs; /* the 16 features' (scale, zero) pairs of each nibble: 32 bf16 -> two vectors */
-                for (int h = 0; h < 2; h++) {
-                    const __m512i pair = _mm512_loadu_si512(sz + (g * n + first + 32 * h) * 2);
-                    gs.scale[h] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-                    gs.zero[h] = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000)));
-                }
-                for (int64_t c = g * group; c < (g + 1) * group; c += CHUNK) {
-                    /* inputs k and k + 1 of the unit's 16 bytes interleaved byte by byte, each byte zero-extended
-                     * to a 16-bit lane: its low nibble (with the high one's low bit, which the table ignores) and
-                     * its high nibble index the table */
-                    __m512i lo[PAIRS], hi[PAIRS];
-                    for (int p = 0; p < PAIRS; p++) {
-                        const uint8_t *at = rows + (c + 2 * p) * 32;
-                        const __m128i a = _mm_loadu_si128((const __m128i *)at);
-                        const __m128i b = _mm_loadu_si128((const __m128i *)(at + 32));
-                        const __m512i v = _mm512_cvtepu8_epi16(
-                            _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
-                        lo[p] = _mm512_permutexvar_epi16(v, lut);
-                        hi[p] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
+    team t = team_begin(threads);
+#pragma omp parallel num_threads(t.threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t block = u / 2, half = u % 2; /* which 16 bytes of a block's rows */
+            const int64_t first = block * BLOCK + half * UNIT; /* low nibbles: first..first+15; high: first+32.. */
+            const uint8_t *rows = codes + block * k * 32 + half * 16;
+            __m512 acc_y[2][ROWS], acc_g[2][ROWS];
+            for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+                const int64_t rn = m - r0 < ROWS ? m - r0 : ROWS;
+                for (int64_t r = 0; r < rn; r++) acc_y[0][r] = acc_y[1][r] = _mm512_setzero_ps();
+                for (int64_t g = 0; g < groups; g++) {
+                    /* a later group's scales: a cache line each, a row of scales apart, which the hardware prefetcher
+                     * does not follow */
+                    if (g + PREFETCH < groups)
+                        for (int h = 0; h < 2; h++)
+                            _mm_prefetch((const char *)(sz + ((g + PREFETCH) * n + first + 32 * h) * 2), _MM_HINT_T0);
+                    /* the next block's codes for this group, requested into L2 by a block's second unit (the first has
+                     * read these rows' lines already): from memory they stream in while this block computes */
+                    if (half == 1 && block + 1 < n / BLOCK && r0 == 0)
+                        for (int64_t l = g * group * 32; l < (g + 1) * group * 32; l += 64)
+                            _mm_prefetch((const char *)(codes + (block + 1) * k * 32 + l), _MM_HINT_T1);
+                    group_sz gs; /* the 16 features' (scale, zero) pairs of each nibble: 32 bf16 -> two vectors */
+                    for (int h = 0; h < 2; h++) {
+                        const __m512i pair = _mm512_loadu_si512(sz + (g * n + first + 32 * h) * 2);
+                        gs.scale[h] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+                        gs.zero[h] = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000)));
                     }
-                    const uint32_t *xc = (const uint32_t *)(x + r0 * k + c);
-                    const int start = c == g * group;
-                    const group_sz *end = c + CHUNK == (g + 1) * group ? &gs : NULL;
-                    const float *xs = xsum + r0 * groups + g;
-                    int64_t r = 0;
-                    for (; r + RB <= rn; r += RB)
-                        chunk_rows(lo, hi, xc + r * (k / 2), k / 2, RB, start, acc_g[0] + r, acc_g[1] + r, end,
-                                   xs + r * groups, groups, acc_y[0] + r, acc_y[1] + r);
-                    for (; r < rn; r++)
-                        chunk_rows(lo, hi, xc + r * (k / 2), k / 2, 1, start, acc_g[0] + r, acc_g[1] + r, end,
-                                   xs + r * groups, groups, acc_y[0] + r, acc_y[1] + r);
+                    for (int64_t c = g * group; c < (g + 1) * group; c += CHUNK) {
+                        /* inputs k and k + 1 of the unit's 16 bytes interleaved byte by byte, each byte zero-extended
+                         * to a 16-bit lane: its low nibble (with the high one's low bit, which the table ignores) and
+                         * its high nibble index the table */
+                        __m512i lo[PAIRS], hi[PAIRS];
+                        for (int p = 0; p < PAIRS; p++) {
+                            const uint8_t *at = rows + (c + 2 * p) * 32;
+                            const __m128i a = _mm_loadu_si128((const __m128i *)at);
+                            const __m128i b = _mm_loadu_si128((const __m128i *)(at + 32));
+                            const __m512i v = _mm512_cvtepu8_epi16(
+                                _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+                            lo[p] = _mm512_permutexvar_epi16(v, lut);
+                            hi[p] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
+                        }
+                        const uint32_t *xc = (const uint32_t *)(x + r0 * k + c);
+                        const int start = c == g * group;
+                        const group_sz *end = c + CHUNK == (g + 1) * group ? &gs : NULL;
+                        const float *xs = xsum + r0 * groups + g;
+                        int64_t r = 0;
+                        for (; r + RB <= rn; r += RB)
+                            chunk_rows(lo, hi, xc + r * (k / 2), k / 2, RB, start, acc_g[0] + r, acc_g[1] + r, end,
+                                       xs + r * groups, groups, acc_y[0] + r, acc_y[1] + r);
+                        for (; r < rn; r++)
+                            chunk_rows(lo, hi, xc + r * (k / 2), k / 2, 1, start, acc_g[0] + r, acc_g[1] + r, end,
+                                       xs + r * groups, groups, acc_y[0] + r, acc_y[1] + r);
+                    }
                 }
+                for (int h = 0; h < 2; h++)
+                    for (int64_t r = 0; r < rn; r++)
+                        _mm256_storeu_si256((__m256i *)(y + (r0 + r) * n + first + 32 * h),
+                                            (__m256i)_mm512_cvtneps_pbh(acc_y[h][r]));
             }
-            for (int h = 0; h < 2; h++)
-                for (int64_t r = 0; r < rn; r++)
-                    _mm256_storeu_si256((__m256i *)(y + (r0 + r) * n + first + 32 * h),
-                                        (__m256i)_mm512_cvtneps_pbh(acc_y[h][r]));
         }
+        team_share_done(&t);
     }
+    team_end(&t);
 }
 
 /* W [n, k] in bfloat16 from int4 codes in torch's CPU packing: w = (q - 8) * scale + zero in float32 (one fused

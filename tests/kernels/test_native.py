@@ -225,6 +225,37 @@ def test_decode_attention_reads_the_paged_cache_as_dense_attention_would(window,
 
 
 @needs_native
+def test_kernels_give_the_same_bits_on_one_thread_as_on_several():
+    """The kernels that drop to one thread while the CPU is shared (kernels/csrc/team.h) split their work by
+    outputs, each computed whole by one thread: a product's and decode attention's bits do not depend on the team."""
+    gen = torch.Generator().manual_seed(3)
+    codes, scales = _int4(576, 576, 32, gen)
+    x = torch.randn(5, 576, generator=gen).to(torch.bfloat16)
+    w = torch.randn(1024, 576, generator=gen).to(torch.bfloat16)
+    k, v, batch = _paged([37, 160, 5], 16, gen, 3, 64)
+    q = torch.randn(3, 9, 64, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor(batch.context_lens, dtype=torch.int32)
+
+    def outputs() -> list[torch.Tensor]:
+        attention = native.decode_attention(q, k, v, batch.block_tables, lens, torch.zeros_like(lens), 0.125, 160)
+        return [
+            native.int4_mm(x, codes, scales, 32),
+            native.bf16_mm(x, w),
+            native.bf16_mm(x, w, torch.float32),
+            attention,
+        ]
+
+    threads = torch.get_num_threads()
+    several = outputs()
+    torch.set_num_threads(1)
+    try:
+        alone = outputs()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(several, alone, strict=True))
+
+
+@needs_native
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("max_chunk", [1024, 8])
 def test_prompt_chunks_take_the_native_kernel_beside_decode_tokens(window, max_chunk: int, monkeypatch):

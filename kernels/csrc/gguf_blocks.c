@@ -94,7 +94,11 @@ static inline __attribute__((always_inline)) void features(const uint16_t *x, co
                                                            int64_t k) {
     int64_t r0 = 0;
     for (; r0 + RB <= m; r0 += RB) features_rows(x, wr, row, type, lut, xsum, y, f32out, r0, RB, j, F, n, k);
-    for (; r0 < m; r0++) features_rows(x, wr, row, type, lut, xsum, y, f32out, r0, 1, j, F, n, k);
+    switch (m - r0) { /* the last rows in one pass too: each block decoded once for them */
+    case 3: features_rows(x, wr, row, type, lut, xsum, y, f32out, r0, 3, j, F, n, k); break;
+    case 2: features_rows(x, wr, row, type, lut, xsum, y, f32out, r0, 2, j, F, n, k); break;
+    case 1: features_rows(x, wr, row, type, lut, xsum, y, f32out, r0, 1, j, F, n, k); break;
+    }
 }
 
 /* x: [m, k] bf16; w: [n, k / 32] blocks of `type`; y: [m, n] float32 (f32out) or bf16; xsum: scratch [m, k / 32]

@@ -15,29 +15,15 @@ count, which is how DENSE_FROM_ROWS is chosen. Prints a table and writes benchma
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 from bench_common import machine, timestamp, write_report
+from native_cpu import per_call
 
 COLD_BYTES = 256 << 20
 SHAPES = {"expert gate/up": (14336, 4096), "expert down": (4096, 14336), "4096 x 4096": (4096, 4096),
           "SmolLM2 gate/up": (3072, 576)}  # fmt: skip
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
-
-
-def per_call(fn, weights: list, repeats: int) -> float:
-    """Median over `repeats` passes of the seconds per call, a pass one call per weight copy."""
-    for w in weights:
-        fn(w)
-    passes = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for w in weights:
-            fn(w)
-        passes.append((time.perf_counter() - start) / len(weights))
-    return statistics.median(passes)
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,7 +41,9 @@ def resolve_model(model: str | Path, in_place: bool = True) -> Path:
     if in_place:
         out = folder / f"{path.stem}-{IN_PLACE}-{source_key(path, IN_PLACE)}"
         if (out / GGUF_INDEX).is_file():
-            return out
+            if _indexed_source(out) == path.resolve():
+                return out
+            shutil.rmtree(out, ignore_errors=True)  # the same bytes moved or copied here: index this file instead
         reader = open_gguf(path)
         refusal = in_place_refusal(reader, path)
         if refusal is None:
@@ -52,6 +56,14 @@ def resolve_model(model: str | Path, in_place: bool = True) -> Path:
             return out
         return _imported(path, f"{path} cannot run in place ({refusal}): it is imported instead\n")
     return _imported(path, "")
+
+
+def _indexed_source(folder: Path) -> Path | None:
+    """The GGUF file an in-place folder's index names (None where it cannot be read)."""
+    try:
+        return Path(json.loads((folder / GGUF_INDEX).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _imported(path: Path, why: str) -> Path:

@@ -118,6 +118,19 @@ def test_a_file_that_cannot_run_in_place_is_imported_once_and_said_why(
     assert len(imports) == 1
 
 
+def test_a_moved_file_is_indexed_where_it_now_lies(tmp_path: Path, cache: Path):
+    first = tmp_path / "a" / "tiny.gguf"
+    first.parent.mkdir()
+    write_gguf(first)
+    folder = resolve_model(first)
+    moved = tmp_path / "b" / "tiny.gguf"
+    moved.parent.mkdir()
+    first.rename(moved)  # the same bytes, so the same key: the folder is made again for the file where it lies
+    assert resolve_model(moved) == folder
+    with LLM(moved, EngineConfig(dtype="float32")) as llm:
+        assert len(llm.generate_ids([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
 def test_a_changed_or_missing_file_is_one_line(capsys, tmp_path: Path, cache: Path):
     path = tmp_path / "tiny.gguf"
     write_gguf(path)

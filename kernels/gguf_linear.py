@@ -100,7 +100,7 @@ def _product(x: torch.Tensor, w: torch.Tensor, float32: bool) -> torch.Tensor:
     step = max(1, DEQUANT_BYTES // (2 * k))  # output features dequantized at a time
     parts = []
     for start in range(0, n, step):
-        part = dequantize(w[start : start + step], x.dtype if x.dtype != torch.float32 else torch.float32)
+        part = dequantize(w[start : start + step], x.dtype)
         parts.append(dense.logits(x, part) if float32 else dense.linear(x, part))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 

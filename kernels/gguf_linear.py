@@ -2,9 +2,9 @@
 
 A matrix [N, K] in blocks is a uint8 tensor [N, K / 32, block bytes]; its last dimension names the block type
 (BLOCK_TYPES), so a tensor says how to read itself. kernels/csrc/gguf_blocks.c multiplies bfloat16 rows with the
-blocks as they lie (each block decoded once into bfloat16 registers, exact products summed in float32), for the few
-rows of a decode step; from DENSE_FROM_ROWS rows the matrix is dequantized to the compute dtype a slice of features at
-a time and multiplied by the dense GEMM (oneDNN, on AMX tiles where the CPU has them), as a prompt's rows want.
+blocks as they lie (each block decoded once into bfloat16 registers, exact products summed in float32), for the
+rows of a decode step and of a short prompt; from DENSE_FROM_ROWS rows the matrix is dequantized to the compute dtype
+a slice of features at a time and multiplied by the dense GEMM (oneDNN, on AMX tiles where the CPU has them).
 Without the native kernels (another CPU, OFFLOAD_KERNELS=torch, a CUDA device) `dequantize_ref` does the
 dequantizing in torch, then the dense product. An LM head's logits are float32 on every path.
 """
@@ -24,9 +24,12 @@ BLOCK = 32  # values a block, along a row's inputs
 BLOCK_TYPES = {18: "Q4_0", 20: "Q4_1", 34: "Q8_0"}  # bytes a block -> GGUF's type
 TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # kernels/csrc/gguf_blocks.c's enum
 BLOCK_BYTES = {t: b for b, t in BLOCK_TYPES.items()}
-# rows from which dequantizing the matrix for the dense GEMM beats the block kernel, in bfloat16 on the 2-core Intel
-# Xeon with AMX (benchmarks/gguf_blocks.py)
-DENSE_FROM_ROWS = 32
+# rows from which the matrix is dequantized for the dense GEMM. That product rounds each weight to bfloat16, where the
+# block kernel multiplies d (q - 8) unrounded, so a prompt's scores would depend on how many of its rows a step
+# computes (how much of it a prefix cache held) wherever the paths switch; the dense product wins from 32-64 rows on
+# the 2-core Intel Xeon with AMX (benchmarks/gguf_blocks.py), and switching as the imported int4 does, from 256 (its
+# timed choice there), keeps scores of the prompts up to that length on one path
+DENSE_FROM_ROWS = 256
 DEQUANT_BYTES = 32 << 20  # bfloat16 bytes dequantized at a time for the dense GEMM
 
 

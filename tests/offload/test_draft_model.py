@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from test_speculative import GREEDY, PROMPTS
 
 from conftest import make_checkpoint
 from offload.api import LLM
@@ -16,9 +17,6 @@ from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.paths import cache_dir
 from offload.model.speculation.model_drafter import ModelDrafter
-
-PROMPTS = [[3, 4, 5, 6, 7, 8] * 3, [20, 21, 22, 20, 21, 22, 20, 21], [40 + i for i in range(11)]]
-GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,9 @@ static inline __attribute__((always_inline)) void features_rows(const uint16_t *
         __m512 d[FT];
         for (int f = 0; f < F; f++) {
             const uint8_t *blk = wr + f * row + b * bs;
+            /* the same place in the next features' rows: a thread's four streams outrun the hardware's prefetch
+             * (one row through a 14336 x 4096 expert from memory: 9 GB/s without, 14 with, on the 2-core Xeon) */
+            _mm_prefetch((const char *)(blk + F * row), _MM_HINT_T0);
             w[f] = decode(blk, type, lut);
             d[f] = _mm512_set1_ps(f16_at(blk));
         }

@@ -28,6 +28,12 @@ class ComputeUnit:
     # the same for weights packed for the CPU's GEMM (kernels.linear.pack_weight), as the engine keeps resident
     # layers and the head where packing pays: 1.6x faster decode steps on an AMD EPYC; empty where it does not pay
     packed_matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # the same through the engine's quantized kernels on CPU rows of that dtype, FLOPs counted as the dense
+    # product's: int4 codes in groups of 32 in torch's CPU packing (kernels/quant_linear.py), and GGUF Q4_0 blocks
+    # read in place (kernels/gguf_linear.py); empty where not measured (the cost model then scales the dense curve
+    # by the bytes). At a few rows these kernels decode codes in registers, and that, not memory, can bound them.
+    int4_matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    gguf_matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # what `offload probe` measures of the rest of a layer through the engine's own code, dtype -> ((size, rate),
     # ...) with sizes ascending; empty for published profiles (the cost model then prices this work at the memory
     # bandwidth and the GEMM rate). On a CPU these run far below the memory roofline: a float32 RMS norm or a
@@ -92,6 +98,8 @@ class HardwareProfile:
 CURVES = {
     "matmul_curve": ("rows", "TFLOP/s", TFLOP),
     "packed_matmul_curve": ("rows", "TFLOP/s", TFLOP),
+    "int4_matmul_curve": ("rows", "TFLOP/s", TFLOP),
+    "gguf_matmul_curve": ("rows", "TFLOP/s", TFLOP),
     "elementwise_curve": ("rows", "GB/s", GB),
     "prefill_attention_curve": ("tokens", "TFLOP/s", TFLOP),
     "decode_attention_curve": ("tokens", "GB/s", GB),

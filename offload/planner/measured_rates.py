@@ -71,6 +71,44 @@ def measure_matmul(
     return tuple(curve)
 
 
+def measure_quantized_matmul(
+    kind: str, rows: tuple[int, ...], k: int, n: int, min_seconds: float = 0.2, weight_pool_bytes: int = 0
+) -> tuple[tuple[int, float], ...]:
+    """((rows, FLOP/s), ...) of the engine's quantized product of bfloat16 rows [rows, k] with W [n, k] on the CPU,
+    the FLOPs counted as the dense product's: `kind` "int4" (codes in groups of 32 in torch's CPU packing, through
+    kernels/quant_linear.py and the paths kernels/choice.py timed) or "gguf" (Q4_0 blocks as a GGUF file holds
+    them, through kernels/gguf_linear.py). Weight copies are cycled as measure_matmul's."""
+    from offload.common.quant import WeightQuant
+    from offload.kernels.gguf_linear import gguf_linear
+    from offload.kernels.quant_linear import quant_linear, to_cpu_layout
+
+    gen = torch.Generator().manual_seed(0)
+    if kind == "int4":
+        fmt = WeightQuant(4, 32, "cpu")
+        codes = to_cpu_layout(torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8), 4)
+        scales = (torch.rand(k // 32, n, 2, generator=gen) * 0.02).to(torch.bfloat16)  # [groups, n, scale/zero]
+        weight, nbytes = (codes, scales), codes.numel() + 2 * scales.numel()
+        product = lambda x, w: quant_linear(x, w[0], w[1], fmt)  # noqa: E731
+    elif kind == "gguf":
+        blocks = torch.randint(0, 256, (n, k // 32, 18), generator=gen, dtype=torch.uint8)  # [n, blocks, 2 + 16]
+        scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).to(torch.float16)
+        blocks[..., :2] = scale.view(torch.uint8)  # each block's f16 scale, then its 32 codes in 16 bytes
+        weight, nbytes = blocks, blocks.numel()
+        product = gguf_linear
+    else:
+        raise ValueError(f"unknown quantized kind {kind!r} (known: int4, gguf)")
+    copies = -(-weight_pool_bytes // nbytes)
+    clone = (lambda w: tuple(t.clone() for t in w)) if kind == "int4" else torch.clone
+    weights = itertools.cycle([weight] + [clone(weight) for _ in range(1, copies)])
+    x_all = torch.randn(rows[-1], k, generator=gen).to(torch.bfloat16)  # [max rows, k]
+    curve = []
+    for r in rows:
+        x = x_all[:r]  # [r, k]
+        seconds = typical_seconds(lambda x=x: product(x, next(weights)), torch.device("cpu"), min_seconds)
+        curve.append((r, 2 * r * k * n / seconds))
+    return tuple(curve)
+
+
 def measure_elementwise(
     device: torch.device, dtype: str, rows: tuple[int, ...], hidden: int, head_dim: int, min_seconds: float = 0.2
 ) -> tuple[tuple[int, float], ...]:

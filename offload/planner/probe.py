@@ -7,7 +7,8 @@
   page-locked by the aio op where RLIMIT_MEMLOCK allows); io_backend="auto" takes the faster; the file is removed.
 - memory bandwidth: a large tensor copy, counted as bytes read + bytes written per second.
 - matmul: [rows, k] x [k, n] through offload.kernels.linear per dtype, the median of a few runs after a warm-up;
-  every row count goes into matmul_curve, the largest one's rate is matmul_flops.
+  every row count goes into matmul_curve, the largest one's rate is matmul_flops. On a CPU also bfloat16 rows, up to
+  a few, through the engine's quantized kernels (int4 codes, GGUF Q4_0 blocks): int4_ and gguf_matmul_curve.
 - the rest of a layer of hidden size k, through the engine's own functions: its non-GEMM work at each row count
   (RMS norms, rotary, KV write, SiLU * up, residual adds; elementwise_curve), causal attention of whole prompts of
   a few lengths (prefill_attention_curve) and one decode query per sequence over paged caches of a few lengths
@@ -50,6 +51,7 @@ from offload.planner.measured_rates import (
     measure_layer_floor_curve,
     measure_links,
     measure_matmul,
+    measure_quantized_matmul,
 )
 from offload.planner.profile_text import format_profile
 from offload.planner.profiles import load_profile, local_profile_path, save_profile
@@ -58,6 +60,7 @@ from offload.tiers.io.base import ALIGN
 
 MiB = 1 << 20
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZED_ROWS = 64  # quantized products measured below it (codes decoded in registers; above, kernels/choice.py's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +338,7 @@ def _compute_unit(
     from offload.kernels.linear import packing_pays
 
     curves, packed, elementwise, prefill, decode, floor, floor_curve = {}, {}, {}, {}, {}, {}, {}
+    quantized: dict[str, dict] = {"int4": {}, "gguf": {}}
     for dtype in dtypes:
         say(f"{'host' if device.type == 'cpu' else 'device'}: {dtype} matmul, elementwise work and attention")
         curves[dtype] = measure_matmul(
@@ -344,6 +348,12 @@ def _compute_unit(
             packed[dtype] = measure_matmul(
                 device, dtype, sizes.rows, sizes.k, sizes.n, sizes.min_seconds, sizes.weight_pool_bytes, packed=True
             )
+        if device.type == "cpu" and dtype == "bfloat16":  # the rows the quantized kernels decode codes for
+            few = tuple(r for r in sizes.rows if r < QUANTIZED_ROWS) or sizes.rows[:1]
+            for kind, curve in quantized.items():
+                curve[dtype] = measure_quantized_matmul(
+                    kind, few, sizes.k, sizes.n, sizes.min_seconds, sizes.weight_pool_bytes
+                )
         elementwise[dtype] = measure_elementwise(device, dtype, sizes.rows, sizes.k, sizes.head_dim, sizes.min_seconds)
         prefill[dtype], decode[dtype] = measure_attention(
             device,
@@ -363,6 +373,8 @@ def _compute_unit(
         matmul_flops={dtype: curve[-1][1] for dtype, curve in curves.items()},
         matmul_curve=curves,
         packed_matmul_curve=packed,
+        int4_matmul_curve=quantized["int4"],
+        gguf_matmul_curve=quantized["gguf"],
         elementwise_curve=elementwise,
         prefill_attention_curve=prefill,
         decode_attention_curve=decode,

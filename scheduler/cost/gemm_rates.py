@@ -40,20 +40,35 @@ def matmul_rate(unit: ComputeUnit, dtype: str, rows: int, packed: bool = False) 
 
 
 def gemm_seconds(
-    unit: ComputeUnit, dtype: str, params: int, weight_bytes: float, rows: int, packed: bool = False
+    unit: ComputeUnit,
+    dtype: str,
+    params: int,
+    weight_bytes: float,
+    rows: int,
+    packed: bool = False,
+    kernel: str | None = None,
 ) -> float:
     """[rows, k] x [k, n] products over `params` = k * n weights: compute- or memory-bound, whichever is slower.
     `packed`: weights the engine keeps packed for the CPU's GEMM (resident ones on a CPU device).
 
-    Quantized weights (`weight_bytes` under the compute dtype's): the measured rate at a few rows is mostly the dense
-    weight's memory traffic, and the quantized kernels read the codes instead, so that time scales with the bytes; the
-    curve's peak rate still bounds the FLOPs (at many rows the codes are dequantized for the dense GEMM)."""
+    Quantized weights (`weight_bytes` under the compute dtype's) in a `kernel` ("int4", "gguf") whose curve the
+    profile measured, at rows it covers (a few: the kernel decoding codes in registers): that curve. Else the
+    measured dense rate at a few rows is mostly the dense weight's memory traffic, and the
+    quantized kernels read the codes instead, so that time scales with the bytes; the curve's peak rate still
+    bounds the FLOPs (at many rows the codes are dequantized for the dense GEMM)."""
     rate = matmul_rate(unit, dtype, rows, packed)
     flops, dense = 2.0 * params * rows, params * DTYPE_BYTES[dtype]
+    if 0 < weight_bytes < dense and (curve := quantized_curve(unit, dtype, kernel)) and rows <= curve[-1][0]:
+        return flops / curve_rate(curve, rows)
     if 0 < weight_bytes < dense:
         compute = max(flops / rate * weight_bytes / dense, flops / peak_rate(unit, dtype, packed))
         return max(compute, weight_bytes / unit.memory_bandwidth)
     return max(flops / rate, weight_bytes / unit.memory_bandwidth)
+
+
+def quantized_curve(unit: ComputeUnit, dtype: str, kernel: str | None) -> tuple[tuple[int, float], ...] | None:
+    """The profile's measured curve of a quantized `kernel` ("int4", "gguf") on rows of `dtype`, if it has one."""
+    return getattr(unit, f"{kernel}_matmul_curve").get(dtype) if kernel else None
 
 
 def peak_rate(unit: ComputeUnit, dtype: str, packed: bool = False) -> float:

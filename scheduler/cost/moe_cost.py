@@ -94,15 +94,17 @@ def expert_step(
     packed: bool,
     host: ComputeUnit | None = None,
     link: float = 0.0,
+    kernel: str | None = None,
 ) -> ExpertStep:
     """One sparse layer's routed experts in a step of `micro_batches` micro-batches of `rows_per_mb` tokens.
 
     expert_bytes: one expert's weight bytes at the candidate's width; slots: the expert cache's experts (None:
     the experts are placed and streamed with their layer); packed: the experts are packed for the CPU's GEMM;
-    host and link (bytes/s host -> device): a CUDA machine's CPU and link, which each miss crosses or runs on."""
+    host and link (bytes/s host -> device): a CUDA machine's CPU and link, which each miss crosses or runs on;
+    kernel: the quantized kernel the experts' products take (gemm_seconds)."""
     touched = distinct_experts(s, rows_per_mb)
     rows = max(math.ceil(rows_per_mb * s.experts_per_token / max(touched, 1e-9)), 1)
-    per_expert = gemm_seconds(unit, dtype, expert_params(s), expert_bytes, rows, packed)
+    per_expert = gemm_seconds(unit, dtype, expert_params(s), expert_bytes, rows, packed, kernel)
     compute = touched * (per_expert + EXPERT_OVERHEAD) * micro_batches
     if slots is None:
         return ExpertStep(compute, 0.0, one_seconds=per_expert + EXPERT_OVERHEAD)

@@ -28,7 +28,13 @@ from offload.common.hardware import ComputeUnit, HardwareProfile
 from offload.common.model_config import GPT_OSS, ModelSpec
 from offload.common.tier import Tier
 from offload.scheduler.cost.attention_cost import attention_seconds, host_kv_attention
-from offload.scheduler.cost.gemm_rates import curve_rate, elementwise_bytes, gemm_seconds, matmul_rate
+from offload.scheduler.cost.gemm_rates import (
+    curve_rate,
+    elementwise_bytes,
+    gemm_seconds,
+    matmul_rate,
+    quantized_curve,
+)
 from offload.scheduler.cost.moe_cost import (
     average_routed_params,
     expert_params,
@@ -192,6 +198,17 @@ class Context:
             return None
         return int(cand.expert_cache // self.expert_bytes(cand.weight_bits))
 
+    def quant_kernel(self, bits: int) -> str | None:
+        """The quantized kernel a CPU device multiplies weights of `bits` with ("gguf": a GGUF file's blocks read in
+        place, "int4": the engine's int4 codes; its profile may have measured either); None for float weights,
+        int8, and a CUDA device (whose quantized kernels the probe does not measure)."""
+        if bits >= 8 * self.dtype_bytes or not self.on_cpu:
+            return None
+        quant = self.shape.quant
+        if quant is not None and quant.layout == "gguf" and quant.bits == bits:
+            return "gguf"
+        return "int4" if bits == 4 else None
+
     def weight_bytes(self, params: int, bits: int) -> float:
         if bits >= 8 * self.dtype_bytes:
             return params * self.dtype_bytes
@@ -236,9 +253,11 @@ def _layer_step(
         busy["link"] = w_bytes / hw.host_to_device
     attn_unit = hw.host if cand.kv_tier == Tier.HOST and not ctx.on_cpu else hw.device
     packed = ctx.on_cpu and tier == Tier.DEVICE  # the engine packs resident layers where that pays
-    compute = gemm_seconds(hw.device, ctx.dtype, active, active_bytes, rows_per_mb, packed)
+    kernel = ctx.quant_kernel(cand.weight_bits)
+    compute = gemm_seconds(hw.device, ctx.dtype, active, active_bytes, rows_per_mb, packed, kernel)
     compute += _elementwise_seconds(ctx, rows_per_mb)
-    if cand.weight_bits < 8 * ctx.dtype_bytes and rows_per_mb >= DEQUANT_FROM_ROWS:  # dequantized for the GEMM
+    dequantized = cand.weight_bits < 8 * ctx.dtype_bytes and rows_per_mb >= DEQUANT_FROM_ROWS
+    if dequantized and not quantized_curve(hw.device, ctx.dtype, kernel):  # a measured curve has it already
         compute += s.params.active_layer * ctx.dtype_bytes / hw.device.memory_bandwidth
     attention = seqs_per_mb * attention_seconds(ctx, attn_unit, cand.kv_bits, context, prefill)
     floor = layer_floor_seconds(hw.device, ctx.dtype, rows_per_mb if floor_rows is None else floor_rows)
@@ -252,7 +271,9 @@ def _layer_step(
         expert_bytes = ctx.expert_bytes(cand.weight_bits)
         slots, cuda = ctx.expert_slots(cand), (hw.host, hw.host_to_device) if not ctx.on_cpu else ()
         packed_ex = packed and not cand.expert_cache  # streamed experts are not packed
-        ex = expert_step(s, hw.device, ctx.dtype, expert_bytes, rows_per_mb, micro_batches, slots, packed_ex, *cuda)
+        ex = expert_step(
+            s, hw.device, ctx.dtype, expert_bytes, rows_per_mb, micro_batches, slots, packed_ex, *cuda, kernel=kernel
+        )
         compute += ex.compute_seconds
         # waits on the router, overlaps the experts' compute (moe_cost.expert_wait); read an expert a request
         rate = expert_read_rate(hw, expert_bytes)

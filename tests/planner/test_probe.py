@@ -72,6 +72,10 @@ def test_probe_measures_every_unit(tiny_profile):
         assert unit.packed_matmul_curve.keys() == packs  # measured where the engine packs its resident layers
         for curve in unit.packed_matmul_curve.values():
             assert [rows for rows, _ in curve] == [1, 8, 64] and all(flops > 0 for _, flops in curve)
+        for quantized in (unit.int4_matmul_curve, unit.gguf_matmul_curve):  # bfloat16 rows, below 64 of them
+            assert quantized.keys() == {"bfloat16"} & unit.matmul_curve.keys()
+            for curve in quantized.values():
+                assert [rows for rows, _ in curve] == [1, 8] and all(flops > 0 for _, flops in curve)
         for dtype in unit.matmul_curve:
             assert [rows for rows, _ in unit.elementwise_curve[dtype]] == [1, 8, 64]
             assert [n for n, _ in unit.prefill_attention_curve[dtype]] == [4, 32]
@@ -125,7 +129,13 @@ def test_probed_profile_saves_and_loads(tiny_profile, tmp_path):
     assert q.disk_read_by_backend.keys() == p.disk_read_by_backend.keys()
     assert list(q.disk_read_by_backend.values()) == pytest.approx(list(p.disk_read_by_backend.values()), rel=1e-5)
     assert q.host.layer_floor == pytest.approx(p.host.layer_floor, rel=1e-5)
-    keys = ("matmul_curve", "elementwise_curve", "prefill_attention_curve", "decode_attention_curve")
+    keys = (
+        "matmul_curve",
+        "gguf_matmul_curve",
+        "elementwise_curve",
+        "prefill_attention_curve",
+        "decode_attention_curve",
+    )
     for key in (*keys, "layer_floor_curve"):
         loaded, measured = getattr(q.host, key), getattr(p.host, key)
         assert loaded.keys() == measured.keys()

@@ -189,3 +189,26 @@ def test_gpt_oss_s_published_mxfp4_experts_are_priced_at_4_25_bits_and_only_they
     work = Workload(prompt_len=16, gen_len=4)
     assert predict(spec, cpu_machine(ram=400_000 * MB), work, dataclasses.replace(whole, weight_bits=4)).unsupported
     assert not predict(spec, cpu_machine(ram=400_000 * MB), work, whole).unsupported
+
+
+def test_quantized_products_at_a_few_rows_take_their_kernels_measured_curve():
+    """A profile's measured curve of a quantized kernel prices its products up to the rows it covers; beyond them,
+    and without such a curve, the dense curve scaled by the codes' bytes does."""
+    from offload.common.quant import WeightQuant
+    from offload.scheduler.cost.gemm_rates import gemm_seconds
+
+    hw = cpu_machine()
+    measured = dataclasses.replace(hw.device, gguf_matmul_curve={"bfloat16": ((1, 2e10), (8, 1e11), (32, 2e11))})
+    params, codes = 4096 * 4096, 4096 * 4096 * 4.5 / 8
+    assert gemm_seconds(measured, "bfloat16", params, codes, 8, kernel="gguf") == pytest.approx(2 * 8 * params / 1e11)
+    scaled = [gemm_seconds(hw.device, "bfloat16", params, codes, rows) for rows in (8, 64)]
+    assert gemm_seconds(measured, "bfloat16", params, codes, 64, kernel="gguf") == scaled[1]
+    assert gemm_seconds(measured, "bfloat16", params, codes, 8, kernel="int4") == scaled[0]
+    assert gemm_seconds(measured, "bfloat16", params, codes, 8) == scaled[0]
+
+    # the cost model takes the curve for a GGUF model's products on a CPU device: a slower kernel, a slower step
+    gguf = dataclasses.replace(MIXTRAL, quant=WeightQuant(4, 32, "gguf", stored_bits=4.5))
+    work, cand = Workload(prompt_len=1, gen_len=4), Candidate(1, 1, Policy.from_counts(4, 0, 0), weight_bits=4)
+    slow = dataclasses.replace(hw.device, gguf_matmul_curve={"bfloat16": ((1, 1e6), (32, 3.2e7))})
+    plain, curved = (predict(gguf, dataclasses.replace(hw, device=u), work, cand) for u in (hw.device, slow))
+    assert curved.decode_seconds > 10 * plain.decode_seconds

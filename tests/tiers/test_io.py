@@ -455,3 +455,20 @@ def test_an_aio_backend_dropped_with_reads_in_flight_does_not_abort_the_process(
     done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("submitted")
+
+
+def test_the_cpus_description_for_the_aio_ops_flags_is_asked_once_and_kept(tmp_path, monkeypatch):
+    """DeepSpeed's loader asks py-cpuinfo (a Python process spawned for each answer) for the op's flags: the
+    answer is kept beside the build, so a later load asks nothing, and the real function is back afterwards."""
+    cpuinfo = pytest.importorskip("cpuinfo")
+    from offload.tiers.io import aio
+
+    calls = []
+    described = {"arch": "X86_64", "flags": ["avx2", "avx512f"]}
+    asked = lambda: calls.append(1) or described  # noqa: E731
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", asked)
+    for _ in range(2):
+        with aio._known_cpu(tmp_path):
+            assert cpuinfo.get_cpu_info() == described and cpuinfo.get_cpu_info() == described
+        assert cpuinfo.get_cpu_info is asked
+    assert len(calls) == 1 and len(list(tmp_path.glob("cpuinfo-*.json"))) == 1

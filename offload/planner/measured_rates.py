@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -72,12 +72,29 @@ def measure_matmul(
 
 
 def measure_quantized_matmul(
-    kind: str, rows: tuple[int, ...], k: int, n: int, min_seconds: float = 0.2, weight_pool_bytes: int = 0
+    kind: str, rows: tuple[int, ...], hidden: int, inter: int, min_seconds: float = 0.2, weight_pool_bytes: int = 0
 ) -> tuple[tuple[int, float], ...]:
-    """((rows, FLOP/s), ...) of the engine's quantized product of bfloat16 rows [rows, k] with W [n, k] on the CPU,
-    the FLOPs counted as the dense product's: `kind` "int4" (codes in groups of 32 in torch's CPU packing, through
-    kernels/quant_linear.py and the paths kernels/choice.py timed) or "gguf" (Q4_0 blocks as a GGUF file holds
-    them, through kernels/gguf_linear.py). Weight copies are cycled as measure_matmul's."""
+    """((rows, FLOP/s), ...) of the engine's quantized products of bfloat16 rows on the CPU, an MLP's two shapes
+    together ([rows, hidden] x [hidden, inter], then [rows, inter] x [inter, hidden]: the matrices most of a model's
+    bytes are in, and a kernel's rate differs between them by a fifth), the FLOPs counted as the dense product's:
+    `kind` "int4" (codes in groups of 32 in torch's CPU packing, through kernels/quant_linear.py and the paths
+    kernels/choice.py timed) or "gguf" (Q4_0 blocks as a GGUF file holds them, through kernels/gguf_linear.py).
+    Weight copies are cycled as measure_matmul's."""
+    x_all = torch.randn(rows[-1], max(hidden, inter), generator=torch.Generator().manual_seed(0)).bfloat16()
+    shapes = [_quantized_weights(kind, n, k, weight_pool_bytes) for n, k in ((inter, hidden), (hidden, inter))]
+    curve = []
+    for r in rows:
+        seconds = 0.0
+        for (product, weights), k in zip(shapes, (hidden, inter), strict=True):
+            x = x_all[:r, :k].contiguous()  # [r, k]
+            call = lambda x=x, p=product, w=weights: p(x, next(w))  # noqa: E731
+            seconds += typical_seconds(call, torch.device("cpu"), min_seconds)
+        curve.append((r, 2 * 2 * r * hidden * inter / seconds))
+    return tuple(curve)
+
+
+def _quantized_weights(kind: str, n: int, k: int, pool_bytes: int) -> tuple[Callable, Iterator]:
+    """The product for `kind`, and its copies of a random W [n, k] in that format, cycled, `pool_bytes` in all."""
     from offload.common.quant import WeightQuant
     from offload.kernels.gguf_linear import gguf_linear
     from offload.kernels.quant_linear import quant_linear, to_cpu_layout
@@ -97,16 +114,9 @@ def measure_quantized_matmul(
         product = gguf_linear
     else:
         raise ValueError(f"unknown quantized kind {kind!r} (known: int4, gguf)")
-    copies = -(-weight_pool_bytes // nbytes)
     clone = (lambda w: tuple(t.clone() for t in w)) if kind == "int4" else torch.clone
-    weights = itertools.cycle([weight] + [clone(weight) for _ in range(1, copies)])
-    x_all = torch.randn(rows[-1], k, generator=gen).to(torch.bfloat16)  # [max rows, k]
-    curve = []
-    for r in rows:
-        x = x_all[:r]  # [r, k]
-        seconds = typical_seconds(lambda x=x: product(x, next(weights)), torch.device("cpu"), min_seconds)
-        curve.append((r, 2 * r * k * n / seconds))
-    return tuple(curve)
+    copies = [weight] + [clone(weight) for _ in range(1, -(-pool_bytes // nbytes))]
+    return product, itertools.cycle(copies)
 
 
 def measure_elementwise(

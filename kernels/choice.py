@@ -177,6 +177,11 @@ def one_row_path_up_to(rows: int) -> None:
     _one_row_up_to[0] = max(_one_row_up_to[0], rows)
 
 
+def as_one_row(rows: int) -> bool:
+    """Whether `rows` rows of one sequence compute as if each were alone (`one_row_path_up_to`): a verify step's."""
+    return rows <= _one_row_up_to[0]
+
+
 def native(kernel: str, rows: int, shape: tuple[int, int] | None = None) -> bool:
     return path(kernel, rows, shape) == NATIVE
 

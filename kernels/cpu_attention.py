@@ -33,10 +33,17 @@ def rows(batch: PagedBatch, window: int | None) -> Rows:
     key = ("native_rows", window)
     if key not in batch.memo:
         q_lens = [batch.query_start[s + 1] - batch.query_start[s] for s in range(batch.num_seqs)]
-        decoding = sum(n == 1 for n in q_lens)  # decode tokens, one a sequence: a step's rows for the choice
+        # decode tokens, and verify chunks of a speculating engine, whose rows must each attend as a decode token
+        # alone would (the prompt path's causal SDPA rounds apart, and greedy replies parted at near-ties): one a
+        # sequence, a step's rows for the choice
+        decoding = sum(choice.as_one_row(n) for n in q_lens)
         decode = decoding > 0 and choice.native("decode_attention", decoding)
-        keep = [s for s, n in enumerate(q_lens) if (decode if n == 1 else choice.native("prompt_attention", n))]
-        if decode and decoding == batch.num_seqs:  # a decode step: one row a sequence, every one kept
+        keep = [
+            s
+            for s, n in enumerate(q_lens)
+            if (decode if choice.as_one_row(n) else choice.native("prompt_attention", n))
+        ]
+        if decode and max(q_lens) == 1:  # a decode step: one row a sequence, every one kept
             index, lens = None, torch.tensor(batch.context_lens, dtype=torch.int64)
             tables = batch.block_tables.to(torch.int32).contiguous()
         else:

@@ -376,3 +376,32 @@ def test_argmax_names_torchs_index(rows: int, n: int):
     x[-1, 0] = 0.0
     assert sample(x, greedy, [None] * rows) == x.argmax(-1).tolist() and dispatch.picked()["argmax"] == "native"
     assert not native.argmax_fits(x.to(torch.float64))  # float32 rows only
+
+
+@needs_native
+def test_a_verify_chunks_rows_attend_as_decode_tokens_alone(monkeypatch):
+    """A speculating engine's verify step gives a sequence k + 1 query rows: each attends through the decode kernel
+    as a one-row step at its position would, the same bits (the prompt path's causal SDPA rounds apart, and greedy
+    replies parted from plain ones where two tokens were nearly tied)."""
+    from offload.kernels import cpu_attention
+    from offload.kernels.paged_batch import PagedBatch
+
+    # as timed on the Xeon with AMX: torch's causal SDPA for a prompt chunk of any length, the native decode kernel
+    choice.forget()
+    monkeypatch.setattr(choice, "_decide", lambda kernel, rows, shape: "torch" if "prompt" in kernel else "native")
+    gen = torch.Generator().manual_seed(5)
+    k, v, one = _paged([40], 16, gen, 2, 64)
+    q = torch.randn(5, 8, 64, generator=gen).to(torch.bfloat16)  # positions 35-39
+    chunk = PagedBatch((0, 5), (40,), one.block_tables, torch.zeros(5, dtype=torch.int64))
+    try:
+        choice.one_row_path_up_to(5)
+        got, seqs = cpu_attention.attend(q, k, v, chunk, 0.125, None)
+        alone = [
+            cpu_attention.attend(
+                q[i : i + 1], k, v, PagedBatch((0, 1), (36 + i,), one.block_tables, one.slot_mapping), 0.125, None
+            )[0]
+            for i in range(5)
+        ]
+    finally:
+        choice.forget()
+    assert seqs == {0} and torch.equal(got, torch.cat(alone))

@@ -79,9 +79,9 @@ def measure_quantized_matmul(
     bytes are in, and a kernel's rate differs between them by a fifth), the FLOPs counted as the dense product's:
     `kind` "int4" (codes in groups of 32 in torch's CPU packing, through kernels/quant_linear.py and the paths
     kernels/choice.py timed) or "gguf" (Q4_0 blocks as a GGUF file holds them, through kernels/gguf_linear.py).
-    Weight copies are cycled as measure_matmul's."""
+    Weight copies are cycled as measure_matmul's, each shape's in half of `weight_pool_bytes`."""
     x_all = torch.randn(rows[-1], max(hidden, inter), generator=torch.Generator().manual_seed(0)).bfloat16()
-    shapes = [_quantized_weights(kind, n, k, weight_pool_bytes) for n, k in ((inter, hidden), (hidden, inter))]
+    shapes = [_quantized_weights(kind, n, k, weight_pool_bytes // 2) for n, k in ((inter, hidden), (hidden, inter))]
     curve = []
     for r in rows:
         seconds = 0.0

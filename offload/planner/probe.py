@@ -350,8 +350,8 @@ def _compute_unit(
             )
         if device.type == "cpu" and dtype == "bfloat16":  # the rows the quantized kernels decode codes for
             few = tuple(r for r in sizes.rows if r < QUANTIZED_ROWS) or sizes.rows[:1]
+            inter = layer_shape(sizes.k, sizes.head_dim).intermediate  # an MLP's two shapes
             for kind, curve in quantized.items():
-                inter = layer_shape(sizes.k, sizes.head_dim).intermediate  # an MLP's two shapes
                 curve[dtype] = measure_quantized_matmul(
                     kind, few, sizes.k, inter, sizes.min_seconds, sizes.weight_pool_bytes
                 )

@@ -17,6 +17,7 @@ import functools
 import torch
 
 from offload.kernels import linear as dense
+from offload.kernels import native
 from offload.kernels.dispatch import record
 from offload.kernels.native_build import I64, INT, PTR, bind
 
@@ -58,12 +59,13 @@ def dequantize_ref(w: torch.Tensor) -> torch.Tensor:
     return (q.double() * d.double() + m).float().flatten(-2)
 
 
-def dequantize(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(w: torch.Tensor, dtype: torch.dtype, into_scratch: bool = False) -> torch.Tensor:
     """W [N, K] in `dtype` from blocks [N, K / 32, bytes]: the native kernel's bfloat16 where it runs, else the torch
-    reference's values rounded to `dtype` (the same values)."""
+    reference's values rounded to `dtype` (the same values). `into_scratch`: the native kernel's in this thread's
+    reused buffer (kernels/native.py's `scratch`), valid until its next use."""
     if dtype == torch.bfloat16 and _fits(w) and (fn := _dequant()) is not None:
         n, k = w.shape[0], w.shape[1] * BLOCK
-        out = torch.empty(n, k, dtype=torch.bfloat16)
+        out = native.scratch(n * k, dtype).view(n, k) if into_scratch else torch.empty(n, k, dtype=dtype)
         fn(w.data_ptr(), TYPE_CODES[block_type(w)], out.data_ptr(), n, k, torch.get_num_threads())
         return out
     return dequantize_ref(w).to(dtype)
@@ -103,7 +105,7 @@ def _product(x: torch.Tensor, w: torch.Tensor, float32: bool) -> torch.Tensor:
     step = max(1, DEQUANT_BYTES // (2 * k))  # output features dequantized at a time
     parts = []
     for start in range(0, n, step):
-        part = dequantize(w[start : start + step], x.dtype)
+        part = dequantize(w[start : start + step], x.dtype, into_scratch=True)
         parts.append(dense.logits(x, part) if float32 else dense.linear(x, part))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 

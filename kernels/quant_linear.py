@@ -96,7 +96,7 @@ def _dense_int4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     for start in range(0, n, rows):
         end = min(start + rows, n)
         if fast:
-            w = native.int4_dequant(codes[start:end], scales[:, start:end].contiguous(), group)
+            w = native.int4_dequant(codes[start:end], scales[:, start:end].contiguous(), group, into_scratch=True)
         else:
             w = dequantize_cpu_int4(codes[start:end], scales[:, start:end], group).to(x.dtype)
         if out is None:

@@ -76,3 +76,16 @@ def test_a_table_in_blocks_gives_its_rows_in_float32():
     ids = torch.tensor([3, 3, 49, 0])
     want = torch.from_numpy(quants.dequantize(raw, T.Q8_0)).reshape(50, 64)[ids]
     assert torch.equal(gguf_linear.gguf_rows(table, ids), want)
+
+
+@needs_native
+def test_dense_products_of_one_thread_reuse_their_scratch_without_mixing_weights(monkeypatch):
+    """The dense path dequantizes a slice of features at a time into one reused buffer (kernels/native.py's
+    `scratch`): products over different matrices, one after the other and in slices, each equal the dense product
+    over their own dequantized weight."""
+    monkeypatch.setattr(gguf_linear, "DEQUANT_BYTES", 2 * 64 * 32)  # 32 features a slice
+    weights = [blocks("Q4_0", n, 64, seed)[0] for seed, n in enumerate((96, 32, 160))]
+    x = torch.randn(gguf_linear.DENSE_FROM_ROWS, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for w in weights + weights[::-1]:
+        want = gguf_linear.dense.linear(x, gguf_linear.dequantize_ref(w).bfloat16())
+        assert torch.equal(gguf_linear.gguf_linear(x, w), want)

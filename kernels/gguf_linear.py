@@ -31,6 +31,10 @@ BLOCK_BYTES = {t: b for b, t in BLOCK_TYPES.items()}
 # the 2-core Intel Xeon with AMX (benchmarks/gguf_blocks.py), and switching as the imported int4 does, from 256 (its
 # timed choice there), keeps scores of the prompts up to that length on one path
 DENSE_FROM_ROWS = 256
+# the same for a mixture's routed experts, whose rows a step gives each depend on how the step's tokens route anyway:
+# dequantized into a reused buffer, a 14336 x 4096 expert's dense product wins from about 8-16 rows (at 64, ~10 ms
+# against the blocks' 64), and a batch's prompts put 32-64 rows on each expert
+EXPERT_DENSE_FROM_ROWS = 32
 DEQUANT_BYTES = 32 << 20  # bfloat16 bytes dequantized at a time for the dense GEMM
 
 
@@ -71,9 +75,12 @@ def dequantize(w: torch.Tensor, dtype: torch.dtype, into_scratch: bool = False) 
     return dequantize_ref(w).to(dtype)
 
 
-def gguf_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [tokens, K] @ W.T (+ bias) -> [tokens, N] in x's dtype, W in blocks [N, K / 32, bytes]."""
-    y = _product(x, w, float32=False)
+def gguf_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, dense_from: int = DENSE_FROM_ROWS
+) -> torch.Tensor:
+    """x [tokens, K] @ W.T (+ bias) -> [tokens, N] in x's dtype, W in blocks [N, K / 32, bytes]; from `dense_from`
+    rows the matrix is dequantized for the dense GEMM."""
+    y = _product(x, w, float32=False, dense_from=dense_from)
     return y if bias is None else y + bias
 
 
@@ -87,9 +94,9 @@ def gguf_rows(table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return dequantize_ref(table[token_ids])
 
 
-def _product(x: torch.Tensor, w: torch.Tensor, float32: bool) -> torch.Tensor:
+def _product(x: torch.Tensor, w: torch.Tensor, float32: bool, dense_from: int = DENSE_FROM_ROWS) -> torch.Tensor:
     x = x.contiguous()
-    if x.shape[0] < DENSE_FROM_ROWS and _native_rows(x, w) and (fn := _mm()) is not None:
+    if x.shape[0] < dense_from and _native_rows(x, w) and (fn := _mm()) is not None:
         record("gguf_linear", "native")
         m, k = x.shape
         n = w.shape[0]

@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
 from offload.kernels.activation import silu_mul
-from offload.kernels.gguf_linear import gguf_linear, gguf_logits, gguf_rows, is_blocks
+from offload.kernels.gguf_linear import (
+    DENSE_FROM_ROWS,
+    EXPERT_DENSE_FROM_ROWS,
+    gguf_linear,
+    gguf_logits,
+    gguf_rows,
+    is_blocks,
+)
 from offload.kernels.linear import linear, logits
 from offload.kernels.paged_attention import paged_attention
 from offload.kernels.quant_linear import SCALES_SUFFIX, quant_linear, stack_outputs
@@ -167,31 +174,44 @@ class LlamaFamily:
         return gguf_logits(x, head) if is_blocks(head) else logits(x, head)  # [tokens, vocab], float32
 
 
-def swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) for x [tokens, hidden] and w's "gate_proj", "up_proj", "down_proj" (and biases)."""
-    gate, up = projections(spec, w, "gate_up_proj", x)
-    return project(spec, w, "down_proj", silu_mul(gate, up), "down_bias")
+def swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor, dense_from: int = DENSE_FROM_ROWS) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for x [tokens, hidden] and w's "gate_proj", "up_proj", "down_proj" (and biases).
+    `dense_from`: GGUF blocks' rows from which they are dequantized for the dense GEMM (`project`)."""
+    gate, up = projections(spec, w, "gate_up_proj", x, dense_from=dense_from)
+    return project(spec, w, "down_proj", silu_mul(gate, up), "down_bias", dense_from)
+
+
+def routed_swiglu(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """A routed expert's swiglu: its GGUF blocks dequantized for the dense GEMM from EXPERT_DENSE_FROM_ROWS rows."""
+    return swiglu(spec, w, x, EXPERT_DENSE_FROM_ROWS)
 
 
 def projections(
-    spec: ModelSpec, w: Weights, fused: str, x: torch.Tensor, sizes: tuple[int, ...] | None = None
+    spec: ModelSpec,
+    w: Weights,
+    fused: str,
+    x: torch.Tensor,
+    sizes: tuple[int, ...] | None = None,
+    dense_from: int = DENSE_FROM_ROWS,
 ) -> tuple[torch.Tensor, ...]:
     """The products of x with the parts of FUSED[`fused`]: one product by the stacked matrix, split into the parts'
     `sizes` (None: equal parts), where `w` holds it; else one product a part."""
     parts, biases = FUSED[fused]
     if fused not in w:
-        return tuple(project(spec, w, p, x, b) for p, b in zip(parts, biases, strict=True))
-    y = project(spec, w, fused, x, FUSED_BIAS[fused])
+        return tuple(project(spec, w, p, x, b, dense_from) for p, b in zip(parts, biases, strict=True))
+    y = project(spec, w, fused, x, FUSED_BIAS[fused], dense_from)
     return y.split(sizes, dim=-1) if sizes else y.chunk(len(parts), dim=-1)
 
 
-def project(spec: ModelSpec, w: Weights, name: str, x: torch.Tensor, bias: str) -> torch.Tensor:
-    """x @ W.T + b for the layer's matrix `name`, quantized (codes and scales, or GGUF blocks) or in the compute
-    dtype."""
+def project(
+    spec: ModelSpec, w: Weights, name: str, x: torch.Tensor, bias: str, dense_from: int = DENSE_FROM_ROWS
+) -> torch.Tensor:
+    """x @ W.T + b for the layer's matrix `name`, quantized (codes and scales, or GGUF blocks: dequantized for the
+    dense GEMM from `dense_from` rows) or in the compute dtype."""
     scales = w.get(name + SCALES_SUFFIX)
     if scales is None:
         if is_blocks(w[name]):
-            return gguf_linear(x, w[name], w.get(bias))
+            return gguf_linear(x, w[name], w.get(bias), dense_from)
         return linear(x, w[name], w.get(bias))
     return quant_linear(x, w[name], scales, spec.quant, w.get(bias))
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from offload.common.model_config import ModelSpec
 from offload.kernels.quant_linear import SCALES_SUFFIX
-from offload.model.llama import LlamaFamily, project, swiglu
+from offload.model.llama import LlamaFamily, project, routed_swiglu, swiglu
 from offload.model.registry import ExpertSource, LayerInput
 from offload.tiers.weights.checkpoint import TensorSpec
 from offload.tiers.weights.layout import Weights
@@ -100,7 +100,7 @@ def routed_experts(
     experts: ExpertSource | None,
     hidden: torch.Tensor | None,
     routing_dtype: torch.dtype,
-    expert: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor] = swiglu,
+    expert: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor] = routed_swiglu,
     matrices: tuple[str, ...] = EXPERT_MATRICES,
 ) -> torch.Tensor:
     """The routed experts' part of a sparse layer (experts_forward) for x [tokens, hidden], the router being w's

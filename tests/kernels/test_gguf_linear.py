@@ -89,3 +89,21 @@ def test_dense_products_of_one_thread_reuse_their_scratch_without_mixing_weights
     for w in weights + weights[::-1]:
         want = gguf_linear.dense.linear(x, gguf_linear.dequantize_ref(w).bfloat16())
         assert torch.equal(gguf_linear.gguf_linear(x, w), want)
+
+
+@needs_native
+def test_a_routed_experts_rows_switch_to_the_dense_product_sooner():
+    """A mixture's expert (offload/model/llama.py's routed_swiglu) is dequantized for the dense GEMM from
+    EXPERT_DENSE_FROM_ROWS rows, a dense layer's matrix from DENSE_FROM_ROWS: at rows between, the two differ only
+    in that path, each as exact as its own."""
+    w, _ = blocks("Q4_0", 64, 128)
+    rows = gguf_linear.EXPERT_DENSE_FROM_ROWS
+    assert rows < gguf_linear.DENSE_FROM_ROWS
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    layer = gguf_linear.gguf_linear(x, w)
+    assert picked()["gguf_linear"] == "native"
+    expert = gguf_linear.gguf_linear(x, w, dense_from=rows)
+    assert picked()["gguf_linear"] == "torch"
+    assert torch.equal(expert, gguf_linear.dense.linear(x, gguf_linear.dequantize_ref(w).bfloat16()))
+    exact = x.double() @ gguf_linear.dequantize_ref(w).double().T
+    torch.testing.assert_close(layer.double(), exact, atol=0.02 * exact.abs().max().item(), rtol=0.02)

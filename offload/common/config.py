@@ -304,7 +304,15 @@ class EngineConfig:
         metavar="METHOD",
         default_text="none",
     )
-    num_speculative_tokens: int = knob(4, "scheduler", "tokens a drafter proposes per sequence and step", metavar="K")
+    num_speculative_tokens: int | None = knob(
+        None,
+        "scheduler",
+        "tokens a drafter proposes per sequence and step",
+        doc="By default the chain length the cost model prices fastest for the engine's placement, by this machine's "
+        "saved profile (offload probe) and the acceptance the last run of the model measured (4 without a profile).",
+        metavar="K",
+        default_text="the planner's",
+    )
     # ---- I/O
     io_backend: str = knob(
         "auto",
@@ -340,7 +348,8 @@ class EngineConfig:
             )
         if isinstance(self.speculate, os.PathLike):
             object.__setattr__(self, "speculate", os.fspath(self.speculate))
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= MAX_DRAFT:
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or not 1 <= k <= MAX_DRAFT):
             raise OffloadError(f"num_speculative_tokens must be in 1..{MAX_DRAFT}, got {self.num_speculative_tokens!r}")
         if self.ring_slots < 2:
             raise OffloadError(f"ring_slots must be at least 2, got {self.ring_slots!r}")

@@ -87,6 +87,7 @@ class CoreCounters:
     kv_blocks_prefetched: int = 0  # cached KV blocks read from disk while a step computed, ahead of their admission
     drafted_tokens: int = 0  # speculative decoding: drafted tokens verified (the step's extra rows)
     accepted_tokens: int = 0  # of those, accepted: tokens a sequence took beyond one per step
+    verify_passes: int = 0  # a sequence's drafts verified by a step: once per sequence and step
 
     @property
     def acceptance_rate(self) -> float:

@@ -41,7 +41,7 @@ def resolve_model(model: str | Path, in_place: bool = True) -> Path:
     if in_place:
         out = folder / f"{path.stem}-{IN_PLACE}-{source_key(path, IN_PLACE)}"
         if (out / GGUF_INDEX).is_file():
-            if _indexed_source(out) == path.resolve():
+            if indexed_source(out) == path.resolve():
                 return out
             shutil.rmtree(out, ignore_errors=True)  # the same bytes moved or copied here: index this file instead
         reader = open_gguf(path)
@@ -58,7 +58,7 @@ def resolve_model(model: str | Path, in_place: bool = True) -> Path:
     return _imported(path, "")
 
 
-def _indexed_source(folder: Path) -> Path | None:
+def indexed_source(folder: Path) -> Path | None:
     """The GGUF file an in-place folder's index names (None where it cannot be read)."""
     try:
         return Path(json.loads((folder / GGUF_INDEX).read_text())["source"])

@@ -29,6 +29,7 @@ from offload.planner.compare import (
 from offload.planner.latency import latency_report, latency_rows, ranking
 from offload.planner.models import StoredWeights
 from offload.planner.rows import candidate_json, per_batch
+from offload.planner.speculation import add_plan_flags, plan_section
 from offload.scheduler.cost.predict import Budgets, Prediction, Workload, capacity
 from offload.scheduler.cost.queueing import ARRIVALS
 from offload.scheduler.cost.search import best, search
@@ -85,12 +86,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-memory", metavar="SIZE", help="device budget (default: the profile's device memory)")
     p.add_argument("--host-memory", metavar="SIZE", help="host RAM budget (default: the profile's host memory)")
     p.add_argument("--disk-read", type=float, metavar="GB/s", help="disk read bandwidth (default: the profile's)")
-    p.add_argument(
-        "--quantize", action="store_true", help="also consider 8- and 4-bit weights and KV cache (FlexGen-style)"
-    )
+    p.add_argument("--quantize", action="store_true", help="also consider 8- and 4-bit weights and KV cache, FlexGen's")
     p.add_argument("--top", type=int, default=5, metavar="N", help="policies to list (default 5)")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw predicted throughput against batch size per placement")
+    add_plan_flags(p)
     p.set_defaults(run=run_plan)
 
 
@@ -151,11 +151,12 @@ def run_plan(args: argparse.Namespace) -> None:
         from offload.planner.plot import plot
 
         plot(predictions, args.plot, f"{shape.name} on {hw.name}")
+    speculation, spec_rows = plan_section(args, shape, hw, dtype, workload, predictions)  # --speculate's
     if args.json:
-        out = report_json(shape, hw, workload, dtype, predictions, args.top, budgets, args.model, stored)
+        out = report_json(shape, hw, workload, dtype, predictions, args.top, budgets, args.model, stored, spec_rows)
         print(json.dumps(out, indent=1, default=sorted))  # a quantized model's unquantized names: a frozenset
     else:
-        print(report(shape, hw, workload, dtype, budgets, predictions, args.top, args.model, stored))
+        print(report(shape, hw, workload, dtype, budgets, predictions, args.top, args.model, stored) + speculation)
 
 
 def _gb(nbytes: float) -> str:
@@ -363,6 +364,7 @@ def report_json(
     budgets: Budgets | None = None,
     model: str | None = None,
     stored: StoredWeights | None = None,
+    speculation: list[dict] | None = None,  # `offload plan --speculate`'s rows, where it was asked
 ) -> dict:
     from offload.planner.models import estimate_sizes
 
@@ -394,4 +396,4 @@ def report_json(
         "workload": asdict(workload),
         "best": [row(p) for p in predictions if p.fits][:top],
         "per_batch": [row(p) for _, p in sorted(by_batch.items())],
-    }
+    } | ({"speculation": speculation} if speculation else {})

@@ -343,6 +343,11 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
     return total
 
 
+def decode_step_seconds(ctx: Context, cand: Candidate, context: int, prompt_len: int) -> float:
+    """Wall seconds of one decode step of `cand`'s batch at a context of `context` tokens."""
+    return _step(ctx, cand, context, False, prompt_len)["wall"]
+
+
 def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, int]:
     """Peak bytes `cand` holds per tier: weights, KV cache, activations, ring and staging buffers."""
     s = ctx.shape

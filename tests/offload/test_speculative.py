@@ -14,6 +14,7 @@ from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.model.speculation.acceptance import accept_draft
 from offload.model.speculation.drafters import NgramDrafter
+from offload.planner.speculation import DEFAULT_K, acceptance
 
 # prompts that repeat themselves, so that prompt lookup has something to propose
 PROMPTS = [[3, 4, 5, 6, 7, 8] * 3, [20, 21, 22, 20, 21, 22, 20, 21], [40 + i for i in range(11)]]
@@ -33,6 +34,14 @@ def run(model_dir, prompts, params, speculate="ngram", **config):
         llm.check_integrity()
         assert llm.stats().kv_blocks_used == 0
         return out, llm.core.counters()
+
+
+def test_a_run_keeps_its_acceptance_for_the_models_plans(model_dir) -> None:
+    longer = dataclasses.replace(GREEDY, max_new_tokens=64)
+    _, counters = run(model_dir, PROMPTS, longer)  # no chain length given, no profile saved: the default's
+    assert counters.verify_passes > 0 and counters.drafted_tokens >= DEFAULT_K * counters.verify_passes // 2
+    got = acceptance(model_dir, "ngram")  # this module's earlier runs of the model are in it too
+    assert got.source.startswith("measured") and 0 < got.value < 1
 
 
 def test_ngram_proposes_what_followed_the_latest_earlier_occurrence() -> None:

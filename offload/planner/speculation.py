@@ -1,0 +1,256 @@
+"""Speculative decoding in the plan: the acceptance runs measured, kept per model and drafter, and the chain length
+the cost model prices best (scheduler/cost/speculation.py), for `offload plan --speculate` and for the engine's own
+`--num-speculative-tokens` when the user gives none.
+
+    record(model, "self", counters)             # after a run: its drafts verified and accepted, added to the record
+    rate = acceptance(model, "self")            # the last run's measured rate, else the assumed one, and which
+    k, price = planned_k(spec, hw, dtype, cand, workload, "self", rate.value)
+
+The acceptance is per drafted token of a chain (the a of E = (1 - a^(k+1)) / (1 - a)): the runs' counts give tokens
+a pass and the average chain length, and a is what makes the formula meet them (acceptance_for). Where no run of this
+model and drafter measured one, the plan assumes ASSUMED and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from offload.common.config import BLOCK_SIZE, SPECULATE, EngineConfig, Policy
+from offload.common.dtypes import DTYPE_BYTES
+from offload.common.errors import OffloadError
+from offload.common.hardware import HardwareProfile
+from offload.common.model_config import ModelSpec
+from offload.common.outputs import CoreCounters
+from offload.common.paths import cache_dir
+from offload.common.quant import WeightQuant
+from offload.gguf.header import gguf_shape
+from offload.gguf.resolve import indexed_source
+from offload.planner.profiles import load_profile, local_profile_path
+from offload.planner.rows import candidate_json
+from offload.scheduler.cost.predict import Candidate, Workload, make_context
+from offload.scheduler.cost.search import best
+from offload.scheduler.cost.speculation import Draft, SpeculationPrice, acceptance_for, best_k
+
+# per drafted token, where no run measured it: `self` (the same weights in 4 bits) agrees with its target on most
+# tokens (92.5% of drafts accepted in chains of 8 on SmolLM2-135M-Instruct: a = 0.98); n-gram lookup only where the
+# text repeats itself; another model, as well as a small model of the family predicts its large one
+ASSUMED = {"self": 0.9, "ngram": 0.3, "model": 0.6}
+KEPT_PASSES = 256  # verify passes the record weighs at most: earlier runs' shrink to make room for a new one's
+DEFAULT_K = 4  # drafts a sequence and step where no hardware profile is saved to plan by
+PLANNED_WORKLOAD = Workload(512, 128)  # what the engine plans its chain length for: a chat's prompt and reply
+SELF_BITS = 4  # `self` drafts with the target's int4 copy (offload/draft_core.py's SELF_QUANT)
+
+
+class Acceptance(NamedTuple):
+    value: float  # per drafted token
+    source: str  # where it came from, said in the plan
+
+
+def _key(model: Path | str, method: str) -> str:
+    return hashlib.sha256(f"{_model(model)}\0{_drafter(method)}".encode()).hexdigest()[:24]
+
+
+def _model(model: Path | str) -> Path:
+    """The model a record is kept for: a GGUF file run in place by the file (the engine runs the folder of its
+    metadata in the cache, `offload plan` reads the file), anything else by its path."""
+    path = Path(model).resolve()
+    return (indexed_source(path) or path).resolve() if path.is_dir() else path
+
+
+def _drafter(method: str) -> str:
+    return method if method in SPECULATE else str(Path(method).resolve())
+
+
+def _path(model: Path | str, method: str) -> Path:
+    return cache_dir() / "speculation" / f"{_key(model, method)}.json"
+
+
+def record(model: Path | str, method: str, counters: CoreCounters) -> None:
+    """Add what a run of `model` speculating with `method` measured to what earlier runs did, the earlier ones
+    weighing at most KEPT_PASSES passes in all (so the record follows the model's recent use). A folder or file that
+    cannot be written leaves the record as it was: the run's output does not depend on it."""
+    passes, drafted, accepted = counters.verify_passes, counters.drafted_tokens, counters.accepted_tokens
+    if passes <= 0 or drafted <= 0:
+        return
+    path = _path(model, method)
+    try:
+        old = json.loads(path.read_text())
+        scale = min(1.0, max(KEPT_PASSES - passes, 0) / old["verify_passes"])
+        passes, drafted, accepted = (
+            passes + old["verify_passes"] * scale,
+            drafted + old["drafted_tokens"] * scale,
+            accepted + old["accepted_tokens"] * scale,
+        )
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        pass  # the first run measured, or a record that cannot be read: this run's alone
+    body = {
+        "model": str(_model(model)),
+        "method": _drafter(method),
+        "verify_passes": passes,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(body, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def acceptance(model: Path | str, method: str, given: float | None = None) -> Acceptance:
+    """The acceptance to price `method` with: `given` (--acceptance), else the last run's that measured it, else the
+    assumed one."""
+    if given is not None:
+        return Acceptance(given, "given")
+    try:
+        body = json.loads(_path(model, method).read_text())
+        passes, drafted, accepted = body["verify_passes"], body["drafted_tokens"], body["accepted_tokens"]
+        value = acceptance_for((accepted + passes) / passes, drafted / passes)
+        return Acceptance(
+            value,
+            f"measured by runs up to {body['when']} UTC: {accepted:.0f} of {drafted:.0f} drafts accepted in "
+            f"{passes:.0f} passes, {(accepted + passes) / passes:.2f} tokens a pass",
+        )
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        kind = method if method in ASSUMED else "model"
+        return Acceptance(ASSUMED[kind], f"assumed for {kind} (no run of this model measured it)")
+
+
+def draft_for(spec: ModelSpec, hw: HardwareProfile, dtype: str, method: str) -> Draft | None:
+    """The draft model a pass runs: `self`'s int4 copy of `spec` (groups of 32, or the model's own codes), a draft
+    model's directory by its own spec, or None for n-gram lookup."""
+    if method == "ngram":
+        return None
+    if method == "self":
+        quant = spec.quant if spec.quant is not None and spec.quant.bits == SELF_BITS else WeightQuant(4, 32, "cpu")
+        draft_spec = dataclasses.replace(spec, quant=quant)
+    elif Path(method).is_file():  # a GGUF file: its shape from the header, nothing imported
+        draft_spec, _ = gguf_shape(Path(method))
+    else:
+        from offload.model.loader import load_spec
+
+        draft_spec, _ = load_spec(Path(method))
+    bits = draft_spec.quant.bits if draft_spec.quant is not None else 8 * DTYPE_BYTES[dtype]
+    return Draft(make_context(draft_spec, _on_cpu(hw), dtype, BLOCK_SIZE), bits)
+
+
+def _on_cpu(hw: HardwareProfile) -> HardwareProfile:
+    """The draft runs on the CPU whatever the target's device (offload/draft_core.py): `hw` with its host as device."""
+    if hw.device_kind == "cpu":
+        return hw
+    return dataclasses.replace(hw, device=hw.host, device_kind="cpu")
+
+
+def planned_k(
+    spec: ModelSpec, hw: HardwareProfile, dtype: str, cand: Candidate, workload: Workload, method: str, rate: float
+) -> SpeculationPrice:
+    """The chain length with the most tokens a second for `cand` at the middle of `workload`'s generation."""
+    ctx = make_context(spec, hw, dtype, BLOCK_SIZE)
+    context = workload.prompt_len + workload.gen_len // 2
+    return best_k(ctx, cand, context, workload.prompt_len, rate, draft_for(spec, hw, dtype, method))
+
+
+def lines(price: SpeculationPrice, rate: Acceptance, method: str, batch: int, draft: Draft | None) -> list[str]:
+    """What `offload plan --speculate` prints for a batch."""
+    drafting = "drafting free (n-gram lookup)"
+    if draft is not None:
+        drafting = (
+            f"draft {price.k} x {_time(price.draft_seconds / price.k)} on the CPU, {draft.nbytes / 1e9:.3g} GB resident"
+        )
+    verdict = f"{price.speedup:.2f}x the tokens/s"
+    if price.speedup < 1:
+        verdict += ": slower than plain decoding at this batch, leave --speculate off"
+    return [
+        f"speculate {method} at batch {batch}: k = {price.k} drafts a sequence, acceptance {rate.value:.3f} a draft "
+        f"({rate.source})",
+        f"          {price.tokens_per_pass:.2f} tokens a pass; a pass {_time(price.pass_seconds)} (verify "
+        f"{price.k + 1} rows a sequence {_time(price.verify_seconds)}, {drafting}) against a plain step's "
+        f"{_time(price.plain_seconds)}: {verdict}",
+    ]
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculate",
+        metavar="METHOD",
+        help="also price speculative decoding at the best policy of batch 1 and the best overall: ngram, self or PATH",
+    )
+    p.add_argument(
+        "--acceptance",
+        type=float,
+        metavar="A",
+        help="share of drafted tokens accepted, each (default: the last run's of this model, else an assumed one)",
+    )
+
+
+def plan_section(
+    args: argparse.Namespace, shape: ModelSpec, hw: HardwareProfile, dtype: str, workload: Workload, predictions: list
+) -> tuple[str, list[dict]]:
+    """`offload plan --speculate`'s text (after the plan's) and JSON rows: the best k, tokens a pass and speedup at
+    the best runnable policy of batch 1 (a stream's latency) and at the best runnable one (throughput); empty without
+    the flag."""
+    if not getattr(args, "speculate", None):
+        return "", []
+    if args.acceptance is not None and not 0.0 <= args.acceptance <= 1.0:
+        raise OffloadError(f"--acceptance must be a share between 0 and 1, got {args.acceptance}")
+    rate = acceptance(args.model, args.speculate, args.acceptance)
+    ones = [p for p in predictions if p.candidate.batch == 1 and p.fits and not p.unsupported]
+    chosen = [p for p in (ones[:1] + [best(predictions, runnable_only=True)]) if p is not None]
+    text, rows, seen = ["", ""], [], set()
+    for p in chosen:
+        if p.candidate in seen:
+            continue
+        seen.add(p.candidate)
+        price = planned_k(shape, hw, dtype, p.candidate, workload, args.speculate, rate.value)
+        text += lines(price, rate, args.speculate, p.candidate.batch, draft_for(shape, hw, dtype, args.speculate))
+        rows.append(
+            {
+                "candidate": candidate_json(p.candidate),
+                "method": args.speculate,
+                "k": price.k,
+                "acceptance": rate.value,
+                "acceptance_source": rate.source,
+                "tokens_per_pass": price.tokens_per_pass,
+                "pass_seconds": price.pass_seconds,
+                "verify_seconds": price.verify_seconds,
+                "draft_seconds": price.draft_seconds,
+                "plain_step_seconds": price.plain_seconds,
+                "speedup": price.speedup,
+                "tokens_per_second": p.tokens_per_second * price.speedup,
+            }
+        )
+    return "\n".join(text), rows
+
+
+def engine_k(model: Path, spec: ModelSpec, dtype: str, config: EngineConfig, policy: Policy) -> tuple[int, str]:
+    """The engine's drafts a sequence and step, and why: the user's, else the chain length the cost model prices
+    best for the engine's own placement at batch 1 (a stream) by this machine's saved profile and the acceptance a
+    run of this model measured (or the assumed one), else DEFAULT_K where no profile is saved."""
+    if config.num_speculative_tokens is not None:
+        return config.num_speculative_tokens, "given"
+    path = local_profile_path()
+    try:
+        hw = load_profile(path)
+    except OffloadError:
+        return DEFAULT_K, f"no hardware profile to plan by at {path} (offload probe)"
+    rate = acceptance(model, config.speculate)
+    bits = spec.quant.bits if spec.quant is not None else 8 * DTYPE_BYTES[dtype]
+    cand = Candidate(1, 1, policy, weight_bits=bits, expert_cache=config.expert_cache_memory or 0)
+    price = planned_k(spec, hw, dtype, cand, PLANNED_WORKLOAD, config.speculate, rate.value)
+    return price.k, (
+        f"planned: {price.tokens_per_pass:.2f} tokens a pass at acceptance {rate.value:.2f} a draft, {rate.source}; "
+        f"{price.speedup:.2f}x plain predicted"
+    )

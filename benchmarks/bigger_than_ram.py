@@ -26,8 +26,9 @@ Each engine and batch runs in a process of its own, the GGUF file's pages evicte
              tokenizer in the cache, the weights read from the file itself (a file it cannot run in place it
              imports into a model directory first); OFFLOAD_CACHE_DIR is a scratch folder under the work dir whose
              GGUF folder is removed before every process, so every row pays for making it. What the cache holds per
-             machine is there already, as any earlier run leaves it: the hardware profile and the native CPU kernels
-             are copied from `--machine-cache` (default: the usual cache folder), the profile measured once where
+             machine is there already, as any earlier run leaves it: the hardware profile, the native CPU kernels
+             and what earlier runs measured of a model's routing (offload/planner/routing.py) and speculation are
+             copied from `--machine-cache` (default: the usual cache folder), the profile measured once where
              there is none and the model may not fit (`offload probe --quick`: minutes), and the kernels timed at the
              model's matrix shapes, all before the rows and untimed; a row that still built or timed kernels says so.
   llama.cpp  llama-cpp-python's low-level API (benchmarks/vs_llamacpp.py's LlamaCpp): the file memory-mapped
@@ -717,11 +718,11 @@ def versions() -> dict[str, str | None]:
 
 
 def prepare_cache(cache: Path, machine_cache: Path, plans: bool) -> None:
-    """The scratch cache with the machine's state (hardware profile, native kernels and their timings) and no
-    import: copied from `machine_cache`; the profile measured once (untimed) where it has none and ours will plan
-    (`plans`: the model may not fit, and the planner reads the profile)."""
+    """The scratch cache with the machine's state (hardware profile, native kernels and their timings, what runs
+    measured of models) and no import: copied from `machine_cache`; the profile measured once (untimed) where it has
+    none and ours will plan (`plans`: the model may not fit, and the planner reads the profile)."""
     cache.mkdir(parents=True, exist_ok=True)
-    for sub in ("hardware", "native"):
+    for sub in ("hardware", "native", "routing", "speculation"):
         if (machine_cache / sub).is_dir() and not (cache / sub).exists():
             shutil.copytree(machine_cache / sub, cache / sub)
     if plans and not (cache / "hardware" / "local.json").exists():

@@ -16,9 +16,11 @@ from offload.common.errors import OffloadError
 from offload.common.outputs import CoreCounters, Delta
 from offload.common.tier import Tier
 from offload.eval import Perplexity, Progress, check_context, evaluate
+from offload.planner.routing import record as record_routing
 from offload.planner.speculation import record
 from offload.prompts import Prompts
 from offload.run_stats import RunStats
+from offload.scheduler.cost.moe_cost import sparse_layers
 from offload.scheduler.cost.predict import Prediction, Workload
 from offload.tiers.experts.expert_cache import ExpertStats
 from offload.tiers.io.backends import BackendChoice
@@ -362,6 +364,10 @@ class LLM:
         )
         if self.config.speculate is not None:  # what this run's drafts measured, for later plans of the model
             record(self.model_dir, self.config.speculate, after - before)
+        if experts is not None:  # and how its routing met the expert cache
+            x = self.last_run.experts
+            routed = sparse_layers(self.spec) * self.spec.num_experts
+            record_routing(self.model_dir, x.hits, x.misses, experts.slots / routed)
         return completions
 
     def score(self, prompt_ids: list[list[int]]) -> list[torch.Tensor]:

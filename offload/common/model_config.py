@@ -93,6 +93,9 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     params: ParamCounts | None = None
     quant: WeightQuant | None = None  # the linear weights' quantization (config.json's quantization_config)
+    # an expert cache holding a share c of the routed experts hits c ** this: 1 for uniform routing, less where runs
+    # of the model measured it (offload/planner/routing.py); the cost model's, not the checkpoint's
+    expert_hit_exponent: float = 1.0
 
     def __post_init__(self) -> None:
         for name in (

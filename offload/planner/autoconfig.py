@@ -34,6 +34,7 @@ from offload.common.model_config import ModelSpec
 from offload.common.sizes import format_size
 from offload.common.tier import Tier
 from offload.planner.machine_budget import machine_budgets
+from offload.planner.routing import with_measured_routing
 from offload.scheduler.cost.predict import Budgets, Candidate, Prediction, Workload, make_context, tier_memory
 from offload.scheduler.cost.search import best, search
 from offload.tiers.kv.kv_cache import KVCache
@@ -129,6 +130,7 @@ def autoconfigure(
         raise OffloadError("no prompts to plan for")
     config = _unset_as_zero(config)
     spec, _ = load_spec(model_dir)  # one read of config.json: the spec the engine runs is what the cost model prices
+    spec, _ = with_measured_routing(spec, model_dir)  # a mixture's expert cache hits as its runs measured
     if hardware is None:
         from offload.planner.probe import local_profile
 

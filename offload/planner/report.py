@@ -28,7 +28,9 @@ from offload.planner.compare import (
 )
 from offload.planner.latency import latency_report, latency_rows, ranking
 from offload.planner.models import StoredWeights
+from offload.planner.routing import with_measured_routing
 from offload.planner.rows import candidate_json, per_batch
+from offload.planner.rows import decimal_size as _gb
 from offload.planner.speculation import add_plan_flags, plan_section
 from offload.scheduler.cost.predict import Budgets, Prediction, Workload, capacity
 from offload.scheduler.cost.queueing import ARRIVALS
@@ -100,7 +102,7 @@ def run_plan(args: argparse.Namespace) -> None:
     from offload.planner.profiles import with_overrides
 
     # a GGUF file: its shape and weights as stored, read from its header by offload/cli.py's main (no import)
-    shape = getattr(args, "shape", None) or load_model_spec(args.model)
+    shape, _ = with_measured_routing(getattr(args, "shape", None) or load_model_spec(args.model), args.model)
     stored = getattr(args, "stored", None)
     options = list(_hardware_options(args.hardware).items())
     if args.disk is not None:
@@ -157,13 +159,6 @@ def run_plan(args: argparse.Namespace) -> None:
         print(json.dumps(out, indent=1, default=sorted))  # a quantized model's unquantized names: a frozenset
     else:
         print(report(shape, hw, workload, dtype, budgets, predictions, args.top, args.model, stored) + speculation)
-
-
-def _gb(nbytes: float) -> str:
-    """Decimal units, as datasheets and `--device-memory 600MB` spell them."""
-    if nbytes < GB:
-        return f"{nbytes / 1e6:.0f} MB" if nbytes >= 1e6 or nbytes == 0 else f"{nbytes / 1e3:.0f} kB"
-    return f"{nbytes / GB:.2f} GB" if nbytes < 100 * GB else f"{nbytes / GB:.0f} GB"
 
 
 def _policy(p: Prediction) -> str:
@@ -308,6 +303,11 @@ def _experts_lines(
         lines.append(
             f"          the best policy caches {slots} of {sparse_layers(shape) * shape.num_experts} experts "
             f"({_gb(c.expert_cache)}): a chosen expert is cached with chance {hit_rate(shape, slots):.0%}"
+            + (
+                ""
+                if shape.expert_hit_exponent == 1
+                else f", its share ** {shape.expert_hit_exponent:.3g} as runs measured"
+            )
         )
     return lines
 

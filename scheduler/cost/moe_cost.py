@@ -11,7 +11,8 @@ routers favour some experts, which touches fewer: D is an upper bound.
 
 With expert streaming (EngineConfig.expert_cache_memory) the experts leave their layers: a cache of S experts of
 the L * E routed ones holds a chosen expert with probability min(1, S / (L * E)) (a cache holding a uniform
-sample; selection-frequency eviction does better where routing is skewed), and each miss is read from disk after
+sample; selection-frequency eviction does better where routing is skewed: runs of the model measure by how much,
+offload/planner/routing.py, and the share is raised to that power), and each miss is read from disk after
 the router has chosen it. Those reads wait on the router, so they do not overlap the layer's other work; the engine
 issues a fetch's reads together and runs each expert as soon as it is there (cached ones first), so they overlap the
 experts' own compute: the experts take max(reads + one expert's compute, their compute + one expert's read), a
@@ -73,8 +74,10 @@ def distinct_experts(s: ModelSpec, tokens: float) -> float:
 
 
 def hit_rate(s: ModelSpec, slots: int) -> float:
-    """The chance the expert cache of `slots` experts holds a chosen expert."""
-    return min(1.0, slots / max(sparse_layers(s) * s.num_experts, 1))
+    """The chance the expert cache of `slots` experts holds a chosen expert: its share of the routed experts, to the
+    power the model's runs measured (s.expert_hit_exponent; 1, a uniform sample, where none did)."""
+    share = min(1.0, slots / max(sparse_layers(s) * s.num_experts, 1))
+    return share**s.expert_hit_exponent
 
 
 def read_bytes(s: ModelSpec, tokens: float, slots: int, expert_bytes: float) -> float:

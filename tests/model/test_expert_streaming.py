@@ -16,6 +16,8 @@ from offload.common.quant import WeightQuant
 from offload.convert.quantize import convert
 from offload.model.expert_streaming import Gate, model_layouts
 from offload.model.loader import load_spec
+from offload.planner.routing import exponent, with_measured_routing
+from offload.scheduler.cost.moe_cost import sparse_layers
 from offload.tiers.device import DeviceTier
 from offload.tiers.io.buffered import BufferedReader
 from offload.tiers.weights.checkpoint import Checkpoint
@@ -70,6 +72,10 @@ def test_streamed_experts_give_the_resident_tokens_reading_only_chosen_experts(c
     assert 0 < x.bytes_read < expert_bytes * s.steps  # unchosen experts are never read
     assert s.bytes_read >= x.bytes_read and s.bytes_per_token == s.bytes_read / s.generated_tokens
     assert x.prefetches > 0 and x.prefetch_used <= x.prefetches  # the next sparse layer's likely experts
+    # how the routing met the cache is kept for the model's later plans (offload/planner/routing.py)
+    measured = exponent(x.hits, x.misses, 3 / (sparse_layers(llm.spec) * llm.spec.num_experts))
+    priced, said = with_measured_routing(llm.spec, path)
+    assert measured is not None and said is not None and priced.expert_hit_exponent > 0
 
 
 def test_router_prefetch_guesses_with_copies_of_the_next_routers_and_keeps_the_tokens(checkpoint):

@@ -1,0 +1,99 @@
+"""How a mixture's routing met its expert cache, as runs measured it, kept per model for later plans.
+
+    record(model, hits, misses, share)     # after a run: its expert lookups, the cache holding `share` of the experts
+    spec = with_measured_routing(spec, model)   # the spec with the exponent the runs measured, for the cost model
+
+The cost model's expert cache holds a chosen expert with probability share ** exponent (scheduler/cost/moe_cost.py's
+hit_rate): 1 for uniform routing, the cache a uniform sample of the experts. A trained or random router favours some
+experts, and a cache that keeps the most chosen ones hits more often: a run with hit rate h at a cache of share c
+measures exponent ln h / ln c, which prices every other cache size of the same model (a one-parameter curve through
+(0, 0), the run's point and (1, 1)). Runs add to what earlier runs measured, the earlier ones weighing at most
+KEPT_LOOKUPS lookups in all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+from offload.common.model_config import ModelSpec
+from offload.common.paths import cache_dir
+from offload.gguf.resolve import indexed_source
+
+KEPT_LOOKUPS = 1 << 16  # expert lookups the record weighs at most
+# a run that hit nearly always at a small cache still leaves misses to price; one that hit less often than its cache's
+# share (a tiny cache that the routing keeps turning over) still hits now and then
+MIN_EXPONENT, MAX_EXPONENT = 0.02, 4.0
+
+
+def _model(model: Path | str) -> Path:
+    """A GGUF file run in place by the file (the engine runs the folder of its metadata), anything else by path."""
+    path = Path(model).resolve()
+    return (indexed_source(path) or path).resolve() if path.is_dir() else path
+
+
+def _path(model: Path | str) -> Path:
+    key = hashlib.sha256(str(_model(model)).encode()).hexdigest()[:24]
+    return cache_dir() / "routing" / f"{key}.json"
+
+
+def exponent(hits: float, misses: float, share: float) -> float | None:
+    """The exponent a run's hit rate at a cache of `share` of the experts measures; None where it says nothing (no
+    lookups, no misses or no hits, or a cache of none or all)."""
+    lookups = hits + misses
+    if lookups <= 0 or not 0.0 < share < 1.0 or hits <= 0 or misses <= 0:
+        return None
+    return min(max(math.log(hits / lookups) / math.log(share), MIN_EXPONENT), MAX_EXPONENT)
+
+
+def record(model: Path | str, hits: int, misses: int, share: float) -> None:
+    """Add a run's expert lookups at a cache of `share` of the routed experts to the record (a run that measures no
+    exponent leaves it as it was, and so does a folder that cannot be written)."""
+    measured = exponent(hits, misses, share)
+    if measured is None:
+        return
+    path = _path(model)
+    lookups, weighted = float(hits + misses), (hits + misses) * measured
+    try:
+        old = json.loads(path.read_text())
+        scale = min(1.0, max(KEPT_LOOKUPS - lookups, 0.0) / old["lookups"])
+        lookups, weighted = lookups + old["lookups"] * scale, weighted + old["lookups"] * scale * old["exponent"]
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        pass  # the first run measured, or a record that cannot be read
+    body = {
+        "model": str(_model(model)),
+        "lookups": lookups,
+        "exponent": weighted / lookups,
+        "last_run": {"hits": hits, "misses": misses, "cache_share": share},
+        "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(body, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def with_measured_routing(spec: ModelSpec, model: Path | str | None) -> tuple[ModelSpec, str | None]:
+    """`spec` with the expert cache's hit exponent the runs of `model` measured, and a line saying so; `spec`
+    unchanged (and None) for a dense model or one no run measured."""
+    if not spec.num_experts or model is None:
+        return spec, None
+    try:
+        body = json.loads(_path(model).read_text())
+        value = float(body["exponent"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return spec, None
+    if not MIN_EXPONENT <= value <= MAX_EXPONENT:
+        return spec, None
+    said = (
+        f"expert cache hits priced as its share of the experts ** {value:.3g}, measured by runs up to "
+        f"{body['when']} UTC ({body['lookups']:.0f} lookups; 1 is uniform routing)"
+    )
+    return dataclasses.replace(spec, expert_hit_exponent=value), said

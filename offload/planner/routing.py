@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import time
 from pathlib import Path
 
 from offload.common.model_config import ModelSpec
 from offload.common.paths import cache_dir
-from offload.gguf.resolve import indexed_source
+from offload.planner.run_records import model_path, read, write
 
 KEPT_LOOKUPS = 1 << 16  # expert lookups the record weighs at most
 # a run that hit nearly always at a small cache still leaves misses to price; one that hit less often than its cache's
@@ -30,14 +29,8 @@ KEPT_LOOKUPS = 1 << 16  # expert lookups the record weighs at most
 MIN_EXPONENT, MAX_EXPONENT = 0.02, 4.0
 
 
-def _model(model: Path | str) -> Path:
-    """A GGUF file run in place by the file (the engine runs the folder of its metadata), anything else by path."""
-    path = Path(model).resolve()
-    return (indexed_source(path) or path).resolve() if path.is_dir() else path
-
-
 def _path(model: Path | str) -> Path:
-    key = hashlib.sha256(str(_model(model)).encode()).hexdigest()[:24]
+    key = hashlib.sha256(str(model_path(model)).encode()).hexdigest()[:24]
     return cache_dir() / "routing" / f"{key}.json"
 
 
@@ -58,26 +51,20 @@ def record(model: Path | str, hits: int, misses: int, share: float) -> None:
         return
     path = _path(model)
     lookups, weighted = float(hits + misses), (hits + misses) * measured
+    old = read(path)
     try:
-        old = json.loads(path.read_text())
         scale = min(1.0, max(KEPT_LOOKUPS - lookups, 0.0) / old["lookups"])
         lookups, weighted = lookups + old["lookups"] * scale, weighted + old["lookups"] * scale * old["exponent"]
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (KeyError, TypeError, ZeroDivisionError):
         pass  # the first run measured, or a record that cannot be read
     body = {
-        "model": str(_model(model)),
+        "model": str(model_path(model)),
         "lookups": lookups,
         "exponent": weighted / lookups,
         "last_run": {"hits": hits, "misses": misses, "cache_share": share},
         "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(body, indent=1) + "\n")
-        tmp.replace(path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    write(path, body)
 
 
 def with_measured_routing(spec: ModelSpec, model: Path | str | None) -> tuple[ModelSpec, str | None]:
@@ -85,10 +72,10 @@ def with_measured_routing(spec: ModelSpec, model: Path | str | None) -> tuple[Mo
     unchanged (and None) for a dense model or one no run measured."""
     if not spec.num_experts or model is None:
         return spec, None
+    body = read(_path(model))
     try:
-        body = json.loads(_path(model).read_text())
         value = float(body["exponent"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return spec, None
     if not MIN_EXPONENT <= value <= MAX_EXPONENT:
         return spec, None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -30,9 +29,9 @@ from offload.common.outputs import CoreCounters
 from offload.common.paths import cache_dir
 from offload.common.quant import WeightQuant
 from offload.gguf.header import gguf_shape
-from offload.gguf.resolve import indexed_source
 from offload.planner.profiles import load_profile, local_profile_path
 from offload.planner.rows import candidate_json
+from offload.planner.run_records import model_path, read, write
 from offload.scheduler.cost.predict import Candidate, Workload, make_context
 from offload.scheduler.cost.search import best
 from offload.scheduler.cost.speculation import Draft, SpeculationPrice, acceptance_for, best_k
@@ -53,14 +52,7 @@ class Acceptance(NamedTuple):
 
 
 def _key(model: Path | str, method: str) -> str:
-    return hashlib.sha256(f"{_model(model)}\0{_drafter(method)}".encode()).hexdigest()[:24]
-
-
-def _model(model: Path | str) -> Path:
-    """The model a record is kept for: a GGUF file run in place by the file (the engine runs the folder of its
-    metadata in the cache, `offload plan` reads the file), anything else by its path."""
-    path = Path(model).resolve()
-    return (indexed_source(path) or path).resolve() if path.is_dir() else path
+    return hashlib.sha256(f"{model_path(model)}\0{_drafter(method)}".encode()).hexdigest()[:24]
 
 
 def _drafter(method: str) -> str:
@@ -79,40 +71,34 @@ def record(model: Path | str, method: str, counters: CoreCounters) -> None:
     if passes <= 0 or drafted <= 0:
         return
     path = _path(model, method)
+    old = read(path)
     try:
-        old = json.loads(path.read_text())
         scale = min(1.0, max(KEPT_PASSES - passes, 0) / old["verify_passes"])
         passes, drafted, accepted = (
             passes + old["verify_passes"] * scale,
             drafted + old["drafted_tokens"] * scale,
             accepted + old["accepted_tokens"] * scale,
         )
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (KeyError, TypeError, ZeroDivisionError):
         pass  # the first run measured, or a record that cannot be read: this run's alone
     body = {
-        "model": str(_model(model)),
+        "model": str(model_path(model)),
         "method": _drafter(method),
         "verify_passes": passes,
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
         "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(body, indent=1) + "\n")
-        tmp.replace(path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    write(path, body)
 
 
 def acceptance(model: Path | str, method: str, given: float | None = None) -> Acceptance:
-    """The acceptance to price `method` with: `given` (--acceptance), else the last run's that measured it, else the
+    """The acceptance to price `method` with: `given` (--acceptance), else what the runs of `model` measured, else the
     assumed one."""
     if given is not None:
         return Acceptance(given, "given")
+    body = read(_path(model, method))
     try:
-        body = json.loads(_path(model, method).read_text())
         passes, drafted, accepted = body["verify_passes"], body["drafted_tokens"], body["accepted_tokens"]
         value = acceptance_for((accepted + passes) / passes, drafted / passes)
         return Acceptance(
@@ -120,7 +106,7 @@ def acceptance(model: Path | str, method: str, given: float | None = None) -> Ac
             f"measured by runs up to {body['when']} UTC: {accepted:.0f} of {drafted:.0f} drafts accepted in "
             f"{passes:.0f} passes, {(accepted + passes) / passes:.2f} tokens a pass",
         )
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         kind = method if method in ASSUMED else "model"
         return Acceptance(ASSUMED[kind], f"assumed for {kind} (no run of this model measured it)")
 

@@ -309,7 +309,7 @@ class EngineConfig:
         "scheduler",
         "tokens a drafter proposes per sequence and step",
         doc="By default the chain length the cost model prices fastest for the engine's placement, by this machine's "
-        "saved profile (offload probe) and the acceptance the last run of the model measured (4 without a profile).",
+        "saved profile (offload probe) and the acceptance runs of the model measured (4 without a profile).",
         metavar="K",
         default_text="the planner's",
     )

@@ -40,6 +40,8 @@ for command in generate serve batch eval probe convert plan; do
 done
 run ".venv/bin/offload plan --model opt-175b --hardware t4-16gb --prompt-len 512 --gen-len 32 --host-memory 208GB"
 run ".venv/bin/offload --debug plan --model tinyllama-1.1b --hardware l4-24gb --prompt-len 128 --gen-len 16"
+# docs/speculative.md
+run ".venv/bin/offload plan --model llama-3.1-70b --hardware rtx4090-24gb --speculate self --acceptance 0.9"
 
 if [ "$demo" = 1 ]; then
     # README.md

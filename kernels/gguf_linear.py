@@ -26,13 +26,14 @@ BLOCK_TYPES = {18: "Q4_0", 20: "Q4_1", 34: "Q8_0"}  # bytes a block -> GGUF's ty
 TYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # kernels/csrc/gguf_blocks.c's enum
 BLOCK_BYTES = {t: b for b, t in BLOCK_TYPES.items()}
 # rows from which the matrix is dequantized for the dense GEMM. That product rounds each weight to bfloat16, where the
-# block kernel multiplies d (q - 8) unrounded, so a prompt's scores depend a little on how many of its rows a step
-# computes (how much of it a prefix cache held) where the paths switch. The dense product wins from 32-64 rows on the
-# 2-core Intel Xeon with AMX (benchmarks/gguf_blocks.py: the blocks at 64 rows 0.66-0.67x the imported int4, which
-# takes the dense product there), and a planned batch's prefill runs in micro-batches of a few hundred rows or fewer:
-# at 128 rows a micro-batch the blocks took 210 s of a 56-layer model's 8-prompt prefill (benchmarks/bigger_than_ram.py
-# --dense). So prompts switch from 64 rows, as the imported int4's timed choice does on that CPU
-DENSE_FROM_ROWS = 64
+# block kernel multiplies d (q - 8) unrounded, so a prompt's scores would depend on how many of its rows a step
+# computes (how much of it a prefix cache held) wherever the paths switch; the dense product wins from 32-64 rows on
+# the 2-core Intel Xeon with AMX (benchmarks/gguf_blocks.py), and switching as the imported int4 does, from 256 (its
+# timed choice there), keeps scores of the prompts up to that length on one path. From 64 a 56-layer file's 8-prompt
+# prefill took 107 s where 256 took 273 (benchmarks/bigger_than_ram.py --dense), but lm-eval's loglikelihoods through
+# the server then parted from the engine's own by 0.007 (tests/server/test_lm_eval.py: choices sharing a cached
+# context compute their few continuation rows on the blocks)
+DENSE_FROM_ROWS = 256
 # the same for a mixture's routed experts, whose rows a step gives each depend on how the step's tokens route anyway:
 # dequantized into a reused buffer, a 14336 x 4096 expert's dense product wins from about 8-16 rows (at 64, ~10 ms
 # against the blocks' 64), and a batch's prompts put 32-64 rows on each expert

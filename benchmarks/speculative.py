@@ -454,7 +454,7 @@ def planned(plain, speculating, method: str, k: int, per_pass: float, prompt_len
     from offload.planner.probe import local_profile
     from offload.planner.speculation import draft_for
     from offload.scheduler.cost.predict import Candidate, decode_step_seconds, make_context
-    from offload.scheduler.cost.speculation import acceptance_for, best_k, speculate
+    from offload.scheduler.cost.speculation_cost import acceptance_for, best_k, speculate
 
     hw, dtype = local_profile(), "bfloat16"
     ctx = make_context(plain.spec, hw, dtype, BLOCK_SIZE)

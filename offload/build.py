@@ -213,7 +213,8 @@ def build(
     decoder = (lambda: prompts) if prompts.tokenizer is not None else None
     k_why = ""  # why a speculating engine drafts as many tokens a step as it does
     if config.speculate is not None:  # the user's chain length, or the planner's for this placement
-        k, k_why = engine_k(model_dir, spec, spec.dtype if config.dtype == "auto" else config.dtype, config, policy)
+        dtype_name = spec.dtype if config.dtype == "auto" else config.dtype
+        k, k_why = engine_k(model_dir, spec, dtype_name, config, policy, getattr(draft, "model_dir", None))
         config = dataclasses.replace(config, num_speculative_tokens=k)
     drafter = draft or make_drafter(config.speculate)
     if drafter is not None:  # a verify step's rows round as a one-row step's (kernels/choice.py)

@@ -712,6 +712,8 @@ def main(argv: list[str] | None = None) -> int:
 
             # a GGUF file's plan needs its shape only: read from its header, nothing imported or written
             args.shape, args.stored = gguf_shape(Path(model).expanduser())
+            if args.speculate is not None and Path(args.speculate).expanduser().is_file():  # a GGUF draft, likewise
+                args.draft_shape, _ = gguf_shape(Path(args.speculate).expanduser())
         elif model is not None and args.command != "convert":
             from offload.gguf.resolve import resolve_model
 

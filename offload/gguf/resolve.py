@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import shutil
 import sys
 import time
@@ -21,7 +20,7 @@ from offload.gguf import importer
 from offload.gguf.importer import local_layout, source_key
 from offload.gguf.in_place import in_place_refusal, write_index
 from offload.gguf.metadata import check_magic, open_gguf
-from offload.tiers.weights.checkpoint import GGUF_INDEX
+from offload.tiers.weights.checkpoint import GGUF_INDEX, indexed_source
 
 IN_PLACE = "gguf"  # the layout name in an in-place folder's name and key
 
@@ -56,14 +55,6 @@ def resolve_model(model: str | Path, in_place: bool = True) -> Path:
             return out
         return _imported(path, f"{path} cannot run in place ({refusal}): it is imported instead\n")
     return _imported(path, "")
-
-
-def indexed_source(folder: Path) -> Path | None:
-    """The GGUF file an in-place folder's index names (None where it cannot be read)."""
-    try:
-        return Path(json.loads((folder / GGUF_INDEX).read_text())["source"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _imported(path: Path, why: str) -> Path:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from offload.gguf.resolve import indexed_source
+from offload.tiers.weights.checkpoint import indexed_source
 
 
 def model_path(model: Path | str) -> Path:

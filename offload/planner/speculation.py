@@ -1,10 +1,10 @@
 """Speculative decoding in the plan: the acceptance runs measured, kept per model and drafter, and the chain length
-the cost model prices best (scheduler/cost/speculation.py), for `offload plan --speculate` and for the engine's own
+the cost model prices best (scheduler/cost/speculation_cost.py), for `offload plan --speculate` and for the engine's own
 `--num-speculative-tokens` when the user gives none.
 
     record(model, "self", counters)             # after a run: its drafts verified and accepted, added to the record
     rate = acceptance(model, "self")            # the last run's measured rate, else the assumed one, and which
-    k, price = planned_k(spec, hw, dtype, cand, workload, "self", rate.value)
+    price = planned_k(spec, hw, dtype, cand, workload, rate.value, draft_for(spec, hw, dtype, "self"))
 
 The acceptance is per drafted token of a chain (the a of E = (1 - a^(k+1)) / (1 - a)): the runs' counts give tokens
 a pass and the average chain length, and a is what makes the formula meet them (acceptance_for). Where no run of this
@@ -28,13 +28,12 @@ from offload.common.model_config import ModelSpec
 from offload.common.outputs import CoreCounters
 from offload.common.paths import cache_dir
 from offload.common.quant import WeightQuant
-from offload.gguf.header import gguf_shape
 from offload.planner.profiles import load_profile, local_profile_path
 from offload.planner.rows import candidate_json
 from offload.planner.run_records import model_path, read, write
 from offload.scheduler.cost.predict import Candidate, Workload, make_context
 from offload.scheduler.cost.search import best
-from offload.scheduler.cost.speculation import Draft, SpeculationPrice, acceptance_for, best_k
+from offload.scheduler.cost.speculation_cost import Draft, SpeculationPrice, acceptance_for, best_k
 
 # per drafted token, where no run measured it: `self` (the same weights in 4 bits) agrees with its target on most
 # tokens (92.5% of drafts accepted in chains of 8 on SmolLM2-135M-Instruct: a = 0.98); n-gram lookup only where the
@@ -111,17 +110,17 @@ def acceptance(model: Path | str, method: str, given: float | None = None) -> Ac
         return Acceptance(ASSUMED[kind], f"assumed for {kind} (no run of this model measured it)")
 
 
-def draft_for(spec: ModelSpec, hw: HardwareProfile, dtype: str, method: str) -> Draft | None:
+def draft_for(
+    spec: ModelSpec, hw: HardwareProfile, dtype: str, method: str, draft_spec: ModelSpec | None = None
+) -> Draft | None:
     """The draft model a pass runs: `self`'s int4 copy of `spec` (groups of 32, or the model's own codes), a draft
-    model's directory by its own spec, or None for n-gram lookup."""
+    model's (`draft_spec`, else the spec of the directory `method` names), or None for n-gram lookup."""
     if method == "ngram":
         return None
     if method == "self":
         quant = spec.quant if spec.quant is not None and spec.quant.bits == SELF_BITS else WeightQuant(4, 32, "cpu")
         draft_spec = dataclasses.replace(spec, quant=quant)
-    elif Path(method).is_file():  # a GGUF file: its shape from the header, nothing imported
-        draft_spec, _ = gguf_shape(Path(method))
-    else:
+    elif draft_spec is None:
         from offload.model.loader import load_spec
 
         draft_spec, _ = load_spec(Path(method))
@@ -137,12 +136,18 @@ def _on_cpu(hw: HardwareProfile) -> HardwareProfile:
 
 
 def planned_k(
-    spec: ModelSpec, hw: HardwareProfile, dtype: str, cand: Candidate, workload: Workload, method: str, rate: float
+    spec: ModelSpec,
+    hw: HardwareProfile,
+    dtype: str,
+    cand: Candidate,
+    workload: Workload,
+    rate: float,
+    draft: Draft | None,
 ) -> SpeculationPrice:
     """The chain length with the most tokens a second for `cand` at the middle of `workload`'s generation."""
     ctx = make_context(spec, hw, dtype, BLOCK_SIZE)
     context = workload.prompt_len + workload.gen_len // 2
-    return best_k(ctx, cand, context, workload.prompt_len, rate, draft_for(spec, hw, dtype, method))
+    return best_k(ctx, cand, context, workload.prompt_len, rate, draft)
 
 
 def lines(price: SpeculationPrice, rate: Acceptance, method: str, batch: int, draft: Draft | None) -> list[str]:
@@ -193,6 +198,8 @@ def plan_section(
     if args.acceptance is not None and not 0.0 <= args.acceptance <= 1.0:
         raise OffloadError(f"--acceptance must be a share between 0 and 1, got {args.acceptance}")
     rate = acceptance(args.model, args.speculate, args.acceptance)
+    # a GGUF draft file's shape is read from its header by offload/cli.py's main, as the model's is
+    draft = draft_for(shape, hw, dtype, args.speculate, getattr(args, "draft_shape", None))
     ones = [p for p in predictions if p.candidate.batch == 1 and p.fits and not p.unsupported]
     chosen = [p for p in (ones[:1] + [best(predictions, runnable_only=True)]) if p is not None]
     text, rows, seen = ["", ""], [], set()
@@ -200,8 +207,8 @@ def plan_section(
         if p.candidate in seen:
             continue
         seen.add(p.candidate)
-        price = planned_k(shape, hw, dtype, p.candidate, workload, args.speculate, rate.value)
-        text += lines(price, rate, args.speculate, p.candidate.batch, draft_for(shape, hw, dtype, args.speculate))
+        price = planned_k(shape, hw, dtype, p.candidate, workload, rate.value, draft)
+        text += lines(price, rate, args.speculate, p.candidate.batch, draft)
         rows.append(
             {
                 "candidate": candidate_json(p.candidate),
@@ -221,10 +228,13 @@ def plan_section(
     return "\n".join(text), rows
 
 
-def engine_k(model: Path, spec: ModelSpec, dtype: str, config: EngineConfig, policy: Policy) -> tuple[int, str]:
+def engine_k(
+    model: Path, spec: ModelSpec, dtype: str, config: EngineConfig, policy: Policy, draft_dir: Path | None = None
+) -> tuple[int, str]:
     """The engine's drafts a sequence and step, and why: the user's, else the chain length the cost model prices
-    best for the engine's own placement at batch 1 (a stream) by this machine's saved profile and the acceptance a
-    run of this model measured (or the assumed one), else DEFAULT_K where no profile is saved."""
+    best for the engine's own placement at batch 1 (a stream) by this machine's saved profile and the acceptance
+    runs of this model measured (or the assumed one), else DEFAULT_K where no profile is saved. draft_dir: the
+    draft model's directory as the engine resolved it (`--speculate PATH`)."""
     if config.num_speculative_tokens is not None:
         return config.num_speculative_tokens, "given"
     path = local_profile_path()
@@ -235,7 +245,13 @@ def engine_k(model: Path, spec: ModelSpec, dtype: str, config: EngineConfig, pol
     rate = acceptance(model, config.speculate)
     bits = spec.quant.bits if spec.quant is not None else 8 * DTYPE_BYTES[dtype]
     cand = Candidate(1, 1, policy, weight_bits=bits, expert_cache=config.expert_cache_memory or 0)
-    price = planned_k(spec, hw, dtype, cand, PLANNED_WORKLOAD, config.speculate, rate.value)
+    draft_spec = None
+    if draft_dir is not None and config.speculate != "self":
+        from offload.model.loader import load_spec
+
+        draft_spec, _ = load_spec(draft_dir)
+    draft = draft_for(spec, hw, dtype, config.speculate, draft_spec)
+    price = planned_k(spec, hw, dtype, cand, PLANNED_WORKLOAD, rate.value, draft)
     return price.k, (
         f"planned: {price.tokens_per_pass:.2f} tokens a pass at acceptance {rate.value:.2f} a draft, {rate.source}; "
         f"{price.speedup:.2f}x plain predicted"

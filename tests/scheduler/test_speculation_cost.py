@@ -1,5 +1,5 @@
-"""The cost model's price of speculative decoding (scheduler/cost/speculation.py): tokens a pass from the acceptance,
-a pass's cost from the model's own steps, and the chain length it prices best."""
+"""The cost model's price of speculative decoding (scheduler/cost/speculation_cost.py): tokens a pass from the
+acceptance, a pass's cost from the model's own steps, and the chain length it prices best."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from offload.planner.models import load_model_spec
 from offload.planner.profiles import load_profile
 from offload.planner.speculation import draft_for
 from offload.scheduler.cost.predict import Candidate, decode_step_seconds, make_context
-from offload.scheduler.cost.speculation import acceptance_for, best_k, speculate, tokens_per_pass
+from offload.scheduler.cost.speculation_cost import acceptance_for, best_k, speculate, tokens_per_pass
 
 
 def test_tokens_a_pass_follow_the_chain_formula():

@@ -250,3 +250,11 @@ def weights_fingerprint(model_dir: Path) -> str:
                 f.seek(i * max(size - 4096, 0) // max(FINGERPRINT_SAMPLES - 1, 1))
                 digest.update(f.read(4096))
     return digest.hexdigest()
+
+
+def indexed_source(folder: Path) -> Path | None:
+    """The GGUF file an in-place folder's index names (None where it cannot be read)."""
+    try:
+        return Path(json.loads((folder / GGUF_INDEX).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

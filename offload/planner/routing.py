@@ -21,7 +21,7 @@ from pathlib import Path
 
 from offload.common.model_config import ModelSpec
 from offload.common.paths import cache_dir
-from offload.planner.run_records import model_path, read, write
+from offload.planner.run_records import earlier_weight, model_path, read, write
 
 KEPT_LOOKUPS = 1 << 16  # expert lookups the record weighs at most
 # a run that hit nearly always at a small cache still leaves misses to price; one that hit less often than its cache's
@@ -53,7 +53,7 @@ def record(model: Path | str, hits: int, misses: int, share: float) -> None:
     lookups, weighted = float(hits + misses), (hits + misses) * measured
     old = read(path)
     try:
-        scale = min(1.0, max(KEPT_LOOKUPS - lookups, 0.0) / old["lookups"])
+        scale = earlier_weight(old["lookups"], lookups, KEPT_LOOKUPS)
         lookups, weighted = lookups + old["lookups"] * scale, weighted + old["lookups"] * scale * old["exponent"]
     except (KeyError, TypeError, ZeroDivisionError):
         pass  # the first run measured, or a record that cannot be read

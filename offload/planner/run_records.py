@@ -17,6 +17,12 @@ def model_path(model: Path | str) -> Path:
     return (indexed_source(path) or path).resolve() if path.is_dir() else path
 
 
+def earlier_weight(earlier: float, this_run: float, most: float) -> float:
+    """The factor an earlier record's counts (`earlier` of the unit `most` caps) keep when a run adds `this_run`:
+    together they weigh at most `most`, the run's first (the record follows the model's recent use)."""
+    return min(1.0, max(most - this_run, 0.0) / earlier)
+
+
 def read(path: Path) -> dict | None:
     """The record at `path`; None where there is none or it cannot be read."""
     try:

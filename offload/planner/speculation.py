@@ -30,7 +30,7 @@ from offload.common.paths import cache_dir
 from offload.common.quant import WeightQuant
 from offload.planner.profiles import load_profile, local_profile_path
 from offload.planner.rows import candidate_json
-from offload.planner.run_records import model_path, read, write
+from offload.planner.run_records import earlier_weight, model_path, read, write
 from offload.scheduler.cost.predict import Candidate, Workload, make_context
 from offload.scheduler.cost.search import best
 from offload.scheduler.cost.speculation_cost import Draft, SpeculationPrice, acceptance_for, best_k
@@ -72,7 +72,7 @@ def record(model: Path | str, method: str, counters: CoreCounters) -> None:
     path = _path(model, method)
     old = read(path)
     try:
-        scale = min(1.0, max(KEPT_PASSES - passes, 0) / old["verify_passes"])
+        scale = earlier_weight(old["verify_passes"], passes, KEPT_PASSES)
         passes, drafted, accepted = (
             passes + old["verify_passes"] * scale,
             drafted + old["drafted_tokens"] * scale,

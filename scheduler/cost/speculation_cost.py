@@ -32,7 +32,7 @@ from offload.scheduler.cost.predict import Candidate, Context, decode_step_secon
 DRAFT_BLOCK_SLACK = 2
 
 
-def tokens_per_pass(acceptance: float, k: int) -> float:
+def tokens_per_pass(acceptance: float, k: float) -> float:
     """Expected tokens one verify pass yields for a chain of `k` drafts each accepted with probability `acceptance`."""
     a = min(max(acceptance, 0.0), 1.0)
     return float(k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
@@ -47,10 +47,8 @@ def acceptance_for(per_pass: float, k: float) -> float:
         return 0.0
     low, high = 0.0, 1.0
     for _ in range(60):  # bisection: E grows with a
-        mid = (low + high) / 2
-        a = min(max(mid, 0.0), 1.0 - 1e-12)
-        e = (1.0 - a ** (k + 1)) / (1.0 - a)
-        low, high = (mid, high) if e < per_pass else (low, mid)
+        mid = (low + high) / 2  # strictly between 0 and 1
+        low, high = (mid, high) if tokens_per_pass(mid, k) < per_pass else (low, mid)
     return (low + high) / 2
 
 

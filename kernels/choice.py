@@ -129,6 +129,7 @@ _shaped: set[str] = set()  # the timings of this process's model's own product s
 _memo: dict[tuple, str] = {}  # (OFFLOAD_KERNELS' mode, kernel, rows, shape) -> path, for the timings adopted
 _adopted: list[Choices] = []  # this process's timings (kernels/timing.py's `ensure`)
 _one_row_up_to = [1]  # products of up to this many rows take the path of one row (`one_row_path_up_to`)
+_decode_rows = [False]  # the products running now have a decode step's rows, one new token a sequence (`decode_rows`)
 
 
 @contextlib.contextmanager
@@ -175,6 +176,24 @@ def one_row_path_up_to(rows: int) -> None:
     it one: on the same path each row rounds as alone, so greedy output stays the plain output (a path that switches
     between 1 and k + 1 rows, as bfloat16 products do where oneDNN wins from 8 rows, would part them)."""
     _one_row_up_to[0] = max(_one_row_up_to[0], rows)
+
+
+@contextlib.contextmanager
+def decode_rows(each: bool) -> Iterator[None]:
+    """Inside this block the products' rows are (`each`), or are not, a decode step's: one row a sequence, its one new
+    token. A kernel that rounds apart from the one-row path may take such rows (a row's bits then depend on how many
+    sequences decode beside it, never on how a prompt was cut into steps); a prompt's rows stay where they were, so
+    that a prompt's greedy answer does not move with the CPU's features (kernels/gguf_linear.py's tiles)."""
+    saved, _decode_rows[0] = _decode_rows[0], each
+    try:
+        yield
+    finally:
+        _decode_rows[0] = saved
+
+
+def decoding() -> bool:
+    """Whether the products running now have a decode step's rows (`decode_rows`)."""
+    return _decode_rows[0]
 
 
 def as_one_row(rows: int) -> bool:

@@ -3,7 +3,8 @@
 A matrix [N, K] in blocks is a uint8 tensor [N, K / 32, block bytes]; its last dimension names the block type
 (BLOCK_TYPES), so a tensor says how to read itself. kernels/csrc/gguf_blocks.c multiplies bfloat16 rows with the
 blocks as they lie (each block decoded once into bfloat16 registers, exact products summed in float32), for the
-rows of a decode step and of a short prompt; from DENSE_FROM_ROWS rows the matrix is dequantized to the compute dtype
+rows of a decode step and of a short prompt (on a CPU with AMX, a decode step of TILES_FROM_ROWS sequences or more
+on tiles: kernels/csrc/gguf_tiles.c); from DENSE_FROM_ROWS rows the matrix is dequantized to the compute dtype
 a slice of features at a time and multiplied by the dense GEMM (oneDNN, on AMX tiles where the CPU has them).
 Without the native kernels (another CPU, OFFLOAD_KERNELS=torch, a CUDA device) `dequantize_ref` does the
 dequantizing in torch, then the dense product. An LM head's logits are float32 on every path.
@@ -38,6 +39,14 @@ DENSE_FROM_ROWS = 256
 # dequantized into a reused buffer, a 14336 x 4096 expert's dense product wins from about 8-16 rows (at 64, ~10 ms
 # against the blocks' 64), and a batch's prompts put 32-64 rows on each expert
 EXPERT_DENSE_FROM_ROWS = 32
+# rows of a decode step (kernels/choice.py's decode_rows: one new token a sequence) from which a CPU with AMX takes
+# kernels/csrc/gguf_tiles.c; below them, a prompt's rows and a verify step's take the block kernel. On the 2-core
+# Intel Xeon with AMX the tiles cost nearly the same from 1 to 16 rows (decoding the blocks dominates) where the block
+# kernel grows with each row: tiles win from 4 rows for Q4_0 and Q4_1 (2.0-2.2x at 8 rows, 3.7-4.2x at 16), from 8
+# for Q8_0 (benchmarks/gguf_blocks.py). Their sums are added in another order than the block kernel's, and that moved
+# the real model's greedy answer to the README's first question (the two first tokens 0.08 nats apart in float32):
+# prompts stay on the block kernel, whatever the CPU
+TILES_FROM_ROWS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 DEQUANT_BYTES = 32 << 20  # bfloat16 bytes dequantized at a time for the dense GEMM
 
 
@@ -99,19 +108,29 @@ def gguf_rows(table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 
 def _product(x: torch.Tensor, w: torch.Tensor, float32: bool, dense_from: int = DENSE_FROM_ROWS) -> torch.Tensor:
     x = x.contiguous()
-    # a speculating engine's verify rows stay on the one-row path (kernels/choice.py's one_row_path_up_to)
-    blocks = x.shape[0] < dense_from or choice.as_one_row(x.shape[0])
-    if blocks and _native_rows(x, w) and (fn := _mm()) is not None:
-        record("gguf_linear", "native")
-        m, k = x.shape
-        n = w.shape[0]
+    m, k = x.shape
+    one_row = choice.as_one_row(m)  # a speculating engine's verify rows stay on the one-row path
+    if (m < dense_from or one_row) and _native_rows(x, w):
+        kind, n = block_type(w), w.shape[0]
         y = torch.empty(m, n, dtype=torch.float32 if float32 else torch.bfloat16)
-        xsum = torch.empty(m * (k // BLOCK), dtype=torch.float32)
-        fn(
-            x.data_ptr(), w.data_ptr(), TYPE_CODES[block_type(w)], y.data_ptr(), int(float32), m, n, k,
-            xsum.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        return y
+        if not one_row and choice.decoding() and m >= TILES_FROM_ROWS[kind] and (tiles := _tiles()) is not None:
+            record("gguf_linear", "native")
+            record("gguf_tiles", "native")
+            xp = torch.empty(m * k, dtype=torch.bfloat16)
+            xs = torch.zeros(-(-m // 16) * (k // BLOCK) * 16, dtype=torch.float32)
+            tiles(
+                x.data_ptr(), w.data_ptr(), TYPE_CODES[kind], y.data_ptr(), int(float32), m, n, k, xp.data_ptr(),
+                xs.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+            return y
+        if (fn := _mm()) is not None:
+            record("gguf_linear", "native")
+            xsum = torch.empty(m * (k // BLOCK), dtype=torch.float32)
+            fn(
+                x.data_ptr(), w.data_ptr(), TYPE_CODES[kind], y.data_ptr(), int(float32), m, n, k, xsum.data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
+            return y
     record("gguf_linear", "torch")
     n, k = w.shape[0], w.shape[1] * BLOCK
     step = max(1, DEQUANT_BYTES // (2 * k))  # output features dequantized at a time
@@ -136,6 +155,15 @@ def _mm() -> ctypes._CFuncPtr | None:
 
 
 @functools.cache
+def _tiles() -> ctypes._CFuncPtr | None:
+    """kernels/csrc/gguf_tiles.c's product, where this CPU has AMX tiles and this process may use them."""
+    ready = bind("gguf_tiles", "gguf_tiles_ready", [], INT)
+    if ready is None or not ready():
+        return None
+    return bind("gguf_tiles", "gguf_tiles_mm", [PTR, PTR, INT, PTR, INT, I64, I64, I64, PTR, PTR, INT])
+
+
+@functools.cache
 def _dequant() -> ctypes._CFuncPtr | None:
     return bind("gguf_blocks", "gguf_dequant_bf16", [PTR, INT, PTR, I64, I64, INT])
 
@@ -143,4 +171,5 @@ def _dequant() -> ctypes._CFuncPtr | None:
 def forget() -> None:
     """Drop the bound kernels, so that the next call asks kernels/native_build.py again (tests)."""
     _mm.cache_clear()
+    _tiles.cache_clear()
     _dequant.cache_clear()

@@ -1,11 +1,5 @@
 /* GGUF's own blocks multiplied and dequantized as they lie in the file: Q4_0, Q4_1 and Q8_0, 32 values a block along
- * a row's inputs (kernels/gguf_linear.py says when each runs).
- *
- *     Q4_0  18 B: f16 d, 16 B of codes     w = d (q - 8)
- *     Q4_1  20 B: f16 d, f16 m, 16 B        w = d q + m
- *     Q8_0  34 B: f16 d, 32 int8 codes      w = d q
- *
- * Q4_0 and Q4_1 hold value j of a block in the low nibble of code byte j and value j + 16 in its high nibble.
+ * a row's inputs (kernels/csrc/gguf_block.h has their layout; kernels/gguf_linear.py says when each kernel runs).
  *
  * gguf_mm: a block's 32 codes become one vector of bfloat16 (q - 8, q or the int8 code: exact in bfloat16), multiplied
  * with a row's 32 inputs by AVX-512 BF16's dot product into 16 float32 lanes (exact products), scaled by d and added
@@ -14,38 +8,11 @@
  * output does not depend on the batch around it. Four output features are computed together (each block's inputs
  * loaded once for them, sixteen independent sums in registers), each by one thread: the same bits on any team.
  */
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
-
-#include "bf16.h"
+#include "gguf_block.h"
 #include "team.h"
 
-#define QK 32 /* values a block */
 #define RB 4 /* rows whose sums stay in registers together */
 #define FT 4 /* output features computed together */
-
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-static const int64_t BLOCK_BYTES[3] = {18, 20, 34};
-
-static inline float f16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-/* A block's 32 codes as bfloat16: the table's value for each nibble (Q4_0: q - 8, Q4_1: q), Q8_0's int8 codes. */
-static inline __m512bh decode(const uint8_t *b, int type, __m512i lut) {
-    if (type == Q8_0) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18))));
-        return _mm512_cvtne2ps_pbh(hi, lo); /* lanes 0-15 from lo */
-    }
-    const __m128i c = _mm_loadu_si128((const __m128i *)(b + (type == Q4_0 ? 2 : 4)));
-    const __m128i low = _mm_and_si128(c, _mm_set1_epi8(15));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi8(15));
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_set_m128i(high, low)), lut);
-}
 
 /* F output features (rows of blocks `wr`, `row` bytes apart) for R rows of x from r0: each block decoded once, each
  * row's 32 inputs loaded once for the F features, F x R independent sums in registers */
@@ -114,9 +81,7 @@ void gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out,
             const uint16_t *xp = x + (i / nb) * k + (i % nb) * QK;
             xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_load(xp, 0xFFFF), bf16x16_load(xp + 16, 0xFFFF)));
         }
-    uint16_t table[32]; /* bfloat16 of each nibble's value, indexed by a 16-bit lane's low 5 bits */
-    for (int q = 0; q < 32; q++) table[q] = float_to_bf16((float)((q & 15) - (type == Q4_0 ? 8 : 0))); /* exact */
-    const __m512i lut = _mm512_loadu_si512(table);
+    const __m512i lut = nibble_table(type);
     team t = team_begin(threads); /* one thread while another process holds a core (team.h) */
 #pragma omp parallel num_threads(t.threads)
     {

@@ -8,6 +8,7 @@ import torch
 
 from offload.common.model_config import ModelSpec
 from offload.common.tier import Tier
+from offload.kernels.choice import decode_rows
 from offload.kernels.paged_batch import PagedBatch
 from offload.model.host_attention import HostAttention, Staging, staging
 from offload.model.registry import ExpertSource, Family, LayerInput
@@ -37,6 +38,7 @@ class _Prepared:
     segments: list[tuple[int, int, int]]
     kv_tier: str
     staging: Staging | None  # a host micro-batch attending on the compute device
+    decode: bool  # one new token a sequence (kernels/choice.py's decode_rows)
 
 
 class Engine:
@@ -76,10 +78,12 @@ class Engine:
             kvs = {tier: cache.layer(layer) for tier, cache in self.caches.items()}
             for i, p in enumerate(prepared):
                 inp = LayerInput(p.cos, p.sin, p.batch, kvs[p.kv_tier], self.experts.get(layer), p.staging)
-                hidden[i] = self.family.layer(self.spec, layer, w, hidden[i], inp)
+                with decode_rows(p.decode):
+                    hidden[i] = self.family.layer(self.spec, layer, w, hidden[i], inp)
             self.weights.release(layer)
         rows = torch.cat([h[p.logit_rows] for h, p in zip(hidden, prepared, strict=True)])
-        logits = self.family.head(self.spec, self.weights.head, rows).float()
+        with decode_rows(all(p.decode for p in prepared)):
+            logits = self.family.head(self.spec, self.weights.head, rows).float()
         seq_ids = tuple(c.seq_id for c in plan.chunks if c.wants_logits or plan.all_logits)
         segments = [s for p in prepared for s in p.segments]
         if plan.all_logits or all(pos < 0 for _, pos, _ in segments):
@@ -127,4 +131,5 @@ class Engine:
             tables_used = [c.block_table for c in mb.chunks]
             staged = staging(tables_used, contexts, batch, block_size, cache_device, self.device)
             self.staged_micro_batches += 1
-        return _Prepared(tensor(token_ids), cos, sin, batch, tensor(rows), segments, mb.kv_tier, staged)
+        decode = all(len(c.token_ids) == 1 for c in mb.chunks)
+        return _Prepared(tensor(token_ids), cos, sin, batch, tensor(rows), segments, mb.kv_tier, staged, decode)

@@ -1,6 +1,7 @@
 """GGUF blocks multiplied as they lie (kernels/gguf_linear.py, kernels/csrc/gguf_blocks.c): the reference dequantizes
 as gguf does, bit for bit; the native dequantization is the reference rounded to bfloat16, bit for bit; products are
-the float64 product within bfloat16's rounding, each row's the same whatever rows are beside it, logits float32."""
+the float64 product within bfloat16's rounding, each row's the same whatever rows are beside it (within the rows one
+kernel takes: the block kernel, AMX tiles for a decode step's rows, the dense product), logits float32."""
 
 from __future__ import annotations
 
@@ -57,6 +58,44 @@ def test_block_products_are_exact_products_summed_and_row_invariant(kind: str, n
         torch.testing.assert_close(logits.double(), exact, atol=1e-5, rtol=1e-5)
         alone = torch.cat([gguf_linear.gguf_logits(x[i : i + 1], w) for i in range(m)])
         assert torch.equal(logits, alone)  # a row's bits do not depend on the rows beside it
+
+
+@needs_native
+@pytest.mark.parametrize("kind", TYPES)
+def test_a_decode_steps_rows_take_amx_tiles_from_their_threshold_and_prompts_and_verify_rows_do_not(kind: str):
+    """Where the CPU has AMX, a decode step's TILES_FROM_ROWS rows and more go to kernels/csrc/gguf_tiles.c: exact
+    products summed on tiles, each row's bits the same beside any other rows there. Fewer rows, a prompt's rows and
+    a speculating engine's verify rows (kernels/choice.py's one_row_path_up_to) stay on the block kernel, each row as
+    it rounds alone."""
+    if gguf_linear._tiles() is None:
+        pytest.skip("this CPU has no AMX tiles")
+    from offload.kernels import choice, dispatch
+
+    w, _ = blocks(kind, 40, 1056, seed=9)  # 33 blocks a row: a chunk of 32 and one more
+    start = gguf_linear.TILES_FROM_ROWS[kind]
+    x = torch.randn(3 * start + 17, 1056, generator=torch.Generator().manual_seed(3)).bfloat16()
+    exact = x.double() @ gguf_linear.dequantize_ref(w).double().T
+    alone = torch.cat([gguf_linear.gguf_logits(row, w) for row in x.split(1)])
+    dispatch._picked.pop("gguf_tiles", None)
+    assert torch.equal(gguf_linear.gguf_logits(x, w), alone)  # a prompt's rows
+    with choice.decode_rows(True):
+        assert torch.equal(gguf_linear.gguf_logits(x[: start - 1], w), alone[: start - 1])
+        assert "gguf_tiles" not in picked()
+        tiled = gguf_linear.gguf_logits(x, w)
+        assert picked()["gguf_tiles"] == "native"
+        torch.testing.assert_close(tiled.double(), exact, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(alone.double(), exact, atol=1e-5, rtol=1e-5)
+        cuts = [0, start, 2 * start + 5, x.shape[0]]  # the same rows beside others: 16 a tile, then what is left
+        parts = [gguf_linear.gguf_logits(x[a:b], w) for a, b in zip(cuts, cuts[1:], strict=False)]
+        assert torch.equal(torch.cat(parts), tiled)
+        y = gguf_linear.gguf_linear(x, w)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, tiled.bfloat16())
+        saved = choice._one_row_up_to[0]
+        try:
+            choice.one_row_path_up_to(start)
+            assert torch.equal(gguf_linear.gguf_logits(x[:start], w), alone[:start])
+        finally:
+            choice._one_row_up_to[0] = saved
 
 
 @pytest.mark.parametrize("kind", TYPES)

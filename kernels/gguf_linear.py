@@ -168,6 +168,11 @@ def _dequant() -> ctypes._CFuncPtr | None:
     return bind("gguf_blocks", "gguf_dequant_bf16", [PTR, INT, PTR, I64, I64, INT])
 
 
+def tiles_run() -> bool:
+    """Whether a decode step's rows take AMX tiles here (TILES_FROM_ROWS)."""
+    return _tiles() is not None
+
+
 def forget() -> None:
     """Drop the bound kernels, so that the next call asks kernels/native_build.py again (tests)."""
     _mm.cache_clear()

@@ -34,6 +34,9 @@ class ComputeUnit:
     # by the bytes). At a few rows these kernels decode codes in registers, and that, not memory, can bound them.
     int4_matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     gguf_matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # GGUF blocks at a decode step's rows, where they take another kernel than a prompt's (AMX tiles:
+    # kernels/gguf_linear.py's TILES_FROM_ROWS); empty elsewhere (a decode step's rows then cost gguf_matmul_curve's)
+    gguf_decode_matmul_curve: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     # what `offload probe` measures of the rest of a layer through the engine's own code, dtype -> ((size, rate),
     # ...) with sizes ascending; empty for published profiles (the cost model then prices this work at the memory
     # bandwidth and the GEMM rate). On a CPU these run far below the memory roofline: a float32 RMS norm or a
@@ -100,6 +103,7 @@ CURVES = {
     "packed_matmul_curve": ("rows", "TFLOP/s", TFLOP),
     "int4_matmul_curve": ("rows", "TFLOP/s", TFLOP),
     "gguf_matmul_curve": ("rows", "TFLOP/s", TFLOP),
+    "gguf_decode_matmul_curve": ("rows", "TFLOP/s", TFLOP),
     "elementwise_curve": ("rows", "GB/s", GB),
     "prefill_attention_curve": ("tokens", "TFLOP/s", TFLOP),
     "decode_attention_curve": ("tokens", "GB/s", GB),

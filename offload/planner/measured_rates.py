@@ -78,7 +78,8 @@ def measure_quantized_matmul(
     together ([rows, hidden] x [hidden, inter], then [rows, inter] x [inter, hidden]: the matrices most of a model's
     bytes are in, and a kernel's rate differs between them by a fifth), the FLOPs counted as the dense product's:
     `kind` "int4" (codes in groups of 32 in torch's CPU packing, through kernels/quant_linear.py and the paths
-    kernels/choice.py timed) or "gguf" (Q4_0 blocks as a GGUF file holds them, through kernels/gguf_linear.py).
+    kernels/choice.py timed) or "gguf" (Q4_0 blocks as a GGUF file holds them, through kernels/gguf_linear.py), or
+    "gguf_decode" (the same as a decode step's rows: kernels/choice.py's decode_rows).
     Weight copies are cycled as measure_matmul's, each shape's in half of `weight_pool_bytes`."""
     x_all = torch.randn(rows[-1], max(hidden, inter), generator=torch.Generator().manual_seed(0)).bfloat16()
     shapes = [_quantized_weights(kind, n, k, weight_pool_bytes // 2) for n, k in ((inter, hidden), (hidden, inter))]
@@ -106,17 +107,28 @@ def _quantized_weights(kind: str, n: int, k: int, pool_bytes: int) -> tuple[Call
         scales = (torch.rand(k // 32, n, 2, generator=gen) * 0.02).to(torch.bfloat16)  # [groups, n, scale/zero]
         weight, nbytes = (codes, scales), codes.numel() + 2 * scales.numel()
         product = lambda x, w: quant_linear(x, w[0], w[1], fmt)  # noqa: E731
-    elif kind == "gguf":
+    elif kind in ("gguf", "gguf_decode"):
         blocks = torch.randint(0, 256, (n, k // 32, 18), generator=gen, dtype=torch.uint8)  # [n, blocks, 2 + 16]
         scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).to(torch.float16)
         blocks[..., :2] = scale.view(torch.uint8)  # each block's f16 scale, then its 32 codes in 16 bytes
         weight, nbytes = blocks, blocks.numel()
-        product = gguf_linear
+        product = gguf_linear if kind == "gguf" else _decoding(gguf_linear)
     else:
-        raise ValueError(f"unknown quantized kind {kind!r} (known: int4, gguf)")
+        raise ValueError(f"unknown quantized kind {kind!r} (known: int4, gguf, gguf_decode)")
     clone = (lambda w: tuple(t.clone() for t in w)) if kind == "int4" else torch.clone
     copies = [weight] + [clone(weight) for _ in range(1, -(-pool_bytes // nbytes))]
     return product, itertools.cycle(copies)
+
+
+def _decoding(product: Callable) -> Callable:
+    """`product` called on a decode step's rows (kernels/choice.py's decode_rows)."""
+    from offload.kernels.choice import decode_rows
+
+    def call(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with decode_rows(True):
+            return product(x, w)
+
+    return call
 
 
 def measure_elementwise(

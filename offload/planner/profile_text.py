@@ -56,6 +56,7 @@ _CURVE_TITLES = {
     "packed_matmul_curve": "the same with the weight packed for the CPU's GEMM (resident layers)",
     "int4_matmul_curve": "the same with int4 codes in groups of 32 (dense FLOPs)",
     "gguf_matmul_curve": "the same with GGUF Q4_0 blocks read in place (dense FLOPs)",
+    "gguf_decode_matmul_curve": "the same at a decode step's rows, on AMX tiles (dense FLOPs)",
     "elementwise_curve": "a layer's non-GEMM work (bytes as the cost model counts them)",
     "prefill_attention_curve": "causal attention of whole prompts",
     "decode_attention_curve": "one query per sequence over a paged K/V cache (K and V bytes)",

@@ -198,15 +198,16 @@ class Context:
             return None
         return int(cand.expert_cache // self.expert_bytes(cand.weight_bits))
 
-    def quant_kernel(self, bits: int) -> str | None:
+    def quant_kernel(self, bits: int, decode: bool = False) -> str | None:
         """The quantized kernel a CPU device multiplies weights of `bits` with ("gguf": a GGUF file's blocks read in
-        place, "int4": the engine's int4 codes; its profile may have measured either); None for float weights,
-        int8, and a CUDA device (whose quantized kernels the probe does not measure)."""
+        place, "gguf_decode" those at a decode step's rows where the profile measured them apart, "int4": the
+        engine's int4 codes; its profile may have measured any); None for float weights, int8, and a CUDA device
+        (whose quantized kernels the probe does not measure)."""
         if bits >= 8 * self.dtype_bytes or not self.on_cpu:
             return None
         quant = self.shape.quant
         if quant is not None and quant.layout == "gguf" and quant.bits == bits:
-            return "gguf"
+            return "gguf_decode" if decode and self.hw.device.gguf_decode_matmul_curve.get(self.dtype) else "gguf"
         return "int4" if bits == 4 else None
 
     def weight_bytes(self, params: int, bits: int) -> float:
@@ -253,7 +254,7 @@ def _layer_step(
         busy["link"] = w_bytes / hw.host_to_device
     attn_unit = hw.host if cand.kv_tier == Tier.HOST and not ctx.on_cpu else hw.device
     packed = ctx.on_cpu and tier == Tier.DEVICE  # the engine packs resident layers where that pays
-    kernel = ctx.quant_kernel(cand.weight_bits)
+    kernel = ctx.quant_kernel(cand.weight_bits, decode=not prefill)
     compute = gemm_seconds(hw.device, ctx.dtype, active, active_bytes, rows_per_mb, packed, kernel)
     compute += _elementwise_seconds(ctx, rows_per_mb)
     dequantized = cand.weight_bits < 8 * ctx.dtype_bytes and rows_per_mb >= DEQUANT_FROM_ROWS

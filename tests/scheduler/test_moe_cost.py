@@ -212,3 +212,20 @@ def test_quantized_products_at_a_few_rows_take_their_kernels_measured_curve():
     slow = dataclasses.replace(hw.device, gguf_matmul_curve={"bfloat16": ((1, 1e6), (32, 3.2e7))})
     plain, curved = (predict(gguf, dataclasses.replace(hw, device=u), work, cand) for u in (hw.device, slow))
     assert curved.decode_seconds > 10 * plain.decode_seconds
+
+
+def test_a_decode_steps_gguf_rows_take_their_own_curve_where_the_profile_measured_one():
+    """Where a decode step's GGUF rows take another kernel than a prompt's (AMX tiles), the profile's
+    gguf_decode_matmul_curve prices the decode steps and gguf_matmul_curve the prompt's; without the first, both
+    take the second."""
+    from offload.common.quant import WeightQuant
+
+    hw = cpu_machine()
+    gguf = dataclasses.replace(MIXTRAL, quant=WeightQuant(4, 32, "gguf", stored_bits=4.5))
+    work, cand = Workload(prompt_len=8, gen_len=4), Candidate(8, 1, Policy.from_counts(4, 0, 0), weight_bits=4)
+    blocks = {"bfloat16": ((1, 1e6), (32, 3.2e7))}
+    one = dataclasses.replace(hw.device, gguf_matmul_curve=blocks)
+    two = dataclasses.replace(one, gguf_decode_matmul_curve={"bfloat16": ((1, 1e7), (32, 3.2e8))})
+    plain, tiled = (predict(gguf, dataclasses.replace(hw, device=u), work, cand) for u in (one, two))
+    assert tiled.decode_seconds < plain.decode_seconds / 3
+    assert tiled.prefill_seconds == pytest.approx(plain.prefill_seconds, rel=1e-9)

@@ -300,7 +300,7 @@ def _placement_table(llm) -> str:
     for i, (tier, nbytes) in enumerate(zip(pl.layer_tiers, pl.layer_bytes, strict=True)):
         rows.append(f"{i:>6}  {format_size(nbytes):>10}  {tier}")
     counts = Counter(pl.layer_tiers)
-    rows.append(", ".join(f"{n} {t}" for t, n in counts.items()) + f"; ring of {pl.ring_slots} slots")
+    rows.append(", ".join(f"{counts[t]} {t}" for t in Tier if counts[t]) + f"; ring of {pl.ring_slots} slots")
     if pl.embed_tier == Tier.NVME:
         rows.append("embedding: left on disk, each step reading its tokens' rows (its bytes hold resident layers)")
     if (x := pl.experts) is not None:

@@ -19,12 +19,23 @@ def test_a_tier_reads_as_its_name():
     assert f"{Tier.HOST}|{Tier.DEVICE:>8}|" == "host|  device|"
 
 
-def test_fill_places_layers_in_tiers_in_order():
+def test_fill_counts_layers_in_tier_order_and_spreads_those_off_the_device():
+    """As many layers as fit on the device, then in host RAM, the rest streamed; the streamed ones, then those in
+    host RAM, spread evenly through the model, so that each is read while the resident layers before it compute."""
     policy = Policy.fill([4, 4, 4, 4, 4], device_room=8, host_room=4, ring_slots=2)
-    assert policy.layer_tiers == (Tier.DEVICE, Tier.DEVICE, Tier.HOST, Tier.NVME, Tier.NVME)
-    assert policy == Policy(("device", "device", "host", "nvme", "nvme"), ring_slots=2)
+    assert policy.layer_tiers == (Tier.DEVICE, Tier.NVME, Tier.HOST, Tier.NVME, Tier.DEVICE)
+    assert policy == Policy(("device", "nvme", "host", "nvme", "device"), ring_slots=2)
     assert policy.counts == (2, 1, 2) and policy.ring_slots == 2
+    assert policy == Policy.from_counts(2, 1, 2, ring_slots=2)
     assert Policy.fill([4, 4], 8, 0, ring_slots=2).ring_slots == 0  # nothing streams
+    streamed = [i for i, t in enumerate(Policy.fill([1] * 56, 42, 0, 2).layer_tiers) if t == Tier.NVME]
+    assert len(streamed) == 14 and all(3 <= b - a <= 5 for a, b in zip(streamed, streamed[1:], strict=False))
+
+
+def test_layers_of_different_sizes_keep_the_fill_order_where_the_spread_would_not_fit():
+    # the big last layers stream; spread, a big one would land on the device and overflow it
+    policy = Policy.fill([1, 1, 1, 4, 4], device_room=3, host_room=0, ring_slots=2)
+    assert policy.layer_tiers == (Tier.DEVICE, Tier.DEVICE, Tier.DEVICE, Tier.NVME, Tier.NVME)
 
 
 def test_a_policy_names_only_tiers():

@@ -117,7 +117,7 @@ def test_placement_leaves_the_table_in_storage_only_where_it_buys_layers(wide_vo
     assert one.embed_tier == "nvme" and one.counts == (LAYERS, 0, 0)
     # too small for the table at all: still runs, the table read by rows, two layers resident
     two = place(c["head"] + buffer + (RING + 2) * c["layer"])
-    assert two == Policy(("device",) * 2 + ("nvme",) * (LAYERS - 2), RING, "nvme")
+    assert two == Policy(Policy.from_counts(2, 0, LAYERS - 2, RING).layer_tiers, RING, "nvme")
     # and one byte less than the buffer needs is a clear error
     with pytest.raises(OffloadError, match="--device-memory is too small"):
         place(c["head"] + buffer + RING * c["layer"] - 1)

@@ -108,15 +108,15 @@ def test_streamed_layers_give_the_same_tokens(model_dir, resident, resident_laye
     llm = LLM(
         model_dir, EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, resident_layers))
     )
-    assert llm.placement.layer_tiers == ("device",) * resident_layers + ("nvme",) * (LAYERS - resident_layers)
+    assert llm.placement.layer_tiers == Policy.from_counts(resident_layers, 0, LAYERS - resident_layers, 2).layer_tiers
     got = [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)]
     assert got == expected
     llm.parts.weights.store.close()  # let the reads in flight land, so the byte count is final
     layout = llm_layout(llm)
-    loaded = (
-        layout.embed.read_bytes + layout.head.read_bytes + sum(g.read_bytes for g in layout.layers[:resident_layers])
-    )
-    streamed = [g.read_bytes for g in layout.layers[resident_layers:]]
+    tiers = llm.placement.layer_tiers
+    held = sum(g.read_bytes for g, t in zip(layout.layers, tiers, strict=True) if t == "device")
+    loaded = layout.embed.read_bytes + layout.head.read_bytes + held
+    streamed = [g.read_bytes for g, t in zip(layout.layers, tiers, strict=True) if t == "nvme"]
     assert llm.stats().weights.streamed_bytes_per_pass == sum(streamed)
     # every step streams each nvme layer once, and the ring has read its 3 slots ahead into the next step
     expected_bytes = loaded + llm.last_run.steps * sum(streamed) + sum(streamed[:3])
@@ -142,7 +142,7 @@ def test_host_tier_holds_layers_read_once(model_dir, resident):
     _, layer = costs(base)
     config = EngineConfig(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0), host_memory=2 * layer)
     llm = LLM(model_dir, config)
-    assert llm.placement.layer_tiers == ("host", "host") + ("nvme",) * (LAYERS - 2)
+    assert llm.placement.layer_tiers == Policy.from_counts(0, 2, LAYERS - 2, 2).layer_tiers
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
     assert llm.placement.host_peak <= 2 * layer
 
@@ -154,7 +154,7 @@ def test_the_kv_host_part_is_taken_out_of_the_host_budget(model_dir, resident):
     _, layer = costs(base)
     budget = dict(ring_slots=RING, kv_cache_bytes=KV, device_memory=budget_for(base, 0))
     llm = LLM(model_dir, EngineConfig(**budget, host_memory=3 * layer, kv_host_memory=layer))
-    assert llm.placement.layer_tiers == ("host", "host") + ("nvme",) * (LAYERS - 2)
+    assert llm.placement.layer_tiers == Policy.from_counts(0, 2, LAYERS - 2, 2).layer_tiers
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
     assert llm.placement.host_peak <= 2 * layer
 
@@ -255,7 +255,7 @@ def test_staged_streaming_is_bit_identical_to_the_direct_path(model_dir, residen
     )
     llm = LLM(model_dir, config)
     assert llm.parts.weights.store.staged and not base.parts.weights.store.staged
-    assert llm.placement.layer_tiers == ("device",) * resident_layers + ("nvme",) * (LAYERS - resident_layers)
+    assert llm.placement.layer_tiers == Policy.from_counts(resident_layers, 0, LAYERS - resident_layers, 2).layer_tiers
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected
     for got, want in zip(llm.score(PROMPTS), base.score(PROMPTS), strict=True):
         assert torch.equal(got, want)
@@ -265,17 +265,19 @@ def test_staged_streaming_is_bit_identical_to_the_direct_path(model_dir, residen
 def test_staged_counts_disk_reads_and_copies_per_pass(model_dir, resident, staged):
     base, expected = resident
     llm = LLM(model_dir, staged_config(base, host_layers=2))
-    assert llm.placement.layer_tiers == ("host", "host") + ("nvme",) * (LAYERS - 2)
+    assert Policy(llm.placement.layer_tiers, ring_slots=RING).counts == (0, 2, LAYERS - 2)
     layout = llm_layout(llm)
-    reads = sum(landed(g) for g in layout.layers[2:])  # streamed layers only: host ones were read once
+    streamed = [g for g, t in zip(layout.layers, llm.placement.layer_tiers, strict=True) if t == "nvme"]
+    hosted = [g for g, t in zip(layout.layers, llm.placement.layer_tiers, strict=True) if t == "host"]
+    reads = sum(landed(g) for g in streamed)  # streamed layers only: host ones were read once
     copies = sum(g.tensor_bytes for g in layout.layers)  # every layer off the device, each pass
-    loaded = landed(layout.embed) + landed(layout.head) + sum(landed(g) for g in layout.layers[:2])
-    read_ahead = sum(landed(g) for g in layout.layers[2:5])  # 3 staging slots
+    loaded = landed(layout.embed) + landed(layout.head) + sum(landed(g) for g in hosted)
+    read_ahead = sum(landed(g) for g in streamed[:3])  # 3 staging slots
     llm.parts.weights.store.settle()  # reads count when they land
     assert llm.stats().weights.bytes_read == loaded + read_ahead
     fixed = layout.embed.tensor_bytes + layout.head.tensor_bytes
     assert llm.stats().weights.h2d_bytes == fixed + sum(g.tensor_bytes for g in layout.layers[:2])  # 2 copied ahead
-    assert llm.stats().weights.streamed_bytes_per_pass == sum(g.read_bytes for g in layout.layers[2:])
+    assert llm.stats().weights.streamed_bytes_per_pass == sum(g.read_bytes for g in streamed)
     assert llm.stats().weights.h2d_bytes_per_pass == copies
     before = llm.stats().weights
     assert [c.token_ids for c in llm.generate_ids(PROMPTS, PARAMS)] == expected

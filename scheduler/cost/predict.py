@@ -315,11 +315,14 @@ def _elementwise_seconds(ctx: Context, rows: int) -> float:
 
 
 def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len: int) -> dict[str, float]:
-    """Seconds one step keeps each resource busy, summed over layers, each layer at its slowest resource."""
+    """Seconds one step keeps each resource busy, summed over layers; its wall time the busiest resource's sum (the
+    layers off the device are spread through the model, Policy.fill, so each is read and copied while the layers
+    before it compute) and what waits in series (expert reads a layer cannot start before its routing)."""
     s = ctx.shape
     micro_batches = cand.micro_batches if prefill else cand.decode_micro_batches(prompt_len)
     seqs = -(-cand.batch // micro_batches)
     total = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0, "wall": 0.0}
+    overlapped = {"disk": 0.0, "link": 0.0, "compute": 0.0, "host": 0.0}
     for tier, count in zip(Tier, cand.policy.counts, strict=True):
         if not count:
             continue
@@ -328,8 +331,10 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
         reads = busy.pop("reads", 0.0)
         for k, v in busy.items():
             total[k] += count * (v + serial.get(k, 0.0))
+            overlapped[k] += count * v
         total["disk"] += count * max(reads - serial["disk"], 0.0)  # expert reads the compute hid: busy, not waited
-        total["wall"] += count * (max(busy.values()) + sum(serial.values()))
+        total["wall"] += count * sum(serial.values())
+    total["wall"] += max(overlapped.values())
     if cand.policy.embed_tier == Tier.NVME:  # the step's token rows, read before the first layer (whole 4 KiB blocks)
         tokens = cand.batch * (prompt_len if prefill else 1)
         row = -(-ctx.embed_row_bytes // 4096) * 4096

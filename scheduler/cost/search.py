@@ -52,7 +52,8 @@ def place_layers(
     expert_cache: int = 0,
 ) -> Candidate:
     """The candidate with as many layers on the device as fit beside the KV cache and activations, then as
-    many in host RAM, the rest streamed from disk (every layer costs the same, so this order is optimal).
+    many in host RAM, the rest streamed from disk (every layer costs the same, so these counts are optimal), those
+    off the device spread through the model as Policy.fill places them.
     Its policy's ring is `ring_slots` when some layer passes through the device ring, else 0.
 
     expert_cache: bytes of the device budget for a mixture's expert cache (the layers placed are then their dense

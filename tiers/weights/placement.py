@@ -1,5 +1,5 @@
-"""Choose each layer's tier from the budgets: resident layers first, then host RAM, the rest streamed; and whether
-the token embedding stays in storage."""
+"""Choose each layer's tier from the budgets: as many layers resident as fit, then in host RAM, the rest streamed, those
+off the device spread through the model (Policy.fill); and whether the token embedding stays in storage."""
 
 from __future__ import annotations
 

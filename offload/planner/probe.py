@@ -8,8 +8,7 @@
 - memory bandwidth: a large tensor copy, counted as bytes read + bytes written per second.
 - matmul: [rows, k] x [k, n] through offload.kernels.linear per dtype, the median of a few runs after a warm-up;
   every row count goes into matmul_curve, the largest one's rate is matmul_flops. On a CPU also bfloat16 rows, up to
-  a few, through the engine's quantized kernels (int4 codes, GGUF Q4_0 blocks): int4_ and gguf_matmul_curve; where a
-  decode step's rows take another GGUF kernel (AMX tiles), those rows through it too: gguf_decode_matmul_curve.
+  a few, through the kernels (int4; GGUF Q4_0, a decode step's on AMX tiles too): int4_, gguf_(decode_)matmul_curve.
 - the rest of a layer of hidden size k, through the engine's own functions: its non-GEMM work at each row count
   (RMS norms, rotary, KV write, SiLU * up, residual adds; elementwise_curve), causal attention of whole prompts of
   a few lengths (prefill_attention_curve) and one decode query per sequence over paged caches of a few lengths
@@ -336,11 +335,10 @@ def _compute_unit(
     dtypes: tuple[str, ...],
     say: Callable[[str], None],
 ) -> ComputeUnit:
+    from offload.kernels.gguf_linear import tiles_run
     from offload.kernels.linear import packing_pays
 
     curves, packed, elementwise, prefill, decode, floor, floor_curve = {}, {}, {}, {}, {}, {}, {}
-    from offload.kernels.gguf_linear import tiles_run
-
     quantized: dict[str, dict] = {"int4": {}, "gguf": {}} | ({"gguf_decode": {}} if tiles_run() else {})
     for dtype in dtypes:
         say(f"{'host' if device.type == 'cpu' else 'device'}: {dtype} matmul, elementwise work and attention")
@@ -377,9 +375,7 @@ def _compute_unit(
         matmul_flops={dtype: curve[-1][1] for dtype, curve in curves.items()},
         matmul_curve=curves,
         packed_matmul_curve=packed,
-        int4_matmul_curve=quantized["int4"],
-        gguf_matmul_curve=quantized["gguf"],
-        gguf_decode_matmul_curve=quantized.get("gguf_decode", {}),
+        **{f"{kind}_matmul_curve": curve for kind, curve in quantized.items()},  # int4_, gguf_, gguf_decode_
         elementwise_curve=elementwise,
         prefill_attention_curve=prefill,
         decode_attention_curve=decode,

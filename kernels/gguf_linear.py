@@ -117,7 +117,7 @@ def _product(x: torch.Tensor, w: torch.Tensor, float32: bool, dense_from: int = 
             record("gguf_linear", "native")
             record("gguf_tiles", "native")
             xp = torch.empty(m * k, dtype=torch.bfloat16)
-            xs = torch.zeros(-(-m // 16) * (k // BLOCK) * 16, dtype=torch.float32)
+            xs = torch.zeros(-(-m // 16) * (k // BLOCK) * 16 if kind == "Q4_1" else 0)  # Q4_1's block sums
             tiles(
                 x.data_ptr(), w.data_ptr(), TYPE_CODES[kind], y.data_ptr(), int(float32), m, n, k, xp.data_ptr(),
                 xs.data_ptr(), torch.get_num_threads(),
@@ -125,7 +125,7 @@ def _product(x: torch.Tensor, w: torch.Tensor, float32: bool, dense_from: int = 
             return y
         if (fn := _mm()) is not None:
             record("gguf_linear", "native")
-            xsum = torch.empty(m * (k // BLOCK), dtype=torch.float32)
+            xsum = torch.empty(m * (k // BLOCK) if kind == "Q4_1" else 0)  # Q4_1's block sums, read by no other
             fn(
                 x.data_ptr(), w.data_ptr(), TYPE_CODES[kind], y.data_ptr(), int(float32), m, n, k, xsum.data_ptr(),
                 torch.get_num_threads(),

@@ -72,7 +72,8 @@ static inline __attribute__((always_inline)) void features(const uint16_t *x, co
 }
 
 /* x: [m, k] bf16; w: [n, k / 32] blocks of `type`; y: [m, n] float32 (f32out) or bf16; xsum: scratch [m, k / 32]
- * float32 (Q4_1's sums of each block's inputs); threads: OpenMP threads (torch's count). k % 32 == 0. */
+ * float32 (Q4_1's sums of each block's inputs; no other type reads it); threads: OpenMP threads (torch's count).
+ * k % 32 == 0. */
 void gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out, int64_t m, int64_t n, int64_t k,
              float *xsum, int threads) {
     const int64_t nb = k / QK, row = nb * BLOCK_BYTES[type];

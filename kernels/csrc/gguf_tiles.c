@@ -91,7 +91,8 @@ static void pack(const uint16_t *x, int type, int64_t m, int64_t k, uint16_t *xp
 }
 
 /* x: [m, k] bf16; w: [n, k / 32] blocks of `type`; y: [m, n] float32 (f32out) or bf16; xp: scratch of m k bf16;
- * xs: scratch of ceil(m / 16) (k / 32) 16 float32, zeroed (Q4_1's block sums); threads: OpenMP threads. k % 32 == 0.
+ * xs: Q4_1's block sums, ceil(m / 16) (k / 32) 16 float32 zeroed (no other type reads it); threads: OpenMP
+ * threads. k % 32 == 0.
  * Call only after gguf_tiles_ready() said 1. */
 void gguf_tiles_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out, int64_t m, int64_t n,
                    int64_t k, uint16_t *xp, float *xs, int threads) {

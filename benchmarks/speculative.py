@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 from bench_common import machine, timestamp, write_report
+from tree_oracle import TreeOracle
 
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,6 +184,7 @@ def synthetic(args) -> int:
     from offload.api import LLM
     from offload.common.config import EngineConfig
     from offload.common.sizes import parse_size
+    from offload.kernels import choice
 
     model = peers_checkpoint(args.work_dir, 22)
     # built speculating (so that verify rows take the one-row path, as any speculating engine's do), its drafter then
@@ -198,6 +200,8 @@ def synthetic(args) -> int:
     rows = []
     with LLM(model, config) as llm:
         llm.core.drafter = None
+        # a tree's rows, as a chain's, take the products' path of one row (a tree drafts past the flag's 64)
+        choice.one_row_path_up_to(max(args.tree_sizes, default=0) + 1)
         run_one(llm, prompt[:8], 2)  # one-time costs, untimed
         plain = run_one(llm, prompt, args.new_tokens)
         streamed = llm.placement.streamed_bytes_per_pass
@@ -215,6 +219,31 @@ def synthetic(args) -> int:
                         "k": k,
                         "theory": theory,
                         "tokens_per_pass": measured,
+                        "off": measured / theory - 1,
+                        "pass_cost": pass_seconds(got) / pass_seconds(plain),
+                        "speedup": got["decode_tokens_per_second"] / plain["decode_tokens_per_second"],
+                        "identical": got["tokens"] == plain["tokens"],
+                    }
+                )
+        for accept in (0.6, 0.8, 0.95):
+            for size in args.tree_sizes:  # trees of candidates, Sequoia's shape for this acceptance
+                oracle = TreeOracle(len(prompt), plain["tokens"], accept, 32000, size)
+                llm.core.drafter, llm.core.num_draft = oracle, size
+                got = run_one(llm, prompt, args.new_tokens)
+                llm.core.drafter = None
+                same = [x == y for x, y in zip(got["tokens"], plain["tokens"], strict=False)]
+                parted = same.index(False) if False in same else None
+                (measured, passes), theory = oracle.tokens_per_pass(parted), oracle.theory()
+                rows.append(
+                    {
+                        "accept": accept,
+                        "k": size,
+                        "tree": True,
+                        "depth": oracle.depth,
+                        "theory": theory,
+                        "tokens_per_pass": measured,
+                        "passes_measured": passes,
+                        "parted_at": parted,
                         "off": measured / theory - 1,
                         "pass_cost": pass_seconds(got) / pass_seconds(plain),
                         "speedup": got["decode_tokens_per_second"] / plain["decode_tokens_per_second"],
@@ -242,11 +271,12 @@ def synthetic(args) -> int:
         f"1.1B-shape Llama (22 layers, bf16), {streamed / 2**20:.0f} MiB streamed a pass, batch 1, "
         f"{args.new_tokens} new tokens; plain {plain['decode_tokens_per_second']:.2f} tokens/s"
     )
-    print(f"{'accept':>6} {'k':>3} {'theory':>7} {'measured':>8} {'off':>6} {'pass cost':>9} {'speedup':>7} same")
+    print(f"{'accept':>6} {'draft':>9} {'theory':>7} {'measured':>8} {'off':>6} {'pass cost':>9} {'speedup':>7} same")
     for r in rows:
         off = "" if r["off"] is None else f"{r['off']:+.0%}"
+        draft = f"tree {r['k']}" if r.get("tree") else f"chain {r['k']}"
         print(
-            f"{r['accept']:6.2f} {r['k']:3d} {r['theory']:7.2f} {r['tokens_per_pass']:8.2f} {off:>6} "
+            f"{r['accept']:6.2f} {draft:>9} {r['theory']:7.2f} {r['tokens_per_pass']:8.2f} {off:>6} "
             f"{r['pass_cost']:8.2f}x {r['speedup']:6.2f}x {r['identical']}"
         )
     write_report(
@@ -338,11 +368,15 @@ def main(argv: list[str] | None = None) -> int:
         "--synthetic", action="store_true", help="the 1.1B checkpoint with drafters of known acceptance"
     )
     parser.add_argument("--budget", default="600MB", help="--synthetic: the device budget the 1.1B streams under")
+    parser.add_argument(
+        "--tree-sizes", default="32,64,128,256", help="--synthetic: the draft trees' sizes (nodes), comma-separated"
+    )
     parser.add_argument("--synthetic-self", action="store_true", help="the 1.1B checkpoint streamed with self")
     parser.add_argument(
         "--k", type=int, help="tokens drafted a step (--num-speculative-tokens; default: the engine's planned one)"
     )
     args = parser.parse_args(argv)
+    args.tree_sizes = [int(n) for n in args.tree_sizes.split(",") if n]
     if args.synthetic:
         return synthetic(args)
     if args.synthetic_self:

@@ -27,6 +27,8 @@ class Rows(NamedTuple):
     starts: torch.Tensor  # [R] int32: the first position it attends (its window's, else 0)
     longest: int  # the most positions a row spans (its scores' scratch)
     seqs: frozenset[int]  # the sequences whose queries these are: the others are left to the caller
+    picks: torch.Tensor | None = None  # [R, w] int32: positions a draft tree's node attends after its range
+    npicks: torch.Tensor | None = None  # [R] int32: how many
 
 
 def rows(batch: PagedBatch, window: int | None) -> Rows:
@@ -41,7 +43,7 @@ def rows(batch: PagedBatch, window: int | None) -> Rows:
         keep = [
             s
             for s, n in enumerate(q_lens)
-            if (decode if choice.as_one_row(n) else choice.native("prompt_attention", n))
+            if (decode if choice.as_one_row(n) else s not in batch.trees and choice.native("prompt_attention", n))
         ]
         if decode and max(q_lens) == 1:  # a decode step: one row a sequence, every one kept
             index, lens = None, torch.tensor(batch.context_lens, dtype=torch.int64)
@@ -57,8 +59,48 @@ def rows(batch: PagedBatch, window: int | None) -> Rows:
             index = None if len(keep) == batch.num_seqs else index
         starts = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
         longest = max((batch.context_lens[s] for s in keep), default=1)
-        batch.memo[key] = Rows(index, tables, lens.to(torch.int32), starts.to(torch.int32), longest, frozenset(keep))
+        picks = npicks = None
+        if trees := [s for s in keep if s in batch.trees]:
+            lens, starts, picks, npicks = _tree_rows(batch, keep, trees, q_lens, lens, starts, window)
+        lens, starts = lens.to(torch.int32), starts.to(torch.int32)
+        batch.memo[key] = Rows(index, tables, lens, starts, longest, frozenset(keep), picks, npicks)
     return batch.memo[key]
+
+
+def _tree_rows(
+    batch: PagedBatch,
+    keep: list[int],
+    trees: list[int],
+    q_lens: list[int],
+    lens: torch.Tensor,
+    starts: torch.Tensor,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of sequences verifying a draft tree: each attends the first run of positions its mask shows (the
+    cached ones, within the window), then the rest it shows, picked (its ancestors and itself): the keys a decode
+    step over its own path would score, in the same order."""
+    lens, starts = lens.clone(), starts.clone()
+    picked: dict[int, torch.Tensor] = {}
+    first, at = {}, 0  # each kept sequence's first row among the kept rows
+    for s in keep:
+        first[s], at = at, at + q_lens[s]
+    for s in trees:
+        mask, key_pos, query_pos = batch.trees[s]
+        if window is not None:
+            mask = mask & (key_pos[None, :] > query_pos[:, None] - window)
+        for r in range(q_lens[s]):
+            cols = mask[r].nonzero().flatten()
+            run = int(((cols - cols[0]) == torch.arange(len(cols))).cumprod(0).sum())  # the first run's length
+            row = first[s] + r
+            starts[row], lens[row] = cols[0], cols[0] + run
+            if run < len(cols):
+                picked[row] = cols[run:]
+    width = max((len(p) for p in picked.values()), default=1)
+    picks = torch.zeros(len(lens), width, dtype=torch.int32)
+    npicks = torch.zeros(len(lens), dtype=torch.int32)
+    for row, p in picked.items():
+        picks[row, : len(p)], npicks[row] = p, len(p)
+    return lens, starts, picks, npicks
 
 
 def attend(
@@ -73,11 +115,10 @@ def attend(
     of any other sequence (where torch's path was timed faster) are left for the caller to fill.
     native.decode_attention_fits must hold."""
     r = rows(batch, window)
+    args = (r.tables, r.lens, r.starts, scale, r.longest, r.picks, r.npicks)
     if r.index is None:
-        return native.decode_attention(q, k_cache, v_cache, r.tables, r.lens, r.starts, scale, r.longest), r.seqs
+        return native.decode_attention(q, k_cache, v_cache, *args), r.seqs
     out = torch.empty_like(q)
     if len(r.index):
-        out[r.index] = native.decode_attention(
-            q[r.index], k_cache, v_cache, r.tables, r.lens, r.starts, scale, r.longest
-        )
+        out[r.index] = native.decode_attention(q[r.index], k_cache, v_cache, *args)
     return out, r.seqs

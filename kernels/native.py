@@ -219,7 +219,9 @@ def bf16_mm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfl
 @functools.cache
 def _decode_attention() -> ctypes._CFuncPtr | None:
     return bind(
-        "decode_attention", "decode_attention_bf16", [PTR] * 4 + [I64] + [PTR] * 3 + [I64] * 5 + [F32, PTR, I64, INT]
+        "decode_attention",
+        "decode_attention_bf16",
+        [PTR] * 4 + [I64] + [PTR] * 3 + [I64] * 5 + [F32, PTR, I64, INT, PTR, PTR, I64],
     )
 
 
@@ -251,10 +253,13 @@ def decode_attention(
     starts: torch.Tensor,
     scale: float,
     max_len: int,
+    picks: torch.Tensor | None = None,
+    npicks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per row, q [n, Hq, D], over caches [blocks, block_size, Hkv, D] read through `tables` [n, width]
-    (int32 block ids, each row its sequence's): keys `starts[i]` to `lens[i]` - 1 (int32) for row i, `max_len` the
-    most -> [n, Hq, D] bfloat16; `decode_attention_fits` must hold."""
+    (int32 block ids, each row its sequence's): keys `starts[i]` to `lens[i]` - 1 (int32) for row i, then the
+    `npicks[i]` positions `picks[i]` ([n, w] int32; a draft tree's node: its ancestors and itself), `max_len` the
+    most a row attends -> [n, Hq, D] bfloat16; `decode_attention_fits` must hold."""
     q = q.contiguous()
     n, hq, d = q.shape
     block_size, hkv = k_cache.shape[1:3]
@@ -262,10 +267,13 @@ def decode_attention(
     threads = torch.get_num_threads()
     scores = torch.empty(threads * max(max_len, 1), dtype=torch.float32)  # a query head's scores per thread
     tables = tables.to(torch.int32).contiguous()
+    if picks is not None:
+        picks, npicks = picks.to(torch.int32).contiguous(), npicks.to(torch.int32).contiguous()
     _decode_attention()(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), starts.data_ptr(), out.data_ptr(), n, hq, hkv, d, block_size, scale, scores.data_ptr(),
-        max(max_len, 1), threads,
+        max(max_len, 1), threads, None if picks is None else picks.data_ptr(),
+        None if picks is None else npicks.data_ptr(), 0 if picks is None else picks.shape[1],
     )  # fmt: skip
     return out
 

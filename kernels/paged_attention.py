@@ -85,7 +85,9 @@ def paged_attention_ref(
         q0, q1, ctx = batch.query_start[s], batch.query_start[s + 1], batch.context_lens[s]
         k, v = _context(k_cache, v_cache, batch, s)
         mask = None
-        if q1 - q0 < ctx or (window is not None and window < ctx):  # else plainly causal: is_causal, 15-20% faster
+        if s in batch.trees:
+            mask = tree_slots(batch, s, window, q.device)
+        elif q1 - q0 < ctx or (window is not None and window < ctx):  # else plainly causal: is_causal, 15-20% faster
             mask = visible_slots(ctx, q1 - q0, window, q.device)
         out[q0:q1] = attend_contiguous(q[q0:q1], k, v, scale, mask)
     return out
@@ -128,7 +130,8 @@ def _attend_with_sinks(
     for s in range(batch.num_seqs):
         q0, q1, ctx = batch.query_start[s], batch.query_start[s + 1], batch.context_lens[s]
         k, v = (t.repeat_interleave(group, dim=1) for t in _context(k_cache, v_cache, batch, s))  # [ctx, Hq, D]
-        mask = visible_slots(ctx, q1 - q0, window, q.device)
+        tree = s in batch.trees
+        mask = tree_slots(batch, s, window, q.device) if tree else visible_slots(ctx, q1 - q0, window, q.device)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k.float()) * scale
         scores.masked_fill_(~mask, float("-inf"))
         logits = torch.cat((scores, sink.expand(-1, q1 - q0, 1)), dim=-1)  # [Hq, q_len, ctx + 1]
@@ -154,6 +157,15 @@ def visible_slots(ctx: int, q_len: int, window: int | None, device: torch.device
     if window is not None:
         mask &= k_pos > q_pos - window
     return mask
+
+
+def tree_slots(batch: PagedBatch, s: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[q_len, ctx] bool: the keys each query of sequence s attends where its queries verify a draft tree
+    (`batch.trees`): the cached positions and its ancestors, within the window by position."""
+    mask, key_pos, query_pos = batch.trees[s]
+    if window is not None:
+        mask = mask & (key_pos[None, :] > query_pos[:, None] - window)
+    return mask.to(device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,7 +332,9 @@ def triton_split(batch: PagedBatch, device: torch.device) -> TritonSplit:
             decode_tables=batch.block_tables[decode].to(device, torch.int32).contiguous(),
             decode_lens=torch.tensor([batch.context_lens[s] for s in decode], dtype=torch.int32, device=device),
             max_decode_context=max((batch.context_lens[s] for s in decode), default=0),
-            prefill_seqs=tuple(s for s in range(batch.num_seqs) if starts[s + 1] - starts[s] > 1),
+            prefill_seqs=tuple(
+                s for s in range(batch.num_seqs) if starts[s + 1] - starts[s] > 1 and s not in batch.trees
+            ),
         )
     return batch.memo[key]
 
@@ -341,7 +355,7 @@ def paged_attention(
     Elsewhere, and for a quantized cache (kv_quant.QuantizedKV, which dequantizes only the blocks gathered), the
     reference `paged_attention_ref` runs. Both take attention sinks."""
     plain = isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
-    if not (plain and use_triton("paged_attention", q.device)):
+    if not (plain and use_triton("paged_attention", q.device)) or (batch.trees and sinks is not None):
         return paged_attention_ref(q, k_cache, v_cache, batch, scale, window, sinks)
     # imported here: they import triton, which only the Triton path needs
     from offload.kernels.paged_decode import paged_decode
@@ -366,4 +380,9 @@ def paged_attention(
         if rows is None:  # every query is a decode token
             return decoded
         out[rows] = decoded
-    return paged_prefill(q, k_cache, v_cache, batch, scale, window, seqs=split.prefill_seqs, out=out, sinks=sinks)
+    out = paged_prefill(q, k_cache, v_cache, batch, scale, window, seqs=split.prefill_seqs, out=out, sinks=sinks)
+    for s in batch.trees:  # a draft tree's queries: its mask through torch's SDPA
+        q0, q1 = batch.query_start[s], batch.query_start[s + 1]
+        k, v = _context(k_cache, v_cache, batch, s)
+        out[q0:q1] = attend_contiguous(q[q0:q1], k, v, scale, tree_slots(batch, s, window, q.device))
+    return out

@@ -28,8 +28,9 @@ from offload.common.outputs import CoreCounters, Delta, RequestMetrics, TokenLog
 from offload.model.detokenize import TextStream
 from offload.model.engine import Engine, StepOutput
 from offload.model.sampling import sample
-from offload.model.speculation.acceptance import accept_draft
+from offload.model.speculation.acceptance import accept
 from offload.model.speculation.drafters import Drafter
+from offload.model.speculation.tree import as_draft
 from offload.model.structured import Grammars
 from offload.scheduler.batcher import Batcher, BatchLimits, Verdict
 from offload.scheduler.kv_prices import KVPrices
@@ -217,15 +218,17 @@ class EngineCore:
         tokens, logprobs, verdicts = [], [], {}
         for i, (r, token) in enumerate(zip(reqs, sampled, strict=True)):
             rows = out.logits[i : i + 1]
+            path = None  # the rows that chose a tree's tokens
             if r.seq.seq_id in verify:  # the drafted positions' logits, then its last one's
                 rows = torch.cat([verify[r.seq.seq_id], rows])
-                token = accept_draft(rows, r.seq.draft[: rows.shape[0] - 1], token, r.seq.params, r.generator)
+                token, path = accept(rows, r.seq.draft, r.seq.draft_parents, token, r.seq.params, r.generator)
                 self._totals["drafted_tokens"] += rows.shape[0] - 1
                 self._totals["verify_passes"] += 1
             kept, verdicts[r.seq.seq_id] = self._walk(r, (token,) if isinstance(token, int) else token, taken[i])
             self._totals["accepted_tokens"] += len(kept) - 1
             tokens.append(kept)
-            logprobs.append(tuple(_logprobs(rows[: len(kept)], list(kept), [r.seq.params.logprobs] * len(kept))))
+            chose = rows[: len(kept)] if path is None else rows[path[: len(kept)]]
+            logprobs.append(tuple(_logprobs(chose, list(kept), [r.seq.params.logprobs] * len(kept))))
         now = time.perf_counter()
         if self.kv_prices is not None and plan.num_prefill_tokens >= PREFILL_SAMPLE:  # the cost of recomputing KV
             self.kv_prices.observe_prefill(plan.num_prefill_tokens, now - start)
@@ -255,7 +258,7 @@ class EngineCore:
         reqs = self._requests
         seqs = [s for s in self.batcher.running if s.state is SeqState.DECODING and reqs[s.seq_id].matcher is None]
         for seq, draft in zip(seqs, self.drafter.propose([s.token_ids for s in seqs], self.num_draft), strict=True):
-            seq.draft = draft
+            seq.draft, seq.draft_parents = as_draft(draft, self.engine.family.tree_attention)
 
     def _walk(self, req: _Request, tokens: tuple[int, ...], taken: bool) -> tuple[tuple[int, ...], Verdict]:
         """The tokens a request keeps of those a step gave it: up to the first that ends it (fed to its grammar and

@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from offload.common.tier import Tier
+from offload.scheduler.drafts import kept_in_place
 from offload.scheduler.kv_prices import KVPrices
 from offload.scheduler.plan import SeqChunk, StepPlan, split_micro_batches
 from offload.scheduler.sequence import SeqState, Sequence
@@ -315,6 +316,7 @@ class Batcher:
             kv_tier=seq.kv_tier,
             scored=scored,
             drafted=drafted,
+            parents=seq.draft_parents[:drafted] if drafted and seq.draft_parents is not None else None,
         )
 
     def _tables_of(self, seq: Sequence) -> BlockTables:
@@ -346,7 +348,7 @@ class Batcher:
         finished = []
         for chunk in plan.chunks:
             seq = by_id[chunk.seq_id]
-            seq.draft = ()
+            seq.draft, seq.draft_parents = (), None
             # drafted positions hold keys and values only once accepted: cached up to the first of them for now
             verified = chunk.scored[1] + 1 - chunk.drafted if chunk.drafted else chunk.context_len
             seq.num_cached = min(chunk.context_len, verified)
@@ -361,7 +363,7 @@ class Batcher:
             tokens = (tokens,) if isinstance(tokens, int) else tuple(tokens)
             assert 1 <= len(tokens) <= chunk.drafted + 1
             seq.output_ids.extend(tokens)  # the accepted drafts, then the target's own token after them
-            seq.num_cached += len(tokens) - 1
+            seq.num_cached += kept_in_place(chunk.parents, chunk.token_ids[-chunk.drafted :], tokens)  # of a tree: some
             self._tables_of(seq).commit(seq.seq_id, seq.token_ids, seq.num_cached)
             seq.state = SeqState.DECODING
             reason = self.finish_reason(seq, verdicts.get(seq.seq_id, NO_VERDICT))

@@ -28,6 +28,9 @@ class SeqChunk:
     # of token_ids, the last `drafted` are a drafter's guesses (speculative decoding): verified by the logits at the
     # chunk's scored positions and its last one, and uncached until the core accepts them
     drafted: int = 0
+    # the drafted tokens' parents where they are a tree (scheduler/drafts.py), None for a chain: each attends the
+    # sequence's cached positions and its ancestors, at the position of its depth
+    parents: tuple[int, ...] | None = None
 
     @property
     def context_len(self) -> int:

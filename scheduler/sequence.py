@@ -39,6 +39,7 @@ class Sequence:
     priority: int = 0  # admission class: a lower one is admitted first (interactive 0, background batch jobs 1)
     prompt_cached: int = 0  # prompt tokens its last admission took from the prefix cache (not computed)
     draft: tuple[int, ...] = ()  # a drafter's guesses at the tokens after its last one, for the next step to verify
+    draft_parents: tuple[int, ...] | None = None  # a tree's: each drafted token's parent (drafts.py); None: a chain
 
     @property
     def token_ids(self) -> list[int]:

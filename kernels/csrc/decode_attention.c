@@ -10,6 +10,10 @@
  * key's products in one vector whose lanes the 16 vectors sum together (sum16), and a position's row is found by
  * walking the block table, not by a division per position; a head's vectors stay in registers where its size is 64
  * or 128 (the task body inlined with that size a constant).
+ *
+ * A row may also attend picked positions after its range (a draft tree's node: its ancestors and itself, which sit
+ * in slots apart; kernels/cpu_attention.py): they are walked after the range, one table lookup each, and scored as
+ * the next positions of the range would be, so a node's output is the one a decode step over its own path gives.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -24,28 +28,35 @@
 
 typedef struct { /* one call's arguments, as decode_attention_bf16 takes them */
     const uint16_t *q, *k, *v;
-    const int32_t *tables, *lens, *starts;
+    const int32_t *tables, *lens, *starts, *picks, *npicks; /* picks, npicks: NULL, or [n, pick_width], [n] */
     uint16_t *out;
     float *scores;
-    int64_t width, hq, hkv, d, block_size, max_len;
+    int64_t width, hq, hkv, d, block_size, max_len, pick_width;
     float scale;
 } job;
 
 typedef struct { /* the rows of one KV head, position by position: a pointer step within a block, the block table
-                  * read once a block */
+                  * read once a block; past the range's `contig` positions, the picked ones */
     const uint16_t *cache, *row;
-    const int32_t *table;
-    int64_t block, left, block_size, stride, offset;
+    const int32_t *table, *picks;
+    int64_t block, left, block_size, stride, offset, contig;
 } walk;
 
-static inline walk walk_from(const job *j, const uint16_t *cache, const int32_t *table, int64_t h, int64_t t) {
+static inline walk walk_from(const job *j, const uint16_t *cache, const int32_t *table, int64_t h, int64_t t,
+                             int64_t contig, const int32_t *picks) {
     const int64_t block = t / j->block_size, slot = t % j->block_size, stride = j->hkv * j->d;
-    const uint16_t *row = cache + (table[block] * j->block_size + slot) * stride + h * j->d;
-    walk w = {cache, row, table, block + 1, j->block_size - slot, j->block_size, stride, h * j->d};
+    const uint16_t *row = cache + ((int64_t)table[block] * j->block_size + slot) * stride + h * j->d;
+    walk w = {cache, row, table, picks, block + 1, j->block_size - slot, j->block_size, stride, h * j->d, contig};
     return w;
 }
 
 static inline const uint16_t *next_row(walk *w) {
+    if (w->contig == 0) { /* a picked position, through the table */
+        const int64_t t = *w->picks++;
+        return w->cache + ((int64_t)w->table[t / w->block_size] * w->block_size + t % w->block_size) * w->stride +
+               w->offset;
+    }
+    w->contig--;
     if (w->left == 0) {
         w->row = w->cache + w->table[w->block++] * w->block_size * w->stride + w->offset;
         w->left = w->block_size;
@@ -60,8 +71,9 @@ static inline const uint16_t *next_row(walk *w) {
  * head's vectors stay in registers. */
 static inline __attribute__((always_inline)) void attend(const job *j, int64_t task, const int64_t pairs) {
     const int64_t group = j->hq / j->hkv, s = task / j->hkv, h = task % j->hkv;
-    const int64_t len = j->lens[s], start = j->starts[s], count = len - start;
-    const int32_t *table = j->tables + s * j->width;
+    const int64_t len = j->lens[s], start = j->starts[s], picked = j->picks ? j->npicks[s] : 0;
+    const int64_t count = len - start + picked;
+    const int32_t *table = j->tables + s * j->width, *picks = j->picks ? j->picks + s * j->pick_width : 0;
     float *row = j->scores + omp_get_thread_num() * j->max_len; /* this thread's: a query head's scores */
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
     for (int64_t g = 0; g < group; g++) {
@@ -70,7 +82,7 @@ static inline __attribute__((always_inline)) void attend(const job *j, int64_t t
         for (int64_t c = 0; c < pairs; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qg + c * 32);
         /* scores 16 keys at a time: a key's products in one vector's lanes, the 16 vectors' lanes summed at once */
         __m512 best = _mm512_set1_ps(-INFINITY);
-        walk keys = walk_from(j, j->k, table, h, start);
+        walk keys = walk_from(j, j->k, table, h, start, len - start, picks);
         for (int64_t t0 = 0; t0 < count; t0 += 16) {
             const int64_t n = count - t0 < 16 ? count - t0 : 16;
             const __mmask16 m = first_lanes(n);
@@ -101,7 +113,7 @@ static inline __attribute__((always_inline)) void attend(const job *j, int64_t t
          * odd one, so the sums run over even and odd positions apart and interleave back as they are stored */
         __m512 even[MAX_DIM / 32], odd[MAX_DIM / 32];
         for (int64_t c = 0; c < pairs; c++) even[c] = odd[c] = _mm512_setzero_ps();
-        walk values = walk_from(j, j->v, table, h, start);
+        walk values = walk_from(j, j->v, table, h, start, len - start, picks);
         for (int64_t t = 0; t < count; t++) {
             const uint16_t *vt = next_row(&values);
             const __m512 p = _mm512_set1_ps(row[t]);
@@ -122,13 +134,16 @@ static inline __attribute__((always_inline)) void attend(const job *j, int64_t t
 
 /* q: [n, hq, d] bf16, the queries in their sequences' order; k, v: [blocks, block_size, hkv, d] bf16; tables:
  * [n, width] int32 block ids; lens: [n] int32 context lengths (the query at lens - 1); starts: [n] int32 first
- * position attended (a window's start, else 0); out: [n, hq, d] bf16; scores: scratch of threads * max_len floats.
- * d % 32 == 0, d <= MAX_DIM. */
+ * position attended (a window's start, else 0); picks: NULL or [n, pick_width] int32 positions a row attends after
+ * its range, npicks: [n] int32 how many; out: [n, hq, d] bf16; scores: scratch of threads * max_len floats, max_len
+ * the most positions a row attends. d % 32 == 0, d <= MAX_DIM. */
 void decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,
                            int64_t width, const int32_t *lens, const int32_t *starts, uint16_t *out, int64_t n,
                            int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale, float *scores,
-                           int64_t max_len, int threads) {
-    const job j = {q, k, v, tables, lens, starts, out, scores, width, hq, hkv, d, block_size, max_len, scale};
+                           int64_t max_len, int threads, const int32_t *picks, const int32_t *npicks,
+                           int64_t pick_width) {
+    const job j = {q,  k,   v, tables,     lens,    starts,     picks, npicks, out,
+                   scores, width, hq, hkv, d, block_size, max_len, pick_width, scale};
     team t = team_begin(threads);
 #pragma omp parallel num_threads(t.threads)
     {

@@ -48,6 +48,8 @@ UNPACKED = ("kv_b", "router")  # not multiplied through linear(): viewed per hea
 
 
 class DeepseekFamily(LlamaFamily):
+    tree_attention = False  # latent attention takes no tree mask: a draft tree is verified as its main chain
+
     def check(self, spec: ModelSpec, source: str) -> None:
         super().check(spec, source)
         if spec.mla is None:

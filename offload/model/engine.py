@@ -9,11 +9,12 @@ import torch
 from offload.common.model_config import ModelSpec
 from offload.common.tier import Tier
 from offload.kernels.choice import decode_rows
-from offload.kernels.paged_batch import PagedBatch
+from offload.kernels.paged_batch import PagedBatch, tree_visible
 from offload.model.host_attention import HostAttention, Staging, staging
 from offload.model.registry import ExpertSource, Family, LayerInput
 from offload.model.rope import attention_scale, cos_sin, inverse_frequencies
-from offload.scheduler.plan import MicroBatch, StepPlan
+from offload.scheduler.drafts import depths
+from offload.scheduler.plan import MicroBatch, SeqChunk, StepPlan
 from offload.tiers.kv.kv_cache import KVCache
 from offload.tiers.weights.weight_store import WeightStore
 
@@ -96,10 +97,15 @@ class Engine:
     def _prepare(self, mb: MicroBatch, all_logits: bool) -> _Prepared:
         block_size = self.kv.block_size
         token_ids, positions, slots, starts, rows, segments = [], [], [], [0], [], []
-        for c in mb.chunks:
+        trees = {}
+        for s, c in enumerate(mb.chunks):
             pos = range(c.start_pos, c.context_len)
             token_ids.extend(c.token_ids)
-            positions.extend(pos)
+            if c.parents is not None:
+                trees[s], at = _tree_rows(c)
+                positions.extend(at)
+            else:
+                positions.extend(pos)
             slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in pos)
             if all_logits:
                 rows.extend(range(starts[-1], starts[-1] + len(c.token_ids)))
@@ -125,6 +131,7 @@ class Engine:
             context_lens=tuple(c.context_len for c in mb.chunks),
             block_tables=torch.tensor(tables, dtype=torch.int64, device=cache_device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=cache_device),
+            trees=trees,
         )
         staged, contexts, where = None, batch.context_lens, self.host_attention
         if mb.kv_tier == Tier.HOST and where is not None and where.stage(len(token_ids), len(contexts), sum(contexts)):
@@ -133,3 +140,22 @@ class Engine:
             self.staged_micro_batches += 1
         decode = all(len(c.token_ids) == 1 for c in mb.chunks)
         return _Prepared(tensor(token_ids), cos, sin, batch, tensor(rows), segments, mb.kv_tier, staged, decode)
+
+
+def _tree_rows(c: SeqChunk) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], list[int]]:
+    """A chunk verifying a draft tree: its attention mask, key and query positions (PagedBatch.trees), and its rows'
+    positions. The tree's nodes follow its root, the sequence's last known token (the chunk's first scored
+    position, in every piece of a cut chunk), one slot each; a node sits at the root's position plus its depth and
+    sees the slots up to the root and its own ancestors'."""
+    root, parents = c.scored[0], c.parents
+    depth = torch.tensor(depths(parents), dtype=torch.int64)
+    key_pos = torch.arange(c.context_len, dtype=torch.int64)
+    nodes = key_pos[root + 1 :]  # the nodes this piece's context reaches: up to its last row
+    key_pos[root + 1 :] = root + depth[: len(nodes)]
+    rows = torch.arange(c.start_pos, c.context_len)
+    mask = torch.arange(c.context_len)[None, :] <= rows[:, None].clamp(max=root)  # causal up to the root
+    seen = tree_visible(parents)[: len(nodes), : len(nodes)]
+    below = rows > root
+    mask[below, root + 1 :] = seen[rows[below] - root - 1]
+    query_pos = key_pos[c.start_pos :]
+    return (mask, key_pos, query_pos.clone()), query_pos.tolist()

@@ -93,5 +93,6 @@ def staging(
         context_lens=batch.context_lens,
         block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
         slot_mapping=batch.slot_mapping.to(device),
+        trees=batch.trees,
     )
     return Staging(torch.tensor(list(index), dtype=torch.int64, device=host), staged)

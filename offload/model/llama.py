@@ -43,6 +43,8 @@ FUSED_BIAS = {"qkv_proj": "qkv_bias", "gate_up_proj": "gate_up_bias"}
 
 
 class LlamaFamily:
+    tree_attention = True  # paged attention with PagedBatch.trees' masks
+
     def check(self, spec: ModelSpec, source: str) -> None:
         if spec.rope is None or spec.rope.kind not in ROPE_KINDS:
             kind = spec.rope.kind if spec.rope else "learned positions"

@@ -73,6 +73,9 @@ class LayerInput:
 class Family(Protocol):
     """The functional forward of one model family; weights arrive as arguments, never read from files."""
 
+    # whether its attention takes a draft tree's mask (PagedBatch.trees); where not, a tree verifies as its main chain
+    tree_attention: bool
+
     def check(self, spec: ModelSpec, source: str) -> None:
         """Raise OffloadError naming `source` when this family cannot run a model of that spec."""
 

@@ -16,6 +16,7 @@ import torch
 from offload.common.config import SamplingParams
 from offload.kernels.argmax import argmax
 from offload.model.sampling import filter_logits
+from offload.model.speculation.tree import DraftTree, accept_tree
 
 
 def accept_draft(
@@ -43,3 +44,19 @@ def accept_draft(
         probs[d] = 0.0  # the residual max(p - q, 0) for a point-mass draft q, normalized by multinomial
         return (*draft[:i], int(torch.multinomial(probs, 1, generator=generator).item()))
     return (*draft, sampled)
+
+
+def accept(
+    logits: torch.Tensor,
+    draft: tuple[int, ...],
+    parents: tuple[int, ...] | None,
+    sampled: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[tuple[int, ...], list[int] | None]:
+    """The tokens a request takes from one verified step, and for a tree (`parents`) the rows of `logits` that chose
+    them (a chain's are its first rows): logits [verified + 1, vocab], the drafted positions' rows then the last."""
+    draft = draft[: logits.shape[0] - 1]
+    if parents is None:
+        return accept_draft(logits, draft, sampled, params, generator), None
+    return accept_tree(logits, DraftTree(draft, parents[: len(draft)]), sampled, params, generator)

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from bench_common import machine, timestamp, write_report
-from tree_oracle import TreeOracle
+from tree_oracle import TreeOracle, tokens_per_pass
 
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ class CorruptedOracle:
 
     def __init__(self, prompt_len: int, output: list[int], accept: float, vocab: int) -> None:
         self.prompt_len, self.output, self.accept, self.vocab = prompt_len, output, accept, vocab
-        self.starts: list[tuple[int, int]] = []  # (tokens generated before the proposal, tokens proposed)
+        self.starts: list[tuple[int, bool, int]] = []  # (tokens before the proposal, whole, tokens its draws give)
 
     def propose(self, sequences, k: int) -> list[tuple[int, ...]]:
         return [self.corrupted(ids, k) for ids in sequences]
@@ -163,17 +163,17 @@ class CorruptedOracle:
         import random
 
         done = len(token_ids) - self.prompt_len
-        draft = []
+        draft, good = [], []
         for i, token in enumerate(self.output[done : done + k]):
-            good = random.Random(done * 1000 + i).random() < self.accept
-            draft.append(token if good else (token + 1) % self.vocab)
-        self.starts.append((done, len(draft)))
+            good.append(random.Random(done * 1000 + i).random() < self.accept)
+            draft.append(token if good[-1] else (token + 1) % self.vocab)
+        self.starts.append((done, len(draft) == k, 1 + (good + [False]).index(False)))
         return tuple(draft)
 
-    def tokens_per_pass(self, k: int) -> float:
-        """Tokens a pass took, over the passes whose draft was a full k tokens (the last ones are cut by the length)."""
-        taken = [b[0] - a[0] for a, b in zip(self.starts, self.starts[1:], strict=False) if a[1] == k]
-        return sum(taken) / max(len(taken), 1)
+    def tokens_per_pass(self, k: int, parted: int | None = None) -> tuple[float, float, int]:
+        """Tokens a pass took, what the draws of those passes give, and how many passes: those whose draft was a full
+        k tokens (the last ones are cut by the length) and ended before the reply parted from the plain one."""
+        return tokens_per_pass(self.starts, k, len(self.output) if parted is None else parted)
 
 
 def synthetic(args) -> int:
@@ -200,84 +200,62 @@ def synthetic(args) -> int:
     rows = []
     with LLM(model, config) as llm:
         llm.core.drafter = None
-        # a tree's rows, as a chain's, take the products' path of one row (a tree drafts past the flag's 64)
-        choice.one_row_path_up_to(max(args.tree_sizes, default=0) + 1)
+        # a tree's rows, as a chain's, take the products' path of one row (a tree drafts past the flag's 64), and so
+        # do the tokens its last pass accepted off its main chain, computed again before it
+        choice.one_row_path_up_to(2 * max(args.tree_sizes, default=0) + 1)
         run_one(llm, prompt[:8], 2)  # one-time costs, untimed
         plain = run_one(llm, prompt, args.new_tokens)
         streamed = llm.placement.streamed_bytes_per_pass
-        for accept in (0.6, 0.8, 0.95):
-            for k in (4, 8):
-                oracle = CorruptedOracle(len(prompt), plain["tokens"], accept, 32000)
-                llm.core.drafter, llm.core.num_draft = oracle, k
-                got = run_one(llm, prompt, args.new_tokens)
-                llm.core.drafter = None
-                theory = (1 - accept ** (k + 1)) / (1 - accept)
-                measured = oracle.tokens_per_pass(k)
-                rows.append(
-                    {
-                        "accept": accept,
-                        "k": k,
-                        "theory": theory,
-                        "tokens_per_pass": measured,
-                        "off": measured / theory - 1,
-                        "pass_cost": pass_seconds(got) / pass_seconds(plain),
-                        "speedup": got["decode_tokens_per_second"] / plain["decode_tokens_per_second"],
-                        "identical": got["tokens"] == plain["tokens"],
-                    }
-                )
-        for accept in (0.6, 0.8, 0.95):
-            for size in args.tree_sizes:  # trees of candidates, Sequoia's shape for this acceptance
-                oracle = TreeOracle(len(prompt), plain["tokens"], accept, 32000, size)
-                llm.core.drafter, llm.core.num_draft = oracle, size
-                got = run_one(llm, prompt, args.new_tokens)
-                llm.core.drafter = None
-                same = [x == y for x, y in zip(got["tokens"], plain["tokens"], strict=False)]
-                parted = same.index(False) if False in same else None
-                (measured, passes), theory = oracle.tokens_per_pass(parted), oracle.theory()
-                rows.append(
-                    {
-                        "accept": accept,
-                        "k": size,
-                        "tree": True,
-                        "depth": oracle.depth,
-                        "theory": theory,
-                        "tokens_per_pass": measured,
-                        "passes_measured": passes,
-                        "parted_at": parted,
-                        "off": measured / theory - 1,
-                        "pass_cost": pass_seconds(got) / pass_seconds(plain),
-                        "speedup": got["decode_tokens_per_second"] / plain["decode_tokens_per_second"],
-                        "identical": got["tokens"] == plain["tokens"],
-                    }
-                )
-        for k in (16, 32, 64):  # a chain every token of which passes: the cost of verifying k rows in one pass
-            oracle = CorruptedOracle(len(prompt), plain["tokens"], 1.0, 32000)
+
+        def measure(oracle, k: int, accept: float, theory: float, tree: bool) -> dict:
             llm.core.drafter, llm.core.num_draft = oracle, k
             got = run_one(llm, prompt, args.new_tokens)
             llm.core.drafter = None
-            rows.append(
-                {
-                    "accept": 1.0,
-                    "k": k,
-                    "theory": k + 1,
-                    "tokens_per_pass": oracle.tokens_per_pass(k),
-                    "off": None,
-                    "pass_cost": pass_seconds(got) / pass_seconds(plain),
-                    "speedup": got["decode_tokens_per_second"] / plain["decode_tokens_per_second"],
-                    "identical": got["tokens"] == plain["tokens"],
-                }
-            )
+            same = [x == y for x, y in zip(got["tokens"], plain["tokens"], strict=False)]
+            parted = same.index(False) if False in same else None
+            measured, drawn, passes = oracle.tokens_per_pass(k, parted) if not tree else oracle.tokens_per_pass(parted)
+            return {
+                "accept": accept,
+                "k": k,
+                "tree": tree,
+                "depth": oracle.depth if tree else k,
+                "theory": theory,
+                "tokens_per_pass": measured,
+                "drawn": drawn,  # what the oracle's draws of the same passes give: equal where verification is right
+                "passes_measured": passes,
+                "parted_at": parted,
+                "off": measured / theory - 1 if accept < 1 else None,
+                "pass_cost": pass_seconds(got) / pass_seconds(plain),
+                "speedup": got["decode_tokens_per_second"] / plain["decode_tokens_per_second"],
+                "identical": got["tokens"] == plain["tokens"],
+            }
+
+        for accept in (0.6, 0.8, 0.95):
+            for k in (4, 8):
+                theory = (1 - accept ** (k + 1)) / (1 - accept)
+                rows.append(
+                    measure(CorruptedOracle(len(prompt), plain["tokens"], accept, 32000), k, accept, theory, False)
+                )
+            for size in args.tree_sizes:  # trees of candidates, Sequoia's shape for this acceptance
+                oracle = TreeOracle(len(prompt), plain["tokens"], accept, 32000, size)
+                rows.append(measure(oracle, size, accept, oracle.theory(), True))
+        for k in (16, 32, 64):  # a chain every token of which passes: the cost of verifying k rows in one pass
+            rows.append(measure(CorruptedOracle(len(prompt), plain["tokens"], 1.0, 32000), k, 1.0, k + 1, False))
     print(
         f"1.1B-shape Llama (22 layers, bf16), {streamed / 2**20:.0f} MiB streamed a pass, batch 1, "
         f"{args.new_tokens} new tokens; plain {plain['decode_tokens_per_second']:.2f} tokens/s"
     )
-    print(f"{'accept':>6} {'draft':>9} {'theory':>7} {'measured':>8} {'off':>6} {'pass cost':>9} {'speedup':>7} same")
+    head = (
+        f"{'accept':>6} {'draft':>9} {'depth':>5} {'theory':>7} {'drawn':>6} {'measured':>8} {'off':>6} {'passes':>6}"
+    )
+    print(head + f" {'pass cost':>9} {'speedup':>7} same")
     for r in rows:
         off = "" if r["off"] is None else f"{r['off']:+.0%}"
-        draft = f"tree {r['k']}" if r.get("tree") else f"chain {r['k']}"
+        draft = f"tree {r['k']}" if r["tree"] else f"chain {r['k']}"
         print(
-            f"{r['accept']:6.2f} {draft:>9} {r['theory']:7.2f} {r['tokens_per_pass']:8.2f} {off:>6} "
-            f"{r['pass_cost']:8.2f}x {r['speedup']:6.2f}x {r['identical']}"
+            f"{r['accept']:6.2f} {draft:>9} {r['depth']:5d} {r['theory']:7.2f} {r['drawn']:6.2f} "
+            f"{r['tokens_per_pass']:8.2f} {off:>6} {r['passes_measured']:6d} {r['pass_cost']:8.2f}x "
+            f"{r['speedup']:6.2f}x {r['identical']}"
         )
     write_report(
         args.out.with_name(args.out.stem + "-synthetic.json"),
@@ -371,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tree-sizes", default="32,64,128,256", help="--synthetic: the draft trees' sizes (nodes), comma-separated"
     )
+    parser.add_argument("--topk", type=int, default=1, help="--speculative-topk: above 1, trees of the top N")
     parser.add_argument("--synthetic-self", action="store_true", help="the 1.1B checkpoint streamed with self")
     parser.add_argument(
         "--k", type=int, help="tokens drafted a step (--num-speculative-tokens; default: the engine's planned one)"
@@ -399,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {None: LLM(model, EngineConfig(**base))}
     for m in methods:
         budget = {"device_memory": base["device_memory"] + extra[m]}
-        engines[m] = LLM(model, EngineConfig(**base | budget, speculate=m, num_speculative_tokens=args.k))
+        config = EngineConfig(**base | budget, speculate=m, num_speculative_tokens=args.k, speculative_topk=args.topk)
+        engines[m] = LLM(model, config)
     equal = {m: f"plain+{m}" for m in methods if extra[m]}
     for m, name in equal.items():
         engines[name] = LLM(model, EngineConfig(**base | {"device_memory": base["device_memory"] + extra[m]}))
@@ -433,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for kind in ("grounded", "open") for m in methods if (row := summarize(runs, kind, m))]
     for r in rows:  # the chain length each engine ran: the one given, or its planner's (and why)
         r |= {"k": engines[r["method"]].config.num_speculative_tokens, "k_why": engines[r["method"]].parts.k_why}
+        r["topk"] = args.topk
     for r in rows:  # the cost model's price of each at the measured acceptance, on the engines' own placements
         prompt_len = int(statistics.median(x["prompt_tokens"] for x in runs if x["kind"] == r["kind"]))
         r |= planned(

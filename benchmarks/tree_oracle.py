@@ -47,7 +47,9 @@ class TreeOracle:
         self.parents, self.ranks = best_tree(size, accept)
         self.chance = [accept * (1 - accept) ** (r - 1) for r in self.ranks]
         self.depth = max(_depths(self.parents), default=0)
-        self.starts: list[tuple[int, bool]] = []  # (tokens generated before the proposal, whole tree knowable)
+        # (tokens generated before the proposal, whole tree knowable, tokens its draws give a pass: 1 + the truth's
+        # path in the tree)
+        self.starts: list[tuple[int, bool, int]] = []
 
     def theory(self) -> float:
         return expected_tokens(self.parents, self.chance)
@@ -76,7 +78,7 @@ class TreeOracle:
                 on.add(i)
             base = truth[d - 1] if d <= len(truth) else 0
             tokens.append(base if right else (base + rank) % self.vocab)
-        self.starts.append((done, len(truth) == self.depth))
+        self.starts.append((done, len(truth) == self.depth, 1 + max((depth[i] for i in on if i >= 0), default=0)))
         return DraftTree(tuple(tokens), self.parents)
 
     def _rank(self, done: int, depth: int) -> int:
@@ -87,15 +89,19 @@ class TreeOracle:
             rank += 1
         return rank
 
-    def tokens_per_pass(self, parted: int | None = None) -> tuple[float, int]:
-        """Tokens a pass took and how many passes, over those whose whole tree could hold the truth (the last ones run
-        out of it) and, where the reply parted from the plain one at token `parted`, ended before it (the truth the
-        tree hides is the plain run's)."""
-        end = len(self.output) if parted is None else parted
-        taken = [
-            b[0] - a[0] for a, b in zip(self.starts, self.starts[1:], strict=False) if a[1] and a[0] + self.depth <= end
-        ]
-        return sum(taken) / max(len(taken), 1), len(taken)
+    def tokens_per_pass(self, parted: int | None = None) -> tuple[float, float, int]:
+        """Tokens a pass took, what the draws of those passes give, and how many passes: those whose whole tree could
+        hold the truth (the last ones run out of it) and, where the reply parted from the plain one at token `parted`,
+        that ended before it (the truth the tree hides is the plain run's)."""
+        return tokens_per_pass(self.starts, self.depth, len(self.output) if parted is None else parted)
+
+
+def tokens_per_pass(starts: list[tuple[int, bool, int]], depth: int, end: int) -> tuple[float, float, int]:
+    """(tokens a pass took, what its draws give, passes) over the proposals `starts` that were whole and ended
+    before `end`: a pass took the distance to the next proposal."""
+    kept = [(b[0] - a[0], a[2]) for a, b in zip(starts, starts[1:], strict=False) if a[1] and a[0] + depth <= end]
+    n = max(len(kept), 1)
+    return sum(t for t, _ in kept) / n, sum(d for _, d in kept) / n, len(kept)
 
 
 def _depths(parents: tuple[int, ...]) -> list[int]:

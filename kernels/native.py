@@ -209,6 +209,8 @@ def bf16_mm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfl
     (`out_dtype` float32); `bf16_mm_fits` must hold."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype)
+    if not x.shape[0]:  # the kernel divides its rows among threads: none would divide by zero
+        return y
     f32 = int(out_dtype == torch.float32)
     _bf16_mm()(
         x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], x.shape[1], f32, torch.get_num_threads()
@@ -336,6 +338,8 @@ def int4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: i
     m, k = x.shape
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
+    if not m:
+        return y
     xsum = torch.empty(m * (k // group), dtype=torch.float32)
     _int4_mm()(
         x.data_ptr(),

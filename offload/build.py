@@ -190,6 +190,9 @@ def build(
         device_tier,
         host_tier,
         dtype,
+        # a speculating engine keeps resident matrices dense: packed ones go to oneDNN's GEMM, which rounds a verify
+        # step's rows apart from a one-row step's (the 1.1B's greedy replies parted from plain ones past 32 rows)
+        prepack=False if config.speculate is not None else None,
         embed_backend=embed_backend,
         fuse=partial(family.fuse, spec),
         packable=family.packable,
@@ -216,9 +219,11 @@ def build(
         dtype_name = spec.dtype if config.dtype == "auto" else config.dtype
         k, k_why = engine_k(model_dir, spec, dtype_name, config, policy, getattr(draft, "model_dir", None))
         config = dataclasses.replace(config, num_speculative_tokens=k)
-    drafter = draft or make_drafter(config.speculate)
-    if drafter is not None:  # a verify step's rows round as a one-row step's (kernels/choice.py)
-        choice.one_row_path_up_to(config.num_speculative_tokens + 1)
+    drafter = draft or make_drafter(config.speculate, config.speculative_topk)
+    if drafter is not None:  # a verify step's rows round as a one-row step's (kernels/choice.py): a tree's nodes,
+        # and the tokens of its last pass accepted off its main chain, computed again before them
+        k = config.num_speculative_tokens
+        choice.one_row_path_up_to(k * config.speculative_topk + k + 1)
     core = EngineCore(
         engine,
         tables,

@@ -173,6 +173,7 @@ def _summary(llm, completions) -> str:
     if llm.config.speculate is not None:
         lines.append(
             f"speculate  {llm.config.speculate}, up to {llm.config.num_speculative_tokens} drafted tokens a step"
+            + (f" (trees of the top {llm.config.speculative_topk} at each)" if llm.config.speculative_topk > 1 else "")
             + ("" if llm.parts.k_why == "given" else f" ({llm.parts.k_why})")
             + ": "
             f"{s.accepted_tokens} of {s.drafted_tokens} accepted ({s.acceptance_rate:.0%}), "

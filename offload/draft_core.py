@@ -60,7 +60,7 @@ def draft_model(
     )
     parts = build(draft_dir, draft_config)
     nbytes = parts.device_tier.peak  # every weight and the KV cache: the draft streams nothing
-    drafter = ModelDrafter(parts.core, spec.vocab_size, nbytes, draft_dir, parts.close)
+    drafter = ModelDrafter(parts.core, spec.vocab_size, nbytes, draft_dir, parts.close, config.speculative_topk)
     try:
         return drafter, charged(config, nbytes)
     except OffloadError:

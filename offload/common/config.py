@@ -32,6 +32,7 @@ BLOCK_SIZE = 16  # tokens per KV block, unless configured
 DEFAULT_KV_CACHE = 1 << 30  # bytes of KV cache where neither the user nor the cost model sizes it
 SPECULATE = (None, "ngram", "self")  # speculative decoding's drafters by name (or a draft model's path); None: off
 MAX_DRAFT = 64  # tokens a drafter may propose per sequence and step
+MAX_TOPK = 8  # candidates a drafter may offer at each drafted position
 DEFAULT_MAX_NUM_SEQS = 64  # sequences per step where neither the user nor the cost model sizes the batch
 
 
@@ -333,6 +334,16 @@ class EngineConfig:
         metavar="K",
         default_text="the planner's",
     )
+    speculative_topk: int = knob(
+        1,
+        "scheduler",
+        "candidates a drafter offers at each drafted position: a tree of them above 1",
+        doc="Above 1 a draft is a tree: the drafter's likeliest continuation, and at each of its positions the next "
+        "N - 1 likeliest tokens (a draft model's runners-up, as leaves; ngram: what followed other earlier "
+        "occurrences, each a continuation of its own). The same weight pass verifies them all, up to K x N drafted "
+        "rows a sequence: where weights stream they cost little; where they are resident, compute.",
+        metavar="N",
+    )
     # ---- I/O
     io_backend: str = knob(
         "auto",
@@ -371,6 +382,8 @@ class EngineConfig:
         k = self.num_speculative_tokens
         if k is not None and (not isinstance(k, int) or not 1 <= k <= MAX_DRAFT):
             raise OffloadError(f"num_speculative_tokens must be in 1..{MAX_DRAFT}, got {self.num_speculative_tokens!r}")
+        if not isinstance(self.speculative_topk, int) or not 1 <= self.speculative_topk <= MAX_TOPK:
+            raise OffloadError(f"speculative_topk must be in 1..{MAX_TOPK}, got {self.speculative_topk!r}")
         if self.ring_slots < 2:
             raise OffloadError(f"ring_slots must be at least 2, got {self.ring_slots!r}")
         if self.offload_dir is not None:

@@ -52,6 +52,17 @@ def test_self_greedy_output_is_the_targets_own(target, config) -> None:
     assert llm.core.drafter.model_dir.parent == cache_dir() / "draft"  # the float target's int4 copy
 
 
+def test_self_with_the_drafts_runners_up_keeps_the_targets_output_and_takes_more_a_pass(target) -> None:
+    plain, _, _ = run(target, PROMPTS, GREEDY)
+    chain, by_chain, _ = run(target, PROMPTS, GREEDY, speculate="self", num_speculative_tokens=4)
+    tree, by_tree, llm = run(target, PROMPTS, GREEDY, speculate="self", num_speculative_tokens=4, speculative_topk=3)
+    assert tree == chain == plain
+    # each drafted position offers two runners-up: up to 3 x 4 drafted rows a pass, and a runner-up the target
+    # chooses gives a pass one more token than the chain's
+    assert by_tree.drafted_tokens > 2 * by_chain.drafted_tokens
+    assert by_tree.accepted_tokens / by_tree.verify_passes > by_chain.accepted_tokens / by_chain.verify_passes
+
+
 def test_self_is_converted_once_and_reused(target) -> None:
     run(target, PROMPTS[:1], SamplingParams(max_new_tokens=2), speculate="self")
     (copy,) = (cache_dir() / "draft").glob(f"{target.name}-int4-g32-cpu-*")

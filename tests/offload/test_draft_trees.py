@@ -3,7 +3,6 @@ cached positions and its own ancestors at the position of its depth."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -11,6 +10,7 @@ from conftest import make_checkpoint
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.kernels.paged_batch import tree_visible
+from offload.model.speculation.drafters import NgramDrafter
 from offload.model.speculation.tree import DraftTree, accept_tree, expected_tokens
 from offload.scheduler.drafts import depths, kept_in_place, main_chain
 
@@ -57,7 +57,8 @@ class TreeOracle:
 def run(model_dir, prompts, params, drafter=None, **config):
     config = {"block_size": 4, "kv_cache_bytes": 1 << 22, "speculate": "ngram", "num_speculative_tokens": 16} | config
     with LLM(model_dir, EngineConfig(**config)) as llm:
-        llm.core.drafter = drafter if config["speculate"] else None
+        if drafter is not None or not config["speculate"]:
+            llm.core.drafter = drafter
         out = llm.generate_ids(prompts, params)
         llm.check_integrity()
         assert llm.stats().kv_blocks_used == 0
@@ -93,6 +94,16 @@ def test_seeded_sampling_with_trees_is_reproducible_and_keeps_the_length(model_d
     once, _ = run(model_dir, PROMPTS[:1], params, TreeOracle(PROMPTS[:1], [plain]))
     again, _ = run(model_dir, PROMPTS[:1], params, TreeOracle(PROMPTS[:1], [plain]))
     assert once == again and len(once[0]) == 16
+
+
+def test_ngram_offers_what_followed_its_earlier_occurrences_as_a_tree(model_dir) -> None:
+    drafter = NgramDrafter(min_n=1, max_n=3, topk=2)
+    (tree,) = drafter.propose([[1, 2, 9, 1, 2, 7, 1, 2]], 2)
+    assert tree == DraftTree((7, 1, 9, 1), (-1, 0, -1, 2))  # the latest occurrence's (7, 1) the main chain
+    assert drafter.propose([[1, 2, 9, 1, 2, 9, 1, 2]], 2) == [(9, 1)]  # both continue alike: a chain
+    plain, _ = run(model_dir, PROMPTS, GREEDY, speculate=None)
+    got, counters = run(model_dir, PROMPTS, GREEDY, None, speculative_topk=2)
+    assert got == plain and counters.accepted_tokens > 0
 
 
 def test_the_tree_shape_helpers() -> None:

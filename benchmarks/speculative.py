@@ -27,8 +27,11 @@ new tokens.
 
 --synthetic instead streams the random 1.1B checkpoint of offload_vs_peers.py (TinyLlama-1.1B's shape, 22 layers)
 under --budget (600MB) with drafters of known acceptance: the plain run's own tokens, each corrupted with probability
-1 - a (a = 0.6, 0.8, 0.95; chains of 4 and 8), its tokens per pass against theory, (1 - a^(k+1)) / (1 - a); and
-chains of 16-64 tokens that all pass, for what verifying k rows in one pass costs against a one-token pass. Writes
+1 - a (a = 0.6, 0.8, 0.95; chains of 4 and 8), its tokens per pass against theory, (1 - a^(k+1)) / (1 - a); trees of
+--tree-sizes nodes (tree_oracle.py: the truth hidden at the ranks a drafter of that quality gives it, in Sequoia's
+tree for that acceptance) against theirs; beside each, what the oracle's own draws give the same passes (the
+verification is right where the measured equals it; theory is its average over many passes); and chains of 16-64
+tokens that all pass, for what verifying k rows in one pass costs against a one-token pass. Writes
 benchmarks/results/speculative-synthetic.json.
 
 --methods self (or a draft model's path) gives the draft's resident bytes to the speculating engine on top of

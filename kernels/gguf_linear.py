@@ -109,6 +109,8 @@ def gguf_rows(table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 def _product(x: torch.Tensor, w: torch.Tensor, float32: bool, dense_from: int = DENSE_FROM_ROWS) -> torch.Tensor:
     x = x.contiguous()
     m, k = x.shape
+    if not m:  # no rows (a step with no logits wanted): nothing for the kernels to divide among threads
+        return torch.empty(0, w.shape[0], dtype=torch.float32 if float32 else x.dtype)
     one_row = choice.as_one_row(m)  # a speculating engine's verify rows stay on the one-row path
     if (m < dense_from or one_row) and _native_rows(x, w):
         kind, n = block_type(w), w.shape[0]

@@ -63,10 +63,11 @@ def kernel_tests_name_their_path(request: pytest.FixtureRequest, monkeypatch: py
     pinned = request.node.path.parent.name == "kernels" or request.node.get_closest_marker("fixed_kernels")
     if pinned and kernels != "torch":
         monkeypatch.setenv("OFFLOAD_KERNELS", "native")
-    if request.node.path.parent.name == "kernels":  # nor the rows a speculating engine built earlier had take one row's
-        from offload.kernels import choice
+    # every test starts with no rows taking one row's path: a speculating engine an earlier test built sets that for
+    # the process (kernels/choice.py's one_row_path_up_to), and a plain engine would then round as it does
+    from offload.kernels import choice
 
-        monkeypatch.setattr(choice, "_one_row_up_to", [1])
+    monkeypatch.setattr(choice, "_one_row_up_to", [1])
 
 
 @pytest.fixture(scope="session")

@@ -120,6 +120,18 @@ def test_products_dispatch_to_the_native_kernels_where_they_fit(monkeypatch):
     assert calls == ["int4", "int4", "bf16"]
 
 
+@needs_native
+def test_no_rows_give_no_rows():
+    """A step whose chunks all stop short of their last token asks the head for no rows: the kernels, which divide
+    rows among threads, return an empty product instead of dividing by zero (a SIGFPE that ended the process)."""
+    gen = torch.Generator().manual_seed(4)
+    codes, scales = _int4(64, 576, 32, gen)
+    none = torch.empty(0, 576, dtype=torch.bfloat16)
+    assert native.int4_mm(none, codes, scales, 32).shape == (0, 64)
+    w = torch.randn(64, 576).to(torch.bfloat16)
+    assert native.bf16_mm(none, w).shape == native.bf16_mm(none, w, torch.float32).shape == (0, 64)
+
+
 def test_a_failed_build_falls_back_to_torch_and_says_so(monkeypatch, tmp_path, capsys):
     """A compiler that fails: the kernels are None (torch's run), one message on stderr, no library in the cache but
     the failure's log, which keeps this compiler from being called again for that source, in this process or the

@@ -14,7 +14,9 @@ Weights that stay in memory can also be packed once into oneDNN's blocked layout
 half-precision CPU GEMM otherwise reorders the weight on every call, which dominates decode-sized products (the
 same product up to the order of accumulation, bit-identical at the model shapes measured, one rounding apart in
 rare elements elsewhere). Whether packing pays is measured once per dtype too (`packing_pays`); a packed weight is
-an opaque tensor of the same bytes that only `linear` consumes.
+an opaque tensor of the same bytes that only `linear` consumes. oneDNN rounds a row alike in a product of up to
+`PACKED_SAME_ROWS` rows, not beyond: a speculating engine's verify rows (kernels/choice.py's `as_one_row`) go through
+in slices of that many, so that each row gets what a one-row step gives it.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ from offload.kernels.dispatch import record
 
 UPCAST_MIN_ROWS = 64  # tokens; below this the conversion costs more than the faster GEMM saves
 SLICE_FEATURES = 1024  # output features converted at a time: scratch = SLICE_FEATURES * in_features * 4 bytes
+# rows a packed weight's GEMM (oneDNN) gives each as it gives one row alone: on the Intel Xeon with AMX every row of
+# up to 32 did, and from 33 some rounded apart; a speculating engine's verify rows go through in slices of this many
+PACKED_SAME_ROWS = 16
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [tokens, in], w [out, in] (dense, or packed by `pack_weight`), b [out] -> [tokens, out] in x's dtype."""
     if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
+        if x.shape[0] > PACKED_SAME_ROWS and choice.as_one_row(x.shape[0]):  # a verify step's rows: as one row's
+            return torch.cat([_packed(part, w, b) for part in x.split(PACKED_SAME_ROWS)])
+        return _packed(x, w, b)
     if b is None and native.bf16_mm_fits(x, w) and choice.native("bf16", x.shape[0], w.shape):  # timed faster here
         record("linear", "native")
         return native.bf16_mm(x, w)
@@ -44,6 +51,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if not upcast_is_faster(w.dtype):
         return F.linear(x, w, b)
     return _linear_upcast(x, w, b)
+
+
+def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
 
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

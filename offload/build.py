@@ -190,9 +190,6 @@ def build(
         device_tier,
         host_tier,
         dtype,
-        # a speculating engine keeps resident matrices dense: packed ones go to oneDNN's GEMM, which rounds a verify
-        # step's rows apart from a one-row step's (the 1.1B's greedy replies parted from plain ones past 32 rows)
-        prepack=False if config.speculate is not None else None,
         embed_backend=embed_backend,
         fuse=partial(family.fuse, spec),
         packable=family.packable,

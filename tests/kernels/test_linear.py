@@ -74,3 +74,19 @@ def test_packing_is_never_chosen_for_float32_and_is_measured_once():
     assert kl.packing_pays(torch.float32) is False
     first = kl.packing_pays(torch.bfloat16)
     assert kl.packing_pays(torch.bfloat16) is first and kl.packing_pays.cache_info().hits >= 1
+
+
+def test_a_verify_steps_rows_through_a_packed_weight_round_as_one_rows(monkeypatch):
+    """A speculating engine's verify rows (kernels/choice.py's one-row rule) through a packed weight: each row is what
+    a one-row product gives it, however many rows (oneDNN's GEMM rounds rows apart past 32 on the Xeon with AMX)."""
+    if not _packable(torch.bfloat16):
+        pytest.skip("this CPU's oneDNN does not pack bfloat16")
+    from offload.kernels import choice
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(2048, 2048, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(65, 2048, generator=g).to(torch.bfloat16)
+    packed = kl.pack_weight(w)
+    alone = torch.cat([linear(x[r : r + 1], packed) for r in range(65)])
+    monkeypatch.setattr(choice, "_one_row_up_to", [65])
+    assert torch.equal(linear(x, packed), alone)

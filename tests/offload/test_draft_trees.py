@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_speculative import GREEDY, PROMPTS, chi_square_p
 
 from conftest import make_checkpoint
 from offload.api import LLM
@@ -13,9 +14,6 @@ from offload.kernels.paged_batch import tree_visible
 from offload.model.speculation.drafters import NgramDrafter
 from offload.model.speculation.tree import DraftTree, accept_tree, expected_tokens
 from offload.scheduler.drafts import depths, kept_in_place, main_chain
-
-PROMPTS = [[3, 4, 5, 6, 7, 8] * 3, [20, 21, 22, 20, 21, 22, 20, 21], [40 + i for i in range(11)]]
-GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +133,6 @@ def test_greedy_walk_follows_the_branch_the_target_chooses() -> None:
 def test_sampling_through_a_tree_keeps_the_targets_distribution() -> None:
     """Two tokens sampled through a tree (the root's children 0 and 1, node 0 with children 2 and 3) against the
     target's own sampling of them, by a chi-square test over 10,000 draws of the pair."""
-    from test_speculative import chi_square_p
-
     vocab = 5
     gen = torch.Generator().manual_seed(0)
     first = torch.randn(vocab, generator=gen)

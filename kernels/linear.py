@@ -14,9 +14,9 @@ Weights that stay in memory can also be packed once into oneDNN's blocked layout
 half-precision CPU GEMM otherwise reorders the weight on every call, which dominates decode-sized products (the
 same product up to the order of accumulation, bit-identical at the model shapes measured, one rounding apart in
 rare elements elsewhere). Whether packing pays is measured once per dtype too (`packing_pays`); a packed weight is
-an opaque tensor of the same bytes that only `linear` consumes. oneDNN rounds a row alike in a product of up to
-`PACKED_SAME_ROWS` rows, not beyond: a speculating engine's verify rows (kernels/choice.py's `as_one_row`) go through
-in slices of that many, so that each row gets what a one-row step gives it.
+an opaque tensor of the same bytes that only `linear` consumes. oneDNN rounds a row alike in a product of a few
+rows, not of many (`packed_same_rows`, measured once): a speculating engine's verify rows (kernels/choice.py's
+`as_one_row`) go through in slices of that many, so that each row gets what a one-row step gives it.
 """
 
 from __future__ import annotations
@@ -32,16 +32,13 @@ from offload.kernels.dispatch import record
 
 UPCAST_MIN_ROWS = 64  # tokens; below this the conversion costs more than the faster GEMM saves
 SLICE_FEATURES = 1024  # output features converted at a time: scratch = SLICE_FEATURES * in_features * 4 bytes
-# rows a packed weight's GEMM (oneDNN) gives each as it gives one row alone: on the Intel Xeon with AMX every row of
-# up to 32 did, and from 33 some rounded apart; a speculating engine's verify rows go through in slices of this many
-PACKED_SAME_ROWS = 16
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [tokens, in], w [out, in] (dense, or packed by `pack_weight`), b [out] -> [tokens, out] in x's dtype."""
     if w.is_mkldnn:
-        if x.shape[0] > PACKED_SAME_ROWS and choice.as_one_row(x.shape[0]):  # a verify step's rows: as one row's
-            return torch.cat([_packed(part, w, b) for part in x.split(PACKED_SAME_ROWS)])
+        if x.shape[0] > 1 and choice.as_one_row(x.shape[0]) and x.shape[0] > (same := packed_same_rows(x.dtype)):
+            return torch.cat([_packed(part, w, b) for part in x.split(same)])  # a verify step's rows: as one row's
         return _packed(x, w, b)
     if b is None and native.bf16_mm_fits(x, w) and choice.native("bf16", x.shape[0], w.shape):  # timed faster here
         record("linear", "native")
@@ -55,6 +52,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
+
+
+@functools.cache
+def packed_same_rows(dtype: torch.dtype) -> int:
+    """The most rows (a power of two, up to 32) whose packed product gives each row what a one-row product gives it,
+    measured once on this CPU: its GEMM kernels block rows, and a row rounds apart past a block (on the Intel Xeon with
+    AMX every row of up to 32 was its own alone at six model shapes, and some of 33 were not)."""
+    gen = torch.Generator().manual_seed(0)
+    w = pack_weight((torch.randn(512, 1024, generator=gen) * 0.03).to(dtype))
+    x = torch.randn(32, 1024, generator=gen).to(dtype)
+    alone = torch.cat([_packed(x[r : r + 1], w, None) for r in range(32)])
+    same = 1
+    for rows in (2, 4, 8, 16, 32):
+        if not torch.equal(_packed(x[:rows], w, None), alone[:rows]):
+            break
+        same = rows
+    return same
 
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -337,7 +337,7 @@ class EngineConfig:
     speculative_topk: int = knob(
         1,
         "scheduler",
-        "candidates a drafter offers at each drafted position: a tree of them above 1",
+        "candidates drafted at each position (a tree above 1)",
         doc="Above 1 a draft is a tree: the drafter's likeliest continuation, and at each of its positions the next "
         "N - 1 likeliest tokens (a draft model's runners-up, as leaves; ngram: what followed other earlier "
         "occurrences, each a continuation of its own). The same weight pass verifies them all, up to K x N drafted "

@@ -47,6 +47,8 @@ if [ "$demo" = 1 ]; then
     # README.md
     run '.venv/bin/offload generate --chat --prompt "What is paged memory?" --max-new-tokens 48'
     run '.venv/bin/offload generate --chat --prompt "What is a disk?" --device-memory 200MiB --kv-cache-memory 16MiB --show-placement'
+    # docs/usage.md, docs/memory-tiers.md, docs/quantization.md, docs/serving.md: the embedded demo model, built once
+    run '.venv/bin/python -c "from offload.demo import ensure_demo_model; print(ensure_demo_model())"'
     # docs/eval.md
     run '.venv/bin/offload eval --text tests/data/eval_text.txt --context 512'
     run '.venv/bin/offload eval --text tests/data/eval_text.txt --json --device-memory 200MiB --kv-cache-memory 16MiB'

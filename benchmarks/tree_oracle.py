@@ -14,6 +14,7 @@ import heapq
 import random
 
 from offload.model.speculation.tree import DraftTree, expected_tokens
+from offload.scheduler.drafts import depths
 
 
 def best_tree(size: int, accept: float, max_children: int = 16) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -46,7 +47,8 @@ class TreeOracle:
         self.prompt_len, self.output, self.accept, self.vocab = prompt_len, output, accept, vocab
         self.parents, self.ranks = best_tree(size, accept)
         self.chance = [accept * (1 - accept) ** (r - 1) for r in self.ranks]
-        self.depth = max(_depths(self.parents), default=0)
+        self.depths = depths(self.parents)  # each node's
+        self.depth = max(self.depths, default=0)
         # (tokens generated before the proposal, whole tree knowable, tokens its draws give a pass: 1 + the truth's
         # path in the tree)
         self.starts: list[tuple[int, bool, int]] = []
@@ -63,7 +65,7 @@ class TreeOracle:
     def tree(self, token_ids) -> DraftTree:
         done = len(token_ids) - self.prompt_len
         truth = self.output[done : done + self.depth]
-        depth = _depths(self.parents)
+        depth = self.depths
         on = {-1}  # the nodes holding the truth: the root does
         rank_at: dict[int, int] = {}  # such a node -> the rank its next true token has among its candidates
         tokens = []
@@ -102,10 +104,3 @@ def tokens_per_pass(starts: list[tuple[int, bool, int]], depth: int, end: int) -
     kept = [(b[0] - a[0], a[2]) for a, b in zip(starts, starts[1:], strict=False) if a[1] and a[0] + depth <= end]
     n = max(len(kept), 1)
     return sum(t for t, _ in kept) / n, sum(d for _, d in kept) / n, len(kept)
-
-
-def _depths(parents: tuple[int, ...]) -> list[int]:
-    out: list[int] = []
-    for p in parents:
-        out.append(1 if p < 0 else out[p] + 1)
-    return out

@@ -6,10 +6,6 @@ the verifying step writes where accepted tokens belong (offload/model/speculatio
 from __future__ import annotations
 
 
-def chain_parents(n: int) -> tuple[int, ...]:
-    return tuple(range(-1, n - 1))
-
-
 def depths(parents: tuple[int, ...]) -> list[int]:
     """Each node's depth: 1 for a child of the root."""
     out: list[int] = []

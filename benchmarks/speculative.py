@@ -19,7 +19,8 @@ what a verifying pass costs against a plain one (the ratio is tokens per pass ov
 generated token, and whether the output equals the plain run's token for token. Each engine runs one short request
 first, untimed. Each method drafts --k tokens a step, or without it the chain length its engine planned (said in
 the JSON's k_why); beside each row, the cost model's tokens/s for that engine's placement and K at the measured
-acceptance (`planned`, this machine's saved profile) and the K it would choose there (`k*`).
+acceptance (`planned`, this machine's saved profile) against the runs' pooled rate (all their tokens over all their
+decode time: `plan/run`, and the plain engine's beside it) and the K it would choose there (`k*`).
 
 Goals (ngram): >= 1.5x tokens/s on grounded prompts and >= 0.97x on open chat, output identical. Prints a table and
 writes benchmarks/results/speculative.json with the machine it ran on. --quick runs one prompt of each kind with 16
@@ -420,8 +421,17 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:  # the cost model's price of each at the measured acceptance, on the engines' own placements
         prompt_len = int(statistics.median(x["prompt_tokens"] for x in runs if x["kind"] == r["kind"]))
         r |= planned(
-            engines[None], engines[r["method"]], r["method"], r["k"], r["tokens_per_pass"], prompt_len, new_tokens
+            engines[None],
+            engines[r["method"]],
+            r["method"],
+            r["k"],
+            r["tokens_per_pass"],
+            prompt_len,
+            new_tokens,
+            args.topk,
         )
+        r["plan_over_run"] = r["planned_tokens_per_second"] / r["pooled_tokens_per_second"]
+        r["plain_plan_over_run"] = r["planned_plain_tokens_per_second"] / r["pooled_plain_tokens_per_second"]
     for llm in engines.values():
         llm.close()
     print(
@@ -431,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'kind':9} {'method':7} {'k':>3} {'plain tok/s':>11} {'tok/s':>7} {'ratio':>6} {'equal-mem':>9} "
         f"{'accept':>7} {'tok/pass':>8} {'pass cost':>9} {'draft':>6} {'MiB/tok plain':>13} {'MiB/tok':>8} {'same':>5} "
-        f"{'planned':>7} {'plan/run':>8} {'k*':>3} goal"
+        f"{'planned':>7} {'plan/run':>8} {'plain plan/run':>14} {'k*':>3} goal"
     )
     for r in rows:
         eq = "" if r["equal_memory_speedup"] is None else f"{r['equal_memory_speedup']:.2f}x"
@@ -441,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['speedup']:5.2f}x {eq:>9} {r['acceptance']:7.0%} {r['tokens_per_pass']:8.2f} "
             f"{r['pass_cost']:8.2f}x {r['draft_share']:6.0%} {r['plain_bytes_per_token'] / 2**20:13.1f} "
             f"{r['bytes_per_token'] / 2**20:8.1f} {r['identical']}/{r['runs']:<3} "
-            f"{r['planned_tokens_per_second']:7.2f} {r['planned_tokens_per_second'] / r['tokens_per_second']:7.2f}x "
+            f"{r['planned_tokens_per_second']:7.2f} {r['plan_over_run']:7.2f}x {r['plain_plan_over_run']:13.2f}x "
             f"{r['planned_k']:3d} >= {r['goal']}x: "
             f"{'met' if r['met'] else 'NOT met'}"
         )
@@ -464,10 +474,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def planned(plain, speculating, method: str, k: int, per_pass: float, prompt_len: int, new_tokens: int) -> dict:
-    """The cost model's decode tokens/s for the plain engine and the speculating one (at `k` drafts and the
-    acceptance that yields the measured `per_pass` tokens a pass), each at its own placement, by this machine's
-    saved profile; and the chain length it would choose at that acceptance."""
+def planned(
+    plain, speculating, method: str, k: int, per_pass: float, prompt_len: int, new_tokens: int, topk: int = 1
+) -> dict:
+    """The cost model's decode tokens/s for the plain engine and the speculating one (at `k` drafts, or trees of the
+    top `topk` k deep, and the acceptance that yields the measured `per_pass` tokens a pass), each at its own
+    placement, by this machine's saved profile; and the chain length (tree depth) it would choose at that
+    acceptance."""
     from offload.common.config import BLOCK_SIZE
     from offload.planner.probe import local_profile
     from offload.planner.speculation import draft_for
@@ -480,15 +493,20 @@ def planned(plain, speculating, method: str, k: int, per_pass: float, prompt_len
     rate = acceptance_for(per_pass, k)
     draft = draft_for(plain.spec, hw, dtype, method)
     cand = Candidate(1, 1, speculating.parts.weights.policy)
-    price = speculate(ctx, cand, context, prompt_len, k, rate, draft)
+    price = speculate(ctx, cand, context, prompt_len, k, rate, draft, topk)
     return {
         "planned_plain_tokens_per_second": 1
         / decode_step_seconds(ctx, Candidate(1, 1, plain.parts.weights.policy), context, prompt_len),
         "planned_tokens_per_second": price.tokens_per_pass / price.pass_seconds,
         "planned_acceptance": rate,
         "planned_pass_seconds": {"verify": price.verify_seconds, "draft": price.draft_seconds},
-        "planned_k": best_k(ctx, cand, context, prompt_len, rate, draft).k,
+        "planned_k": best_k(ctx, cand, context, prompt_len, rate, draft, topk).k,
     }
+
+
+def pooled(done: list[dict]) -> float:
+    """Decode tokens/s over several runs together: their tokens over their decode seconds."""
+    return sum(d["decode_tokens"] for d in done) / max(sum(d["decode_seconds"] for d in done), 1e-12)
 
 
 def summarize(runs: list[dict], kind: str, method: str) -> dict | None:
@@ -508,6 +526,10 @@ def summarize(runs: list[dict], kind: str, method: str) -> dict | None:
         "method": method,
         "plain_tokens_per_second": statistics.median(r["plain"]["decode_tokens_per_second"] for r in mine),
         "tokens_per_second": statistics.median(s["decode_tokens_per_second"] for s in spec),
+        # over all the kind's runs (all tokens over all decode time): what the planner, pricing the runs' pooled
+        # acceptance, is held against (a median run's rate is one prompt's, not the pooled acceptance's)
+        "pooled_plain_tokens_per_second": pooled([r["plain"] for r in mine]),
+        "pooled_tokens_per_second": pooled(spec),
         "speedup": ratio,
         # against the plain engine given the draft's bytes as more resident layers (None: no draft model)
         "equal_memory_speedup": statistics.median(

@@ -42,6 +42,7 @@ run ".venv/bin/offload plan --model opt-175b --hardware t4-16gb --prompt-len 512
 run ".venv/bin/offload --debug plan --model tinyllama-1.1b --hardware l4-24gb --prompt-len 128 --gen-len 16"
 # docs/speculative.md
 run ".venv/bin/offload plan --model llama-3.1-70b --hardware rtx4090-24gb --speculate self --acceptance 0.9"
+run ".venv/bin/offload plan --model llama-3.1-70b --hardware rtx4090-24gb --speculate self --speculative-topk 4"
 
 if [ "$demo" = 1 ]; then
     # README.md

@@ -363,7 +363,7 @@ class LLM:
             experts=experts.stats - experts_before if experts else None,
         )
         if self.config.speculate is not None:  # what this run's drafts measured, for later plans of the model
-            record(self.model_dir, self.config.speculate, after - before)
+            record(self.model_dir, self.config.speculate, after - before, self.config.speculative_topk)
         if experts is not None:  # and how its routing met the expert cache
             x = self.last_run.experts
             routed = sparse_layers(self.spec) * self.spec.num_experts

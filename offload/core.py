@@ -130,9 +130,8 @@ class EngineCore:
             )
         matcher = self.grammars.matcher(params)  # OffloadError naming the field if the constraint does not compile
         text = None if self._tokenizer is None else TextStream(self._tokenizer(), params.stop, stream_text)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.engine.device).manual_seed(params.seed)
+        seeded = params.seed is not None
+        generator = torch.Generator(device=self.engine.device).manual_seed(params.seed) if seeded else None
         self._next_id += 1
         seq = Sequence(rid, ids, params, priority=priority)
         self._requests[rid] = _Request(seq, generator, text, time.perf_counter(), matcher=matcher)
@@ -224,6 +223,7 @@ class EngineCore:
                 token, path = accept(rows, r.seq.draft, r.seq.draft_parents, token, r.seq.params, r.generator)
                 self._totals["drafted_tokens"] += rows.shape[0] - 1
                 self._totals["verify_passes"] += 1
+                self._totals["draft_depth"] += r.seq.draft_depth
             kept, verdicts[r.seq.seq_id] = self._walk(r, (token,) if isinstance(token, int) else token, taken[i])
             self._totals["accepted_tokens"] += len(kept) - 1
             tokens.append(kept)

@@ -14,6 +14,11 @@ def depths(parents: tuple[int, ...]) -> list[int]:
     return out
 
 
+def depth(parents: tuple[int, ...] | None, drafted: int) -> int:
+    """How deep a draft of `drafted` tokens goes: a chain's length (`parents` None), a tree's deepest node's depth."""
+    return drafted if parents is None else max(depths(parents), default=0)
+
+
 def main_chain(parents: tuple[int, ...]) -> int:
     """How many of the first nodes form a chain from the root."""
     n = 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from offload.common.config import SamplingParams
 from offload.common.tier import Tier
+from offload.scheduler.drafts import depth
 
 
 class SeqState(enum.Enum):
@@ -44,6 +45,11 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def draft_depth(self) -> int:
+        """How deep its draft goes: a chain's length, a tree's deepest node's depth."""
+        return depth(self.draft_parents, len(self.draft))
 
     @property
     def num_tokens(self) -> int:

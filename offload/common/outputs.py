@@ -88,6 +88,7 @@ class CoreCounters:
     drafted_tokens: int = 0  # speculative decoding: drafted tokens verified (the step's extra rows)
     accepted_tokens: int = 0  # of those, accepted: tokens a sequence took beyond one per step
     verify_passes: int = 0  # a sequence's drafts verified by a step: once per sequence and step
+    draft_depth: int = 0  # their depths summed: a chain's length, a tree's deepest path (a tree of 3 x 4 drafts: 4)
 
     @property
     def acceptance_rate(self) -> float:

@@ -8,7 +8,10 @@ the cost model prices best (scheduler/cost/speculation_cost.py), for `offload pl
 
 The acceptance is per drafted token of a chain (the a of E = (1 - a^(k+1)) / (1 - a)): the runs' counts give tokens
 a pass and the average chain length, and a is what makes the formula meet them (acceptance_for). Where no run of this
-model and drafter measured one, the plan assumes ASSUMED and says so.
+model and drafter measured one, the plan assumes ASSUMED and says so. Trees (--speculative-topk N) are kept apart,
+a record for each N: theirs is a per depth (any of the N candidates there holding the target's token), from the runs'
+tokens a pass and the average depth of their trees; a tree no run measured is priced at the chain's a, which it
+cannot do worse than.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from offload.common.config import BLOCK_SIZE, SPECULATE, EngineConfig, Policy
+from offload.common.config import BLOCK_SIZE, MAX_TOPK, SPECULATE, EngineConfig, Policy
 from offload.common.dtypes import DTYPE_BYTES
 from offload.common.errors import OffloadError
 from offload.common.hardware import HardwareProfile
@@ -50,64 +53,76 @@ class Acceptance(NamedTuple):
     source: str  # where it came from, said in the plan
 
 
-def _key(model: Path | str, method: str) -> str:
-    return hashlib.sha256(f"{model_path(model)}\0{_drafter(method)}".encode()).hexdigest()[:24]
+def _key(model: Path | str, method: str, topk: int) -> str:
+    tree = f"\0top {topk}" if topk > 1 else ""  # a chain's record keeps the key it had before trees
+    return hashlib.sha256(f"{model_path(model)}\0{_drafter(method)}{tree}".encode()).hexdigest()[:24]
 
 
 def _drafter(method: str) -> str:
     return method if method in SPECULATE else str(Path(method).resolve())
 
 
-def _path(model: Path | str, method: str) -> Path:
-    return cache_dir() / "speculation" / f"{_key(model, method)}.json"
+def _path(model: Path | str, method: str, topk: int = 1) -> Path:
+    return cache_dir() / "speculation" / f"{_key(model, method, topk)}.json"
 
 
-def record(model: Path | str, method: str, counters: CoreCounters) -> None:
-    """Add what a run of `model` speculating with `method` measured to what earlier runs did, the earlier ones
-    weighing at most KEPT_PASSES passes in all (so the record follows the model's recent use). A folder or file that
-    cannot be written leaves the record as it was: the run's output does not depend on it."""
-    passes, drafted, accepted = counters.verify_passes, counters.drafted_tokens, counters.accepted_tokens
-    if passes <= 0 or drafted <= 0:
+COUNTS = ("verify_passes", "drafted_tokens", "accepted_tokens", "draft_depth")  # a record's, as CoreCounters names them
+
+
+def record(model: Path | str, method: str, counters: CoreCounters, topk: int = 1) -> None:
+    """Add what a run of `model` speculating with `method` (trees of the top `topk`) measured to what earlier runs
+    did, the earlier ones weighing at most KEPT_PASSES passes in all (so the record follows the model's recent use). A
+    folder or file that cannot be written leaves the record as it was: the run's output does not depend on it."""
+    counts = {name: getattr(counters, name) for name in COUNTS}
+    if counts["verify_passes"] <= 0 or counts["drafted_tokens"] <= 0:
         return
-    path = _path(model, method)
+    counts["draft_depth"] = counts["draft_depth"] or counts["drafted_tokens"]  # not counted: chains, their length
+    path = _path(model, method, topk)
     old = read(path)
     try:
-        scale = earlier_weight(old["verify_passes"], passes, KEPT_PASSES)
-        passes, drafted, accepted = (
-            passes + old["verify_passes"] * scale,
-            drafted + old["drafted_tokens"] * scale,
-            accepted + old["accepted_tokens"] * scale,
-        )
+        scale = earlier_weight(old["verify_passes"], counts["verify_passes"], KEPT_PASSES)
+        # a record from before depths were counted: its chains' depth is their length
+        earlier = {name: old[name] if name in old else old["drafted_tokens"] for name in COUNTS}
+        counts = {name: counts[name] + earlier[name] * scale for name in COUNTS}
     except (KeyError, TypeError, ZeroDivisionError):
         pass  # the first run measured, or a record that cannot be read: this run's alone
     body = {
         "model": str(model_path(model)),
         "method": _drafter(method),
-        "verify_passes": passes,
-        "drafted_tokens": drafted,
-        "accepted_tokens": accepted,
+        "topk": topk,
+        **counts,
         "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
     write(path, body)
 
 
-def acceptance(model: Path | str, method: str, given: float | None = None) -> Acceptance:
-    """The acceptance to price `method` with: `given` (--acceptance), else what the runs of `model` measured, else the
-    assumed one."""
+def acceptance(model: Path | str, method: str, given: float | None = None, topk: int = 1) -> Acceptance:
+    """The acceptance to price `method` with: `given` (--acceptance), else what the runs of `model` measured (with
+    trees of the top `topk`: theirs, per depth), else, for a tree, the chain's, else the assumed one."""
     if given is not None:
         return Acceptance(given, "given")
-    body = read(_path(model, method))
+    body = read(_path(model, method, topk))
     try:
         passes, drafted, accepted = body["verify_passes"], body["drafted_tokens"], body["accepted_tokens"]
-        value = acceptance_for((accepted + passes) / passes, drafted / passes)
+        depth = body.get("draft_depth", drafted)  # chains recorded before depths were counted: their length
+        value = acceptance_for((accepted + passes) / passes, depth / passes)
         return Acceptance(
             value,
             f"measured by runs up to {body['when']} UTC: {accepted:.0f} of {drafted:.0f} drafts accepted in "
-            f"{passes:.0f} passes, {(accepted + passes) / passes:.2f} tokens a pass",
+            f"{passes:.0f} passes, {(accepted + passes) / passes:.2f} tokens a pass"
+            + (f" from trees {depth / passes:.1f} deep" if topk > 1 else ""),
         )
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        if topk > 1:
+            chain = acceptance(model, method)
+            return Acceptance(chain.value, f"the chain's, as no run measured trees of {topk}: {chain.source}")
         kind = method if method in ASSUMED else "model"
         return Acceptance(ASSUMED[kind], f"assumed for {kind} (no run of this model measured it)")
+
+
+def measured_trees(model: Path | str, method: str) -> list[int]:
+    """The tree sizes (candidates at each depth) runs of `model` with `method` measured."""
+    return [n for n in range(2, MAX_TOPK + 1) if _path(model, method, n).exists()]
 
 
 def draft_for(
@@ -143,11 +158,13 @@ def planned_k(
     workload: Workload,
     rate: float,
     draft: Draft | None,
+    topk: int = 1,
 ) -> SpeculationPrice:
-    """The chain length with the most tokens a second for `cand` at the middle of `workload`'s generation."""
+    """The chain length (a tree's depth) with the most tokens a second for `cand` at the middle of `workload`'s
+    generation."""
     ctx = make_context(spec, hw, dtype, BLOCK_SIZE)
     context = workload.prompt_len + workload.gen_len // 2
-    return best_k(ctx, cand, context, workload.prompt_len, rate, draft)
+    return best_k(ctx, cand, context, workload.prompt_len, rate, draft, topk)
 
 
 def lines(price: SpeculationPrice, rate: Acceptance, method: str, batch: int, draft: Draft | None) -> list[str]:
@@ -160,11 +177,13 @@ def lines(price: SpeculationPrice, rate: Acceptance, method: str, batch: int, dr
     verdict = f"{price.speedup:.2f}x the tokens/s"
     if price.speedup < 1:
         verdict += ": slower than plain decoding at this batch, leave --speculate off"
+    shape = f"k = {price.k} drafts a sequence, acceptance {rate.value:.3f} a draft"
+    if price.topk > 1:
+        shape = f"trees of the top {price.topk}, k = {price.k} deep, acceptance {rate.value:.3f} a depth"
     return [
-        f"speculate {method} at batch {batch}: k = {price.k} drafts a sequence, acceptance {rate.value:.3f} a draft "
-        f"({rate.source})",
+        f"speculate {method} at batch {batch}: {shape} ({rate.source})",
         f"          {price.tokens_per_pass:.2f} tokens a pass; a pass {_time(price.pass_seconds)} (verify "
-        f"{price.k + 1} rows a sequence {_time(price.verify_seconds)}, {drafting}) against a plain step's "
+        f"{price.drafted + 1} rows a sequence {_time(price.verify_seconds)}, {drafting}) against a plain step's "
         f"{_time(price.plain_seconds)}: {verdict}",
     ]
 
@@ -185,6 +204,12 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
         metavar="A",
         help="share of drafted tokens accepted, each (default: the last run's of this model, else an assumed one)",
     )
+    p.add_argument(
+        "--speculative-topk",
+        type=int,
+        metavar="N",
+        help="price trees of the top N at each depth (default: chains and the tree sizes runs of this model measured)",
+    )
 
 
 def plan_section(
@@ -197,7 +222,11 @@ def plan_section(
         return "", []
     if args.acceptance is not None and not 0.0 <= args.acceptance <= 1.0:
         raise OffloadError(f"--acceptance must be a share between 0 and 1, got {args.acceptance}")
-    rate = acceptance(args.model, args.speculate, args.acceptance)
+    topk = getattr(args, "speculative_topk", None)
+    if topk is not None and not 1 <= topk <= MAX_TOPK:
+        raise OffloadError(f"--speculative-topk must be in 1..{MAX_TOPK}, got {topk}")
+    sizes = [topk] if topk is not None else [1, *measured_trees(args.model, args.speculate)]
+    rates = {n: acceptance(args.model, args.speculate, args.acceptance, n) for n in sizes}
     # a GGUF draft file's shape is read from its header by offload/cli.py's main, as the model's is
     draft = draft_for(shape, hw, dtype, args.speculate, getattr(args, "draft_shape", None))
     ones = [p for p in predictions if p.candidate.batch == 1 and p.fits and not p.unsupported]
@@ -207,13 +236,19 @@ def plan_section(
         if p.candidate in seen:
             continue
         seen.add(p.candidate)
-        price = planned_k(shape, hw, dtype, p.candidate, workload, rate.value, draft)
+        # the tree size with the most tokens/s of those priced (a chain, and the trees runs measured)
+        prices = [planned_k(shape, hw, dtype, p.candidate, workload, rates[n].value, draft, n) for n in sizes]
+        price = max(prices, key=lambda q: (q.speedup, -q.topk))
+        rate = rates[price.topk]
         text += lines(price, rate, args.speculate, p.candidate.batch, draft)
+        if len(prices) > 1:
+            text.append("          priced: " + ", ".join(f"top {q.topk} {q.speedup:.2f}x" for q in prices))
         rows.append(
             {
                 "candidate": candidate_json(p.candidate),
                 "method": args.speculate,
                 "k": price.k,
+                "topk": price.topk,
                 "acceptance": rate.value,
                 "acceptance_source": rate.source,
                 "tokens_per_pass": price.tokens_per_pass,
@@ -242,7 +277,8 @@ def engine_k(
         hw = load_profile(path)
     except OffloadError:
         return DEFAULT_K, f"no hardware profile to plan by at {path} (offload probe)"
-    rate = acceptance(model, config.speculate)
+    topk = config.speculative_topk
+    rate = acceptance(model, config.speculate, topk=topk)
     bits = spec.quant.bits if spec.quant is not None else 8 * DTYPE_BYTES[dtype]
     cand = Candidate(1, 1, policy, weight_bits=bits, expert_cache=config.expert_cache_memory or 0)
     draft_spec = None
@@ -251,8 +287,9 @@ def engine_k(
 
         draft_spec, _ = load_spec(draft_dir)
     draft = draft_for(spec, hw, dtype, config.speculate, draft_spec)
-    price = planned_k(spec, hw, dtype, cand, PLANNED_WORKLOAD, rate.value, draft)
+    price = planned_k(spec, hw, dtype, cand, PLANNED_WORKLOAD, rate.value, draft, topk)
+    per = "a draft" if topk == 1 else f"a depth of the top {topk}"
     return price.k, (
-        f"planned: {price.tokens_per_pass:.2f} tokens a pass at acceptance {rate.value:.2f} a draft, {rate.source}; "
+        f"planned: {price.tokens_per_pass:.2f} tokens a pass at acceptance {rate.value:.2f} {per}, {rate.source}; "
         f"{price.speedup:.2f}x plain predicted"
     )

@@ -1,8 +1,9 @@
 """The price of speculative decoding: a drafter proposes k tokens a sequence, the target scores them all in its one
 weight pass, and keeps the drafts up to the first it disagrees with, then its own token.
 
-    price = speculate(ctx, cand, context, prompt_len, k, acceptance, draft)   # one chain length
-    price = best_k(ctx, cand, context, prompt_len, acceptance, draft)         # the chain length with most tokens/s
+    price = speculate(ctx, cand, context, prompt_len, k, acceptance, draft)    # one chain length
+    price = best_k(ctx, cand, context, prompt_len, acceptance, draft)          # the chain length with most tokens/s
+    price = best_k(ctx, cand, context, prompt_len, acceptance, draft, topk=3)  # a tree, the top 3 at each depth
 
 Tokens a pass: a chain whose drafts are each accepted with probability a (while every one before it was) yields
 E = (1 - a^(k+1)) / (1 - a) tokens a pass (Leviathan et al., 2023): the accepted drafts and the target's own token.
@@ -13,6 +14,11 @@ accepted since its last call (priced as a step of that many rows), the others de
 model nothing (`draft` None). Where weights stream, the verify pass costs about a plain one, so tokens a second
 grow with E until the drafter's steps or the verify rows' compute catch up: the best k is where they do. A step
 verifies at most MAX_DRAFTED drafted tokens over its batch (scheduler/batcher.py), which caps k for a batch.
+
+A tree (--speculative-topk N) drafts the top N at each of k depths, k x N rows a sequence, and is priced as a chain
+of its depth whose every depth holds the target's token with probability a: the chance that one of its N candidates
+does, which the runs of that tree measured (offload/planner/speculation.py keeps them apart from the chain's). More
+candidates raise a, and the verify rows with it.
 
 Plain numbers in, plain numbers out, like the cost model.
 """
@@ -69,12 +75,18 @@ class Draft:
 
 @dataclass(frozen=True, slots=True)
 class SpeculationPrice:
-    k: int  # drafts a sequence and pass
-    acceptance: float  # per drafted token, the chain's a
+    k: int  # drafts a sequence and pass: a chain's length, a tree's depth
+    acceptance: float  # per drafted token, the chain's a (a tree's: per depth, any of its candidates)
     tokens_per_pass: float  # a sequence's, expected
     verify_seconds: float  # the target's step at k + 1 rows a sequence
     draft_seconds: float  # the drafter's k steps
     plain_seconds: float  # the target's one-token decode step, for comparison
+    topk: int = 1  # candidates at each depth: a chain 1, a tree more
+
+    @property
+    def drafted(self) -> int:
+        """Drafted rows a sequence verifies a pass."""
+        return self.k * self.topk
 
     @property
     def pass_seconds(self) -> float:
@@ -98,21 +110,37 @@ def _drafting(draft: Draft, batch: int, context: int, prompt_len: int, k: int, p
 
 
 def speculate(
-    ctx: Context, cand: Candidate, context: int, prompt_len: int, k: int, acceptance: float, draft: Draft | None
+    ctx: Context,
+    cand: Candidate,
+    context: int,
+    prompt_len: int,
+    k: int,
+    acceptance: float,
+    draft: Draft | None,
+    topk: int = 1,
 ) -> SpeculationPrice:
-    """`cand`'s decode step at a context of `context` tokens with `k` drafts a sequence accepted at `acceptance`."""
+    """`cand`'s decode step at a context of `context` tokens with `k` drafts a sequence accepted at `acceptance` (a
+    tree of the top `topk` at each of `k` depths: k x topk rows, `acceptance` a depth's). A draft model's runners-up
+    come with its k steps (their logprobs), so drafting costs the chain's."""
     plain = decode_step_seconds(ctx, cand, context, prompt_len)
-    verify = decode_step_seconds(ctx, dataclasses.replace(cand, batch=cand.batch * (k + 1)), context, prompt_len)
+    rows = cand.batch * (k * topk + 1)
+    verify = decode_step_seconds(ctx, dataclasses.replace(cand, batch=rows), context, prompt_len)
     per_pass = tokens_per_pass(acceptance, k)
     drafting = _drafting(draft, cand.batch, context, prompt_len, k, per_pass) if draft is not None else 0.0
-    return SpeculationPrice(k, acceptance, per_pass, verify, drafting, plain)
+    return SpeculationPrice(k, acceptance, per_pass, verify, drafting, plain, topk)
 
 
 def best_k(
-    ctx: Context, cand: Candidate, context: int, prompt_len: int, acceptance: float, draft: Draft | None
+    ctx: Context,
+    cand: Candidate,
+    context: int,
+    prompt_len: int,
+    acceptance: float,
+    draft: Draft | None,
+    topk: int = 1,
 ) -> SpeculationPrice:
-    """The chain length with the most tokens a second for `cand`'s batch (k up to MAX_DRAFT, and k x batch up to the
-    drafted tokens a step verifies)."""
-    most = max(1, min(MAX_DRAFT, MAX_DRAFTED // max(cand.batch, 1)))
-    prices = [speculate(ctx, cand, context, prompt_len, k, acceptance, draft) for k in range(1, most + 1)]
+    """The chain length (a tree's depth) with the most tokens a second for `cand`'s batch (k up to MAX_DRAFT, and
+    k x topk x batch up to the drafted tokens a step verifies)."""
+    most = max(1, min(MAX_DRAFT, MAX_DRAFTED // max(cand.batch * topk, 1)))
+    prices = [speculate(ctx, cand, context, prompt_len, k, acceptance, draft, topk) for k in range(1, most + 1)]
     return max(prices, key=lambda p: (p.speedup, -p.k))

@@ -13,7 +13,7 @@ from offload.common.config import EngineConfig, SamplingParams
 from offload.kernels.paged_batch import tree_visible
 from offload.model.speculation.drafters import NgramDrafter
 from offload.model.speculation.tree import DraftTree, accept_tree, expected_tokens
-from offload.scheduler.drafts import depths, kept_in_place, main_chain
+from offload.scheduler.drafts import depth, depths, kept_in_place, main_chain
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,9 @@ def test_a_tree_with_one_sequence_steps_as_theory_says(model_dir) -> None:
     assert got == plain
     # the prefill gives the first token; then every pass gives 5 (the last ones fewer, cut by the length)
     assert counters.steps == 1 + -(-(GREEDY.max_new_tokens - 1) // 5)
+    # the passes' depths, for the planner's acceptance per depth: each tree's deepest path (4 while the output lasts)
+    assert counters.draft_depth == sum(max(depths(t.parents)) for t in oracle.trees)
+    assert counters.draft_depth < counters.drafted_tokens
 
 
 def test_seeded_sampling_with_trees_is_reproducible_and_keeps_the_length(model_dir) -> None:
@@ -108,6 +111,7 @@ def test_the_tree_shape_helpers() -> None:
     tree = DraftTree.from_paths([(1, 2, 3), (1, 5), (4,), (1, 2, 6)])
     assert tree.tokens == (1, 2, 3, 5, 4, 6) and tree.parents == (-1, 0, 1, 0, -1, 1)
     assert depths(tree.parents) == [1, 2, 3, 2, 1, 3] and main_chain(tree.parents) == 3
+    assert depth(tree.parents, len(tree)) == 3 and depth(None, 5) == 5 and depth(None, 0) == 0
     seen = tree_visible(tree.parents)
     assert seen[5].nonzero().flatten().tolist() == [0, 1, 5] and seen[4].nonzero().flatten().tolist() == [4]
     assert kept_in_place(tree.parents, tree.tokens, (1, 2, 6, 9)) == 2  # 6 is off the main chain

@@ -13,7 +13,10 @@ from offload.common.config import EngineConfig, Policy
 from offload.common.errors import OffloadError
 from offload.common.outputs import CoreCounters
 from offload.planner.models import load_model_spec
-from offload.planner.speculation import ASSUMED, DEFAULT_K, KEPT_PASSES, acceptance, engine_k, record
+from offload.planner.profiles import load_profile
+from offload.planner.speculation import ASSUMED, DEFAULT_K, KEPT_PASSES, acceptance, engine_k, measured_trees, record
+from offload.scheduler.cost.predict import Candidate, decode_step_seconds, make_context
+from offload.scheduler.cost.speculation_cost import best_k, speculate, tokens_per_pass
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -68,6 +71,46 @@ def test_runs_acceptance_is_kept_for_the_models_later_plans(cache, tmp_path):
     assert f"drafts accepted in {KEPT_PASSES} passes" in got.source and got.value < 0.1
     assert acceptance(model, "ngram").source.startswith("assumed")  # kept per drafter
     assert acceptance(model, "self", 0.5) == (0.5, "given")
+
+
+def test_trees_are_recorded_apart_and_priced_per_depth(cache, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    record(model, "self", CoreCounters(drafted_tokens=8 * 20, accepted_tokens=60, verify_passes=20, draft_depth=160))
+    chain = acceptance(model, "self")
+    # no tree measured yet: a tree of 3 is priced at the chain's rate, and says so
+    assert acceptance(model, "self", topk=3).value == chain.value and measured_trees(model, "self") == []
+    assert "the chain's, as no run measured trees of 3" in acceptance(model, "self", topk=3).source
+    # 20 passes of trees 4 deep (12 drafts each) that kept 3 drafts a pass: a per depth makes a 4-chain yield 4 a pass
+    record(model, "self", CoreCounters(drafted_tokens=240, accepted_tokens=60, verify_passes=20, draft_depth=80), 3)
+    tree = acceptance(model, "self", topk=3)
+    assert tokens_per_pass(tree.value, 4) == pytest.approx(4.0, rel=1e-6) and "from trees 4.0 deep" in tree.source
+    assert acceptance(model, "self") == chain and measured_trees(model, "self") == [3]  # the chain's record as it was
+
+
+def test_a_tree_verifies_its_depth_times_its_candidates_and_yields_by_its_depth():
+    spec = load_model_spec("tinyllama-1.1b")
+    ctx = make_context(spec, load_profile("rtx4090-24gb"), "bfloat16", 16)
+    cand = Candidate(1, 1, Policy.from_counts(0, 0, spec.num_layers, ring_slots=2))
+    chain, tree = (speculate(ctx, cand, 600, 512, 4, 0.7, None, topk) for topk in (1, 3))
+    assert tree.tokens_per_pass == chain.tokens_per_pass == pytest.approx(tokens_per_pass(0.7, 4))
+    assert tree.drafted == 12 and chain.drafted == 4
+    wide = Candidate(13, 1, cand.policy)  # 4 x 3 drafted rows and the sequence's own: a step of 13 rows
+    assert tree.verify_seconds == pytest.approx(decode_step_seconds(ctx, wide, 600, 512))
+    # a batch of 8 verifies at most 256 drafted rows: trees of 8 go at most 4 deep
+    assert best_k(ctx, Candidate(8, 1, cand.policy), 600, 512, 0.99, None, topk=8).k <= 4
+
+
+def test_plan_prices_the_tree_sizes_runs_measured_and_the_one_asked_for(cache, capsys):
+    argv = ["plan", "--model", "llama-3.1-70b", "--hardware", "rtx4090-24gb", "--speculate", "ngram"]
+    assert main([*argv, "--speculative-topk", "3", "--acceptance", "0.6", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["speculation"]
+    assert all(r["topk"] == 3 for r in rows)
+    assert main([*argv, "--speculative-topk", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "trees of the top 3, k = " in out and "the chain's, as no run measured trees of 3" in out
+    assert main([*argv, "--speculative-topk", "9"]) != 0
+    assert "--speculative-topk must be in 1..8, got 9" in capsys.readouterr().err
 
 
 def test_the_engine_drafts_what_it_was_given_else_the_planners_k(cache, tmp_path):

@@ -15,8 +15,9 @@ half-precision CPU GEMM otherwise reorders the weight on every call, which domin
 same product up to the order of accumulation, bit-identical at the model shapes measured, one rounding apart in
 rare elements elsewhere). Whether packing pays is measured once per dtype too (`packing_pays`); a packed weight is
 an opaque tensor of the same bytes that only `linear` consumes. oneDNN rounds a row alike in a product of a few
-rows, not of many (`packed_same_rows`, measured once): a speculating engine's verify rows (kernels/choice.py's
-`as_one_row`) go through in slices of that many, so that each row gets what a one-row step gives it.
+rows, not of many, and how many depends on the CPU and the matrix's shape (`packed_same_rows`, measured once per
+shape): a speculating engine's verify rows (kernels/choice.py's `as_one_row`) go through in slices of that many, so
+that each row gets what a one-row step gives it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ SLICE_FEATURES = 1024  # output features converted at a time: scratch = SLICE_FE
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [tokens, in], w [out, in] (dense, or packed by `pack_weight`), b [out] -> [tokens, out] in x's dtype."""
     if w.is_mkldnn:
-        if x.shape[0] > 1 and choice.as_one_row(x.shape[0]) and x.shape[0] > (same := packed_same_rows(x.dtype)):
+        if x.shape[0] > 1 and choice.as_one_row(x.shape[0]) and x.shape[0] > (same := packed_same_rows(x, w)):
             return torch.cat([_packed(part, w, b) for part in x.split(same)])  # a verify step's rows: as one row's
         return _packed(x, w, b)
     if b is None and native.bf16_mm_fits(x, w) and choice.native("bf16", x.shape[0], w.shape):  # timed faster here
@@ -54,21 +55,27 @@ def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
 
 
-@functools.cache
-def packed_same_rows(dtype: torch.dtype) -> int:
-    """The most rows (a power of two, up to 32) whose packed product gives each row what a one-row product gives it,
-    measured once on this CPU: its GEMM kernels block rows, and a row rounds apart past a block (on the Intel Xeon with
-    AMX every row of up to 32 was its own alone at six model shapes, and some of 33 were not)."""
-    gen = torch.Generator().manual_seed(0)
-    w = pack_weight((torch.randn(512, 1024, generator=gen) * 0.03).to(dtype))
-    x = torch.randn(32, 1024, generator=gen).to(dtype)
-    alone = torch.cat([_packed(x[r : r + 1], w, None) for r in range(32)])
-    same = 1
-    for rows in (2, 4, 8, 16, 32):
-        if not torch.equal(_packed(x[:rows], w, None), alone[:rows]):
-            break
-        same = rows
-    return same
+_same_rows: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}  # (dtype, packed weight's shape) -> rows
+
+
+def packed_same_rows(x: torch.Tensor, w: torch.Tensor) -> int:
+    """The most rows (a power of two, up to 32) whose product with packed `w` gives each row what a one-row product
+    gives it, measured once per dtype and shape on this CPU, on `w` itself with seeded inputs: oneDNN's kernels block
+    rows and split the sum by the shape (on the Intel Xeon with AMX every row of up to 32 was its own alone at six model
+    shapes, and some of 33 were not; on an AMD EPYC with AVX-512 BF16 a 1536 -> 576 product parted from 16 rows and a
+    2048 x 2048 one from 2, a one-row product summing in another order)."""
+    key = (x.dtype, tuple(w.shape))
+    if key not in _same_rows:
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randn(32, x.shape[1], generator=gen).to(x.dtype)
+        alone = torch.cat([_packed(probe[r : r + 1], w, None) for r in range(32)])
+        same = 1
+        for rows in (2, 4, 8, 16, 32):
+            if not torch.equal(_packed(probe[:rows], w, None), alone[:rows]):
+                break
+            same = rows
+        _same_rows[key] = same
+    return _same_rows[key]
 
 
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -78,15 +78,19 @@ def test_packing_is_never_chosen_for_float32_and_is_measured_once():
 
 def test_a_verify_steps_rows_through_a_packed_weight_round_as_one_rows(monkeypatch):
     """A speculating engine's verify rows (kernels/choice.py's one-row rule) through a packed weight: each row is what
-    a one-row product gives it, however many rows (oneDNN's GEMM rounds rows apart past 32 on the Xeon with AMX)."""
+    a one-row product gives it, however many rows and whatever the shape (oneDNN's GEMM rounds rows apart past 32 on
+    the Xeon with AMX; on the EPYC from 2 rows at 2048 x 2048, from 16 at 1536 -> 576)."""
     if not _packable(torch.bfloat16):
         pytest.skip("this CPU's oneDNN does not pack bfloat16")
     from offload.kernels import choice
 
     g = torch.Generator().manual_seed(5)
-    w = (torch.randn(2048, 2048, generator=g) * 0.02).to(torch.bfloat16)
-    x = torch.randn(65, 2048, generator=g).to(torch.bfloat16)
-    packed = kl.pack_weight(w)
-    alone = torch.cat([linear(x[r : r + 1], packed) for r in range(65)])
-    monkeypatch.setattr(choice, "_one_row_up_to", [65])
-    assert torch.equal(linear(x, packed), alone)
+    for n, k in ((2048, 2048), (1536, 576), (576, 1536)):
+        w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+        x = torch.randn(65, k, generator=g).to(torch.bfloat16)
+        packed = kl.pack_weight(w)
+        alone = torch.cat([linear(x[r : r + 1], packed) for r in range(65)])
+        with monkeypatch.context() as m:
+            m.setattr(choice, "_one_row_up_to", [65])
+            assert torch.equal(linear(x, packed), alone), (n, k)
+            assert 1 <= kl.packed_same_rows(x, packed) <= 32

@@ -45,6 +45,9 @@ PLAN: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
 # rows reads four times its codes' bytes and writes them again, which no CPU makes up for
 FROM_ROWS = {("int4", DENSE): 64}
 PRODUCTS = ("int4", "bf16", "logits")  # timed again at each model's own matrix shapes: see `key`
+# kernels whose rows are tokens, each computed alone, whose paths may round a row apart (the native silu within 2
+# float32 ulps of e^x where torch's is within 1): a verify step's rows take their one-row path (`one_row_path_up_to`)
+ROW_WISE = (*PRODUCTS, "rms_norm", "rotary", "silu_mul", "argmax")
 # row counts a product is timed at for one matrix shape
 SHAPE_ROWS = {"int4": (1, 4, 8, 16, 32, 64, 128, 256), "bf16": (1, 4, 8, 16, 32, 64, 256), "logits": (1, 16, 64, 256)}
 # what OFFLOAD_KERNELS=native takes: kernel -> ((from rows, path), ...), the fixed thresholds native.py measured on
@@ -153,7 +156,7 @@ def path(kernel: str, rows: int, shape: tuple[int, int] | None = None) -> str:
     that the native kernel can take these tensors. Asked for every kernel of every layer: answers are memoized."""
     if _forced:
         return _forced[-1] if _forced[-1] in PLAN[kernel][0] else TORCH
-    if kernel in PRODUCTS and rows <= _one_row_up_to[0]:
+    if kernel in ROW_WISE and rows <= _one_row_up_to[0]:
         rows = 1
     asked = (environment.kernel_mode(), kernel, rows, shape)
     if (known := _memo.get(asked)) is None:
@@ -171,10 +174,11 @@ def _decide(kernel: str, rows: int, shape: tuple[int, int] | None) -> str:
 
 
 def one_row_path_up_to(rows: int) -> None:
-    """Products of up to `rows` rows take the path they take for one row, from now on in this process (a larger
-    `rows` than before only). Speculative decoding's verify step gives a sequence k + 1 rows where a plain step gives
-    it one: on the same path each row rounds as alone, so greedy output stays the plain output (a path that switches
-    between 1 and k + 1 rows, as bfloat16 products do where oneDNN wins from 8 rows, would part them)."""
+    """Products and the other row-wise kernels (ROW_WISE) of up to `rows` rows take the path they take for one row,
+    from now on in this process (a larger `rows` than before only). Speculative decoding's verify step gives a
+    sequence k + 1 rows where a plain step gives it one: on the same path each row rounds as alone, so greedy output
+    stays the plain output (a path that switches between 1 and k + 1 rows would part them: bfloat16 products where
+    oneDNN wins from 8 rows; SwiGLU's silu(gate) * up on the AMD EPYC, torch's at one row and the native from 2)."""
     _one_row_up_to[0] = max(_one_row_up_to[0], rows)
 
 

@@ -13,11 +13,14 @@ kernels/choice.py timed it faster than torch's GEMM. An LM head's logits (`logit
 Weights that stay in memory can also be packed once into oneDNN's blocked layout (`pack_weight`): torch's
 half-precision CPU GEMM otherwise reorders the weight on every call, which dominates decode-sized products (the
 same product up to the order of accumulation, bit-identical at the model shapes measured, one rounding apart in
-rare elements elsewhere). Whether packing pays is measured once per dtype too (`packing_pays`); a packed weight is
-an opaque tensor of the same bytes that only `linear` consumes. oneDNN rounds a row alike in a product of a few
-rows, not of many, and how many depends on the CPU and the matrix's shape (`packed_same_rows`, measured once per
-shape): a speculating engine's verify rows (kernels/choice.py's `as_one_row`) go through in slices of that many, so
-that each row gets what a one-row step gives it.
+rare elements elsewhere). Whether packing pays is measured once per dtype too (`packing_pays`: against the native
+kernel at a decode step's one row where that runs, against torch's GEMM at 16 and 256); a packed weight is an opaque
+tensor of the same bytes that only `linear` consumes. oneDNN rounds a row alike in a product of a few
+rows, not of many, and whether a product of two rows rounds a row as alone depends on the matrix and even on the
+rows' values (on an AMD EPYC with AVX-512 BF16 a 1536 -> 576 product gave seeded rows their one-row bits from 2 to 8
+rows, and a layer's real activations other bits at 2): a speculating engine's verify rows (kernels/choice.py's
+`as_one_row`) go through a packed matrix, or any path but the native kernel's (which gives each row its one-row
+bits in one call), one row at a time, so that each row gets what a one-row step gives it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from offload.common import environment
 from offload.kernels import choice, native
 from offload.kernels.dispatch import record
 
@@ -37,13 +41,14 @@ SLICE_FEATURES = 1024  # output features converted at a time: scratch = SLICE_FE
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [tokens, in], w [out, in] (dense, or packed by `pack_weight`), b [out] -> [tokens, out] in x's dtype."""
-    if w.is_mkldnn:
-        if x.shape[0] > 1 and choice.as_one_row(x.shape[0]) and x.shape[0] > (same := packed_same_rows(x, w)):
-            return torch.cat([_packed(part, w, b) for part in x.split(same)])  # a verify step's rows: as one row's
-        return _packed(x, w, b)
-    if b is None and native.bf16_mm_fits(x, w) and choice.native("bf16", x.shape[0], w.shape):  # timed faster here
+    native_fits = not w.is_mkldnn and b is None and native.bf16_mm_fits(x, w)
+    if native_fits and choice.native("bf16", x.shape[0], w.shape):  # timed faster here; each row as alone
         record("linear", "native")
         return native.bf16_mm(x, w)
+    if x.shape[0] > 1 and x.device.type == "cpu" and choice.as_one_row(x.shape[0]):  # a verify step's rows on
+        return torch.cat([linear(row, w, b) for row in x.split(1)])  # another path: each as alone
+    if w.is_mkldnn:
+        return _packed(x, w, b)
     if x.device.type != "cpu" or w.dtype == torch.float32 or x.shape[0] < UPCAST_MIN_ROWS:
         return F.linear(x, w, b)
     if not upcast_is_faster(w.dtype):
@@ -55,29 +60,6 @@ def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
 
 
-_same_rows: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}  # (dtype, packed weight's shape) -> rows
-
-
-def packed_same_rows(x: torch.Tensor, w: torch.Tensor) -> int:
-    """The most rows (a power of two, up to 32) whose product with packed `w` gives each row what a one-row product
-    gives it, measured once per dtype and shape on this CPU, on `w` itself with seeded inputs: oneDNN's kernels block
-    rows and split the sum by the shape (on the Intel Xeon with AMX every row of up to 32 was its own alone at six model
-    shapes, and some of 33 were not; on an AMD EPYC with AVX-512 BF16 a 1536 -> 576 product parted from 16 rows and a
-    2048 x 2048 one from 2, a one-row product summing in another order)."""
-    key = (x.dtype, tuple(w.shape))
-    if key not in _same_rows:
-        gen = torch.Generator().manual_seed(0)
-        probe = torch.randn(32, x.shape[1], generator=gen).to(x.dtype)
-        alone = torch.cat([_packed(probe[r : r + 1], w, None) for r in range(32)])
-        same = 1
-        for rows in (2, 4, 8, 16, 32):
-            if not torch.equal(_packed(probe[:rows], w, None), alone[:rows]):
-                break
-            same = rows
-        _same_rows[key] = same
-    return _same_rows[key]
-
-
 def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """An LM head's x [tokens, hidden] @ w.T (w dense) -> float32 [tokens, vocab] on every path: the products'
     float32 sums are kept, never rounded to a half-precision dtype (bfloat16 logits between 16 and 32 are 1/8 apart,
@@ -87,6 +69,8 @@ def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if native.bf16_mm_fits(x, w) and choice.native("logits", x.shape[0], w.shape):
         record("logits", "native")
         return native.bf16_mm(x, w, torch.float32)
+    if x.shape[0] > 1 and x.device.type == "cpu" and choice.as_one_row(x.shape[0]):  # a verify step's rows
+        return torch.cat([logits(row, w) for row in x.split(1)])
     record("logits", "torch")
     if w.dtype == torch.float32:
         return F.linear(x.float(), w)
@@ -145,22 +129,28 @@ def packing_pays(dtype: torch.dtype) -> bool:
     except RuntimeError:  # this CPU's oneDNN has no kernel for the dtype
         return False
 
-    small, large = (torch.randn(rows, 1024, generator=gen).to(dtype) for rows in (16, 256))
+    one, small, large = (torch.randn(rows, 1024, generator=gen).to(dtype) for rows in (1, 16, 256))
+    # a decode step's one row takes the native kernel where it runs: packing would replace it, so it must be faster
+    # (on the 2-core AMD EPYC the native kernel took half the packed product's time at one row)
+    runs_native = environment.kernel_mode() != choice.TORCH and native.bf16_mm_fits(one, w)
+    if runs_native and _time_ratio(packed, w, one, native.bf16_mm) >= 1.0:
+        return False
     # decode sizes must gain; prefill sizes, where packing saves little, must not lose more than timing noise
     return _time_ratio(packed, w, small) < 1.0 and _time_ratio(packed, w, large) < 1.1
 
 
-def _time_ratio(packed: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rounds: int = 9) -> float:
-    """SlotLayout time over dense time for x @ w.T: the median of back-to-back pairs, so that a shared machine's
-    drift, which moves both of a pair together, cancels (minima of seven runs of one, then seven of the other,
-    once turned packing off for a whole benchmark run on a noisy VM, its decode-sized products then ~1.5x slower)."""
+def _time_ratio(packed: torch.Tensor, w: torch.Tensor, x: torch.Tensor, dense=F.linear, rounds: int = 9) -> float:
+    """Packed time over dense time (`dense`: torch's GEMM, or the native kernel) for x @ w.T: the median of
+    back-to-back pairs, so that a shared machine's drift, which moves both of a pair together, cancels (minima of seven
+    runs of one, then seven of the other, once turned packing off for a whole benchmark run on a noisy VM, its
+    decode-sized products then ~1.5x slower)."""
 
     def seconds(fn) -> float:
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
 
-    run_packed, run_dense = (lambda: linear(x, packed)), (lambda: F.linear(x, w))
+    run_packed, run_dense = (lambda: linear(x, packed)), (lambda: dense(x, w))
     run_packed(), run_dense()  # warm-up: the first calls pick kernels
     ratios = []
     for i in range(rounds):

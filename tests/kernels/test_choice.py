@@ -58,10 +58,22 @@ def test_a_speculating_engine_takes_one_rows_path_for_its_verify_rows(monkeypatc
     try:
         choice.one_row_path_up_to(20)
         assert [choice.path("bf16", r) for r in (1, 17, 20, 21)] == ["native", "native", "native", "torch"]
-        assert choice.path("rms_norm", 4096) == "native"  # not a product: as before
+        assert choice.path("rms_norm", 4096) == "native"  # past the rule: as before
     finally:
         choice.forget()
     assert choice.path("bf16", 17) == "torch"
+
+
+def test_the_one_row_rule_covers_the_row_wise_kernels_too(measured, monkeypatch):
+    """silu_mul timed faster on torch's path at one row and natively from 2 (as on the AMD EPYC): a verify step's rows
+    take torch's, as its one-row steps do, since the native silu may round a row apart."""
+    made = timing.measure()  # the fixture's made-up timings, and silu_mul's switching at 2 rows
+    rows = (choice.Timing(1, {"native": 2.0, "torch": 1.0}), choice.Timing(2, {"native": 1.0, "torch": 2.0}))
+    monkeypatch.setattr(timing, "measure", lambda: made | {"silu_mul": rows})
+    timing.ensure()
+    assert [choice.path("silu_mul", r) for r in (1, 2, 9)] == ["torch", "native", "native"]
+    choice.one_row_path_up_to(17)
+    assert [choice.path("silu_mul", r) for r in (1, 2, 9, 17, 18)] == ["torch"] * 4 + ["native"]
 
 
 @pytest.fixture

@@ -76,6 +76,25 @@ def test_packing_is_never_chosen_for_float32_and_is_measured_once():
     assert kl.packing_pays(torch.bfloat16) is first and kl.packing_pays.cache_info().hits >= 1
 
 
+def test_packing_must_beat_the_native_kernel_at_one_row_where_it_runs(monkeypatch):
+    """Packing replaces the native kernel for resident matrices: it pays only where a packed one-row product is the
+    faster (on the AMD EPYC the native kernel took half its time), besides beating torch's GEMM."""
+    if not _packable(torch.bfloat16):
+        pytest.skip("this CPU's oneDNN does not pack bfloat16")
+    from offload.kernels import native as nk
+
+    if not nk.bf16_mm_fits(torch.zeros(1, 1024, dtype=torch.bfloat16), torch.zeros(64, 1024, dtype=torch.bfloat16)):
+        pytest.skip("no native bfloat16 kernel here")
+    for native_ratio, pays in ((1.5, False), (0.5, True)):
+        fake = lambda packed, w, x, dense=None, rounds=9, r=native_ratio: r if dense is nk.bf16_mm else 0.5  # noqa: E731
+        monkeypatch.setattr(kl, "_time_ratio", fake)
+        kl.packing_pays.cache_clear()
+        try:
+            assert kl.packing_pays(torch.bfloat16) is pays
+        finally:
+            kl.packing_pays.cache_clear()
+
+
 def test_a_verify_steps_rows_through_a_packed_weight_round_as_one_rows(monkeypatch):
     """A speculating engine's verify rows (kernels/choice.py's one-row rule) through a packed weight: each row is what
     a one-row product gives it, however many rows and whatever the shape (oneDNN's GEMM rounds rows apart past 32 on
@@ -93,4 +112,3 @@ def test_a_verify_steps_rows_through_a_packed_weight_round_as_one_rows(monkeypat
         with monkeypatch.context() as m:
             m.setattr(choice, "_one_row_up_to", [65])
             assert torch.equal(linear(x, packed), alone), (n, k)
-            assert 1 <= kl.packed_same_rows(x, packed) <= 32

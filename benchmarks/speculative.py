@@ -63,21 +63,10 @@ GOALS = {"ngram": {"grounded": 1.5, "open": 0.97}, "model": {"grounded": 3.0, "o
 
 
 def prompts(quick: bool) -> dict[str, list[str]]:
-    text = (ROOT / "offload" / "demo_corpus.txt").read_text()
-    passages = [text[i : i + 700].rsplit(" ", 1)[0] for i in (0, 2000, 4000)]
-    grounded = [
-        f"Copy the following passage exactly, word for word.\n\n{passages[0]}",
-        f"List every sentence of this passage that mentions a number, quoting each exactly.\n\n{passages[1]}",
-        f"Rewrite this passage with every sentence on its own line, keeping the words unchanged.\n\n{passages[2]}",
-    ]
-    open_chat = [
-        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-        "What are three good habits for staying healthy? Explain each briefly.",
-        "Describe your ideal weekend in a few sentences.",
-    ]
-    if quick:
-        return {"grounded": grounded[:1], "open": open_chat[:1]}
-    return {"grounded": grounded, "open": open_chat}
+    """The prompts of `offload probe --speculate` (offload/draft_probe.py), by kind; --quick: the first of each."""
+    from offload.draft_probe import acceptance_prompts
+
+    return {kind: texts[:1] if quick else texts for kind, texts in acceptance_prompts().items()}
 
 
 def bf16_model(work_dir: Path) -> Path:

@@ -537,13 +537,32 @@ def _add_probe(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", metavar="DIR", help="a directory on the drive to measure (default ~/.cache/offload)")
     p.add_argument("--disk-bytes", metavar="SIZE", help="disk test file size (default 1GiB; --quick: 256MiB)")
     p.add_argument("--quick", action="store_true", help="smaller tests: about 20 seconds")
+    p.add_argument(
+        "--speculate",
+        metavar="METHOD",
+        help="instead, measure how often METHOD's drafts (ngram, self or PATH) are accepted for --model, for its plans",
+    )
+    p.add_argument("--model", help="the model whose drafts --speculate measures (default: the default model)")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="drafts a step for --speculate (default 8)")
+    p.add_argument("--speculative-topk", type=int, default=1, metavar="N", help="trees of the top N for --speculate")
+    p.add_argument("--new-tokens", type=int, default=64, metavar="N", help="tokens a prompt for --speculate")
     p.set_defaults(run=_probe)
 
 
 def _probe(args: argparse.Namespace) -> None:
-    from offload.planner.probe import run_probe
+    if args.speculate is None:
+        from offload.planner.probe import run_probe
 
-    run_probe(args.out, args.dir, args.disk_bytes, args.quick)
+        run_probe(args.out, args.dir, args.disk_bytes, args.quick)
+        return
+    from offload.demo import default_model
+    from offload.draft_probe import measure_acceptance
+
+    model = args.model if args.model is not None else default_model()
+    rate = measure_acceptance(model, args.speculate, args.num_speculative_tokens, args.speculative_topk,
+                              args.new_tokens)  # fmt: skip
+    per = "a draft" if args.speculative_topk == 1 else f"a depth of trees of the top {args.speculative_topk}"
+    print(f"speculate {args.speculate} on {model}: acceptance {rate.value:.3f} {per} ({rate.source})")
 
 
 def _draft_note(drafter: object) -> str:

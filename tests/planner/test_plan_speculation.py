@@ -130,3 +130,19 @@ def test_the_engine_drafts_what_it_was_given_else_the_planners_k(cache, tmp_path
 def test_a_bad_chain_length_is_refused():
     with pytest.raises(OffloadError, match="num_speculative_tokens must be in 1..64, got 0"):
         EngineConfig(speculate="ngram", num_speculative_tokens=0)
+
+
+def test_probe_measures_a_drafters_acceptance_for_the_models_plans(cache, smollm2_gguf, capsys):
+    """`offload probe --model M --speculate ngram`: the built-in prompts generated with the drafter, its counts kept in
+    M's record, which the plan then prices with instead of the assumed rate."""
+    argv = ["--model", str(smollm2_gguf), "--speculate", "ngram"]
+    assert main(["probe", *argv, "--new-tokens", "8", "--num-speculative-tokens", "4"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("speculate ngram on ") and "measured by runs up to" in line
+    records = list((cache / "speculation").glob("*.json"))
+    assert len(records) == 1 and json.loads(records[0].read_text())["verify_passes"] > 0
+    assert main(["plan", *argv, "--hardware", "rtx4090-24gb", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["speculation"][0]["acceptance_source"].startswith("measured")
+    assert main(["probe", *argv, "--speculative-topk", "9"]) != 0
+    err = capsys.readouterr().err
+    assert "speculative_topk must be in 1..8, got 9" in err and len(err.strip().splitlines()) == 1

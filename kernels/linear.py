@@ -45,8 +45,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if native_fits and choice.native("bf16", x.shape[0], w.shape):  # timed faster here; each row as alone
         record("linear", "native")
         return native.bf16_mm(x, w)
-    if x.shape[0] > 1 and x.device.type == "cpu" and choice.as_one_row(x.shape[0]):  # a verify step's rows on
-        return torch.cat([linear(row, w, b) for row in x.split(1)])  # another path: each as alone
+    if _verify_rows(x):  # on another path than the native kernel's: each as alone
+        return torch.cat([linear(row, w, b) for row in x.split(1)])
     if w.is_mkldnn:
         return _packed(x, w, b)
     if x.device.type != "cpu" or w.dtype == torch.float32 or x.shape[0] < UPCAST_MIN_ROWS:
@@ -54,6 +54,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if not upcast_is_faster(w.dtype):
         return F.linear(x, w, b)
     return _linear_upcast(x, w, b)
+
+
+def _verify_rows(x: torch.Tensor) -> bool:
+    """Whether `x` holds several rows that must each round as a one-row step's (a speculating engine's verify rows on
+    the CPU, kernels/choice.py's `as_one_row`)."""
+    return x.shape[0] > 1 and x.device.type == "cpu" and choice.as_one_row(x.shape[0])
 
 
 def _packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -69,7 +75,7 @@ def logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if native.bf16_mm_fits(x, w) and choice.native("logits", x.shape[0], w.shape):
         record("logits", "native")
         return native.bf16_mm(x, w, torch.float32)
-    if x.shape[0] > 1 and x.device.type == "cpu" and choice.as_one_row(x.shape[0]):  # a verify step's rows
+    if _verify_rows(x):  # on another path than the native kernel's: each as alone
         return torch.cat([logits(row, w) for row in x.split(1)])
     record("logits", "torch")
     if w.dtype == torch.float32:

@@ -41,15 +41,14 @@ def acceptance_prompts() -> dict[str, list[str]]:
 
 
 def measure_acceptance(
-    model: str, method: str, k: int | None = None, topk: int = 1, new_tokens: int = 64, config: dict | None = None
+    model: str, method: str, k: int | None = None, topk: int = 1, new_tokens: int = 64
 ) -> Acceptance:
     """Generate `new_tokens` greedy tokens from each of the prompts in turn with `method` drafting `k` tokens a step
-    (trees of the top `topk`), which records the drafts' counts for `model`; the acceptance the plan now reads.
-    `config`: more EngineConfig fields (budgets)."""
+    (trees of the top `topk`), which records the drafts' counts for `model`; the acceptance the plan now reads."""
     from offload.api import LLM
 
     k = k or PROBE_K
-    engine = EngineConfig(**(config or {}), speculate=method, num_speculative_tokens=k, speculative_topk=topk)
+    engine = EngineConfig(speculate=method, num_speculative_tokens=k, speculative_topk=topk)
     with LLM(model, engine) as llm:
         if llm.prompts.tokenizer is None:
             raise OffloadError(f"--model {model}: has no tokenizer to encode the probe's prompts")

@@ -472,3 +472,33 @@ def test_the_cpus_description_for_the_aio_ops_flags_is_asked_once_and_kept(tmp_p
             assert cpuinfo.get_cpu_info() == described and cpuinfo.get_cpu_info() == described
         assert cpuinfo.get_cpu_info is asked
     assert len(calls) == 1 and len(list(tmp_path.glob("cpuinfo-*.json"))) == 1
+
+
+def _mapping_flags(address: int) -> list[str] | None:
+    """The VmFlags of this process's mapping holding `address` (/proc/self/smaps); None when none holds it."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux")
+def test_a_large_buffer_is_a_mapping_of_its_own_asked_for_huge_pages_and_gone_with_its_tensor():
+    buf = aligned_buffer(base.HUGE_FROM + 100)
+    address = buf.data_ptr()
+    assert address % ALIGN == 0 and buf.numel() == aligned_span(0, base.HUGE_FROM + 100).length
+    assert "hg" in _mapping_flags(address)  # MADV_HUGEPAGE: the kernel may back it with 2 MiB pages
+    view = buf[ALIGN:]
+    buf.fill_(7)
+    del buf
+    assert int(view[-1]) == 7  # a view keeps the mapping
+    del view
+    assert _mapping_flags(address) is None  # unmapped with the last tensor on it
+    small = aligned_buffer(ALIGN)
+    flags = _mapping_flags(small.data_ptr())
+    assert flags is not None and "hg" not in flags  # small ones stay in torch's allocator

@@ -8,8 +8,10 @@ subclass ReadBackend (tiers/io/direct.py, tiers/io/aio.py); tiers/io/backends.py
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import threading
 import time
@@ -41,15 +43,35 @@ def aligned_span(offset: int, nbytes: int) -> Span:
     return Span(start, end - start)
 
 
+HUGE_FROM = 4 << 20  # bytes; an unpinned buffer this large is mapped on its own and asked for transparent huge pages
+
+
 def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A uint8 CPU tensor of `nbytes` rounded up to ALIGN, starting on an ALIGN boundary.
 
-    pin=True page-locks it when CUDA is available (what the copy engine reads from); elsewhere it is ignored.
+    pin=True page-locks it when CUDA is available (what the copy engine reads from); elsewhere it is ignored. An
+    unpinned buffer of HUGE_FROM bytes or more is an anonymous mapping of its own advised MADV_HUGEPAGE (where
+    the kernel offers transparent huge pages only when asked, as Debian's does): the first touch of its memory,
+    whether the CPU's or a read's, then faults 2 MiB at a time. On a 2-core AMD EPYC VM, O_DIRECT reads into
+    fresh memory ran at 2.08 GB/s against 1.04 with 4 KiB pages, and first writes at 3.6 GB/s against 0.85: the
+    slots of an expert cache and resident layers are filled that way at load and in the first prefill.
     """
     length = aligned_span(0, nbytes).length
+    if length >= HUGE_FROM and not (pin and torch.cuda.is_available()):
+        return _mapped(length)
     raw = torch.empty(length + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
     skip = -raw.data_ptr() % ALIGN
     return raw[skip : skip + length]
+
+
+def _mapped(length: int) -> torch.Tensor:
+    """`length` bytes of fresh anonymous memory (page-aligned; unmapped when the tensor and its views are gone),
+    asked for huge pages where the platform takes the advice."""
+    area = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages, as torch's
+            area.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(area, dtype=torch.uint8)  # the tensor holds the mapping alive
 
 
 @dataclass(slots=True)

@@ -31,6 +31,10 @@ class WeightQuant:
     interleaved_qk: bool = False
     # gguf: bits a weight of the layer matrices takes as stored, their scales included (Q4_0 4.5, Q4_1 5, Q8_0 8.5)
     stored_bits: float = 0.0
+    # gguf read in place: bits a weight of the token table and of the head as the engine holds them, their file's
+    # blocks (0: a float tensor, held in the compute dtype); set from the file's index when the model is loaded
+    embed_bits: float = 0.0
+    head_bits: float = 0.0
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:

@@ -233,7 +233,7 @@ def activation_bytes(
     bare = tier_memory(ctx, dataclasses.replace(cand, policy=Policy(())), workload)[Tier.DEVICE]  # no layer placed
     kv = cand.batch * ctx.kv_bytes(workload.prompt_len + workload.gen_len, cand.kv_bits)
     kv = kv if cand.kv_tier == Tier.DEVICE else 0  # host KV is counted in the host tier
-    return int(bare - (shape.params.embed + shape.params.head) * ctx.dtype_bytes - kv - cand.expert_cache)
+    return int(bare - ctx.embed_bytes - ctx.head_bytes - kv - cand.expert_cache)
 
 
 def describe(prediction: Prediction) -> str:

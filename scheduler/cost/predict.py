@@ -164,9 +164,30 @@ class Context:
     @property
     def embed_storable(self) -> bool:
         """Whether the embedding is a bare token table apart from the head, which may stay in storage (a step reading
-        its tokens' rows: Policy.embed_tier NVME)."""
+        its tokens' rows: Policy.embed_tier NVME). A GGUF file's table in blocks stays resident (the engine reads
+        float rows alone, tiers/weights/embedding.py's `storable`)."""
         s = self.shape
-        return not s.tie_word_embeddings and s.params.embed == s.vocab_size * s.hidden_size
+        blocks = s.quant is not None and s.quant.embed_bits > 0
+        return not s.tie_word_embeddings and s.params.embed == s.vocab_size * s.hidden_size and not blocks
+
+    @property
+    def embed_bytes(self) -> float:
+        """The token table as the engine holds it: a GGUF file's blocks where it stores the table so, else the
+        compute dtype."""
+        return self._held(self.shape.params.embed, "embed_bits")
+
+    @property
+    def head_bytes(self) -> float:
+        """The LM head as the engine holds it (0 where it is the tied token table)."""
+        return self._held(self.shape.params.head, "head_bits")
+
+    def held_bits(self, field: str) -> float:
+        """Bits a weight of the table ("embed_bits") or head ("head_bits") as held in blocks; 0 for a float one."""
+        return getattr(self.shape.quant, field) if self.shape.quant is not None else 0.0
+
+    def _held(self, params: int, field: str) -> float:
+        bits = self.held_bits(field)
+        return params * bits / 8 if bits else params * self.dtype_bytes
 
     @property
     def embed_row_bytes(self) -> int:
@@ -343,7 +364,10 @@ def _step(ctx: Context, cand: Candidate, context: int, prefill: bool, prompt_len
         total["wall"] += reading
     # head: final norm + LM head on the last token of each sequence (resident on the device)
     head_params = s.vocab_size * s.hidden_size
-    head = gemm_seconds(ctx.hw.device, ctx.dtype, head_params, head_params * ctx.dtype_bytes, cand.batch, ctx.on_cpu)
+    bits = ctx.held_bits("embed_bits" if s.tie_word_embeddings else "head_bits")  # a tied head is the table
+    held = head_params * bits / 8 if bits else head_params * ctx.dtype_bytes
+    kernel = ctx.quant_kernel(4, decode=not prefill) if bits else None  # a GGUF file's blocks, through their kernel
+    head = gemm_seconds(ctx.hw.device, ctx.dtype, head_params, held, cand.batch, ctx.on_cpu and not bits, kernel)
     total["compute"] += head
     total["wall"] += head
     return total
@@ -369,7 +393,7 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
     activations = rows * per_token * ctx.dtype_bytes
     activations += cand.batch * workload.prompt_len * s.hidden_size * ctx.dtype_bytes
     activations += cand.batch * s.vocab_size * 4
-    embed = s.params.embed * ctx.dtype_bytes
+    embed = ctx.embed_bytes
     host = 0
     if cand.policy.embed_tier == Tier.NVME:  # only a read buffer: on the device's own memory, or pinned host RAM
         embed = 0
@@ -377,7 +401,7 @@ def tier_memory(ctx: Context, cand: Candidate, workload: Workload) -> dict[str, 
             embed = embed_read_buffer(ctx.embed_row_bytes)
         else:
             host = embed_read_buffer(ctx.embed_row_bytes)
-    device = embed + s.params.head * ctx.dtype_bytes + n_dev * w + activations + cand.expert_cache
+    device = embed + ctx.head_bytes + n_dev * w + activations + cand.expert_cache
     if ctx.ring_layers(cand.policy):
         device += ring * w
     host += (n_host * w if n_host else 0) + (ring * w if n_disk and not ctx.on_cpu else 0)

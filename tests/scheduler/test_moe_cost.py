@@ -229,3 +229,18 @@ def test_a_decode_steps_gguf_rows_take_their_own_curve_where_the_profile_measure
     plain, tiled = (predict(gguf, dataclasses.replace(hw, device=u), work, cand) for u in (one, two))
     assert tiled.decode_seconds < plain.decode_seconds / 3
     assert tiled.prefill_seconds == pytest.approx(plain.prefill_seconds, rel=1e-9)
+
+
+def test_an_expert_is_priced_at_the_rows_it_takes_on_average_not_rounded_up():
+    """A decode step of 8 sequences routes 16 token-experts over 7.2 distinct experts of 8 (2.2 rows each): each is
+    priced between its kernel's time at 2 rows and at 3, not at 3 (a quantized kernel's time at a few rows is close to
+    affine in them)."""
+    from offload.scheduler.cost.gemm_rates import gemm_seconds
+    from offload.scheduler.cost.moe_cost import EXPERT_OVERHEAD, expert_step
+
+    unit = dataclasses.replace(cpu_machine().device, gguf_matmul_curve={"bfloat16": ((1, 1e10), (8, 5e10), (32, 6e10))})
+    params, nbytes = expert_params(MIXTRAL), expert_params(MIXTRAL) * 4.5 / 8
+    step = expert_step(MIXTRAL, unit, "bfloat16", nbytes, 8, 1, None, False, kernel="gguf")
+    each = step.compute_seconds / distinct_experts(MIXTRAL, 8) - EXPERT_OVERHEAD
+    at = {rows: gemm_seconds(unit, "bfloat16", params, nbytes, rows, kernel="gguf") for rows in (2, 3)}
+    assert at[2] < each < at[3] - (at[3] - at[2]) / 10

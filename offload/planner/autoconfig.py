@@ -43,8 +43,10 @@ from offload.tiers.kv.kv_cache import KVCache
 # KV cache, ring, activations, logits): allocator slack, decode attention's copy of a layer's K/V, the read threads,
 # Python objects, sampling. Measured on the 1.1B streaming checkpoint (bf16, 128-token prompts, 16 new tokens, CPU):
 # 39 MiB at batch 16 (every layer streamed), 80 and 94 MiB at batch 128 (2 and 3 layers resident), 14 MiB at batch
-# 64 (all resident); twice the most, since part of it grows with the batch
-MEMORY_RESERVE = 192 << 20
+# 64 (all resident). Part of it grows with the bytes a step moves: 0.24-0.28 GB on the 26 GB Mixtral-shape GGUF at batch
+# 8 on a 2-core AMD EPYC (a 256-token prefill's experts through the dense product: dequantized slices, oneDNN's
+# buffers, the allocator's arenas), which took the run 27 MB past its cap under the earlier 192 MiB. About twice that
+MEMORY_RESERVE = 512 << 20
 
 
 KV_BITS = {"int8": 8, "fp8": 8, "int4": 4}  # --kv-dtype -> the cost model's kv_bits; float formats: the dtype's

@@ -53,7 +53,7 @@ def workload_of(model_dir, new_tokens: int) -> Workload:
 @pytest.mark.parametrize(
     ("flags", "config"),
     [
-        (["--memory", "700MiB"], EngineConfig(memory=700 << 20, dtype="float32")),
+        (["--memory", "1200MiB"], EngineConfig(memory=1200 << 20, dtype="float32")),  # RSS + MEMORY_RESERVE + room
         (["--device-memory", "700000"], EngineConfig(device_memory=700_000, dtype="float32")),
     ],
     ids=["memory", "device-memory"],

@@ -367,7 +367,8 @@ class LLM:
         if experts is not None:  # and how its routing met the expert cache
             x = self.last_run.experts
             routed = sparse_layers(self.spec) * self.spec.num_experts
-            record_routing(self.model_dir, x.hits, x.misses, experts.slots / routed)
+            batch = min(len(rids), self.config.max_num_seqs or len(rids))  # sequences a decode step ran at most
+            record_routing(self.model_dir, x.hits, x.misses, experts.slots / routed, batch)
         return completions
 
     def score(self, prompt_ids: list[list[int]]) -> list[torch.Tensor]:

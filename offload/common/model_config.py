@@ -96,6 +96,9 @@ class ModelSpec:
     # an expert cache holding a share c of the routed experts hits c ** this: 1 for uniform routing, less where runs
     # of the model measured it (offload/planner/routing.py); the cost model's, not the checkpoint's
     expert_hit_exponent: float = 1.0
+    # the same per decode batch the runs measured it at, (batch, exponent) ascending: a batch's step touches more of
+    # each layer's experts than one sequence's, and a skewed router's cache hits less often for it
+    expert_hit_exponents: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in (

@@ -73,17 +73,34 @@ def distinct_experts(s: ModelSpec, tokens: float) -> float:
     return e * (1.0 - (1.0 - k / e) ** max(tokens, 0.0))
 
 
-def hit_rate(s: ModelSpec, slots: int) -> float:
+def hit_rate(s: ModelSpec, slots: int, tokens: float | None = None) -> float:
     """The chance the expert cache of `slots` experts holds a chosen expert: its share of the routed experts, to the
-    power the model's runs measured (s.expert_hit_exponent; 1, a uniform sample, where none did)."""
+    power the model's runs measured (s.expert_hit_exponent; 1, a uniform sample, where none did). For a step of
+    `tokens` tokens, the power runs measured at that decode batch where they measured it at several
+    (s.expert_hit_exponents, interpolated in log(batch), the nearest beyond them)."""
     share = min(1.0, slots / max(sparse_layers(s) * s.num_experts, 1))
-    return share**s.expert_hit_exponent
+    return share ** _exponent(s, tokens)
+
+
+def _exponent(s: ModelSpec, tokens: float | None) -> float:
+    points = s.expert_hit_exponents
+    if tokens is None or not points:
+        return s.expert_hit_exponent
+    x = math.log(max(tokens, 1.0))
+    xs = [math.log(b) for b, _ in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = next(i for i, xi in enumerate(xs) if xi >= x)
+    f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return points[i - 1][1] + f * (points[i][1] - points[i - 1][1])
 
 
 def read_bytes(s: ModelSpec, tokens: float, slots: int, expert_bytes: float) -> float:
     """Bytes expert streaming reads for one layer's step of `tokens` tokens: the touched experts the cache of
     `slots` experts misses."""
-    return distinct_experts(s, tokens) * (1.0 - hit_rate(s, slots)) * expert_bytes
+    return distinct_experts(s, tokens) * (1.0 - hit_rate(s, slots, tokens)) * expert_bytes
 
 
 def expert_step(

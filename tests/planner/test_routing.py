@@ -59,3 +59,33 @@ def test_runs_are_kept_per_model_and_price_its_later_plans(cache, tmp_path):
 def test_a_cache_that_hit_less_than_its_share_is_priced_so_within_bounds():
     assert exponent(10, 90, 0.5) == pytest.approx(math.log(0.1) / math.log(0.5))  # worse than uniform: above 1
     assert exponent(1, 10**6, 0.5) == 4.0 and exponent(10**6, 1, 0.01) == 0.02  # clamped both ways
+
+
+def test_each_decode_batch_keeps_its_own_exponent_and_prices_steps_of_its_size(cache, tmp_path):
+    """A batch's step touches more of a layer's experts than one sequence's: the same cache hits less often for it.
+    Runs at batch 1 and 8 keep their exponents apart; a step of 1 token is priced at batch 1's, of 8 at batch 8's,
+    between them in log(batch), beyond them at the nearest; the pooled exponent stays for what has no batch."""
+    model = tmp_path / "moe"
+    model.mkdir()
+    spec = load_model_spec("mixtral-8x7b")
+    routed = sparse_layers(spec) * spec.num_experts
+    record(model, 968, 32, 0.8, batch=1)
+    record(model, 7440, 560, 0.8, batch=8)  # eight lookups a step for one of batch 1
+    priced, said = with_measured_routing(spec, model)
+    one, eight = exponent(968, 32, 0.8), exponent(7440, 560, 0.8)
+    assert [b for b, _ in priced.expert_hit_exponents] == [1, 8] and "by decode batch 1: " in said
+    slots = int(0.8 * routed)
+    share = slots / routed
+    assert hit_rate(priced, slots, 1) == pytest.approx(share**one)
+    assert hit_rate(priced, slots, 8) == pytest.approx(share**eight)
+    assert share**eight < hit_rate(priced, slots, 3) < share**one
+    assert hit_rate(priced, slots, 256) == pytest.approx(share**eight)  # a prompt's step: the largest batch's
+    pooled = (1000 * one + 8000 * eight) / 9000
+    assert hit_rate(priced, slots) == pytest.approx(share**pooled)
+    # a record of one batch prices every step alike, as before
+    single = tmp_path / "single"
+    single.mkdir()
+    record(single, 968, 32, 0.8, batch=1)
+    alone, _ = with_measured_routing(spec, single)
+    assert alone.expert_hit_exponents == ((1, pytest.approx(one)),)
+    assert hit_rate(alone, slots, 8) == pytest.approx(hit_rate(alone, slots))

@@ -104,12 +104,15 @@ def place_layers(
 
 def _auto_expert_cache(ctx: Context, bare: Candidate, workload: Workload, device_cap: int) -> int:
     """Bytes of device budget left for the expert cache once every layer's dense part is resident beside the
-    KV cache and activations of `bare` (no layer placed, no cache); at least one token's experts."""
+    KV cache and activations of `bare` (no layer placed, no cache), less one expert; at least one token's experts.
+    The expert kept free holds what the engine charges and this count does not (each buffer's alignment, a GGUF
+    file's float norms and routers priced here at its blocks' bits): filled to the byte, the 26 GB Mixtral-shape
+    file's plan left its engine 24 MB short of its last dense part, which then streamed."""
     s = ctx.shape
     dense = ctx.weight_bytes(s.params.layer - average_routed_params(s), bare.weight_bits) * s.num_layers
-    room = device_cap - tier_memory(ctx, bare, workload)[Tier.DEVICE] - dense
-    one_token = s.experts_per_token * ctx.expert_bytes(bare.weight_bits)
-    return int(max(room, one_token))
+    one = ctx.expert_bytes(bare.weight_bits)
+    room = device_cap - tier_memory(ctx, bare, workload)[Tier.DEVICE] - dense - one
+    return int(max(room, s.experts_per_token * one))
 
 
 def search(

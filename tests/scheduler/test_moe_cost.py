@@ -79,7 +79,7 @@ def test_a_large_decode_step_reads_every_experts_weights_from_memory():
     assert large.decode_seconds > small.decode_seconds * (1 + expert_share)  # 8 experts' bytes, not 2
 
 
-def test_auto_expert_cache_keeps_every_dense_part_resident_and_fills_the_budget():
+def test_auto_expert_cache_keeps_every_dense_part_resident_and_fills_the_budget_but_one_expert():
     budget = 2 * MB
     work = Workload(prompt_len=16, gen_len=16)
     cand = place_layers(
@@ -87,7 +87,8 @@ def test_auto_expert_cache_keeps_every_dense_part_resident_and_fills_the_budget(
     )
     assert cand.policy.counts == (4, 0, 0) and cand.expert_cache >= 2 * EXPERT_BYTES
     p = predict(MIXTRAL, cpu_machine(), work, cand, budgets=Budgets(device=budget))
-    assert p.fits and budget - p.memory["device"] < 16  # the cache takes what the dense parts leave
+    # the cache takes what the dense parts leave, less one expert for what the engine charges beyond this count
+    assert p.fits and 0 <= budget - p.memory["device"] - EXPERT_BYTES < 16
 
 
 def test_search_offers_expert_streaming_for_mixtures_only_on_either_device():

@@ -168,6 +168,10 @@ def test_expert_reads_pipeline_with_the_experts_compute():
     assert expert_wait(step, 4.0, 0.5) == 0.5  # reads hidden but the first one's
     assert expert_wait(step, 20.0, 2.5) == 20.0 + 1.0 - 8.0  # compute hidden but the last expert's
     assert expert_wait(ExpertStep(8.0, 0.0, one_seconds=1.0), 0.0, 0.0) == 0.0  # every expert cached
+    # a quarter of a miss expected: its read (2 s) runs while the cached experts compute (7.75 s): nothing waits
+    assert expert_wait(step, 0.5, 2.0) == 0.0
+    # two experts, a tenth of a miss: the read outlasts the cached compute by 2.1 s, in a tenth of the steps
+    assert expert_wait(ExpertStep(2.0, 1.0, one_seconds=1.0), 0.4, 4.0) == pytest.approx(0.1 * (4.0 - 1.9))
 
 
 def test_gpt_oss_s_published_mxfp4_experts_are_priced_at_4_25_bits_and_only_they_run():

@@ -32,7 +32,7 @@ class WeightQuant:
     # gguf: bits a weight of the layer matrices takes as stored, their scales included (Q4_0 4.5, Q4_1 5, Q8_0 8.5)
     stored_bits: float = 0.0
     # gguf read in place: bits a weight of the token table and of the head as the engine holds them, their file's
-    # blocks (0: a float tensor, held in the compute dtype); set from the file's index when the model is loaded
+    # blocks (0: a float tensor, held in the compute dtype)
     embed_bits: float = 0.0
     head_bits: float = 0.0
 
@@ -105,7 +105,8 @@ def parse_quant(config: dict, source: str) -> WeightQuant | None:
             f"{source}: quantization_config.unquantized must be a list of tensor names, got {unquantized!r}"
         )
     try:
-        extra = {"interleaved_qk": bool(q.get("interleaved_qk", False)), "stored_bits": float(q.get("stored_bits", 0))}
+        extra = {"interleaved_qk": bool(q.get("interleaved_qk", False))}
+        extra |= {k: float(q.get(k, 0)) for k in ("stored_bits", "embed_bits", "head_bits")}
         return WeightQuant(q["bits"], q["group_size"], q["layout"], frozenset(unquantized), **extra)
     except KeyError as exc:
         raise OffloadError(f"{source}: quantization_config has no field {exc.args[0]!r}") from None

@@ -35,6 +35,7 @@ from offload.gguf.metadata import PERMUTED, architecture, gguf_source, hf_config
 from offload.gguf.tokenizer import write_tokenizer
 from offload.model.registry import get_family, model_tensors
 from offload.tiers.weights.checkpoint import GGUF_INDEX
+from offload.tiers.weights.embedding import HEAD, TABLE
 
 BLOCKS = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34}  # the block types read in place, and their bytes a block of 32
 IN_PLACE = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")  # architectures with nothing joined or repacked
@@ -109,6 +110,11 @@ def _index(reader: GGUFReader, path: Path) -> tuple[dict, dict[str, list]]:
             elif short.endswith("_proj"):
                 bits[0] += tensors[t.name][1] * 8
                 bits[1] += math.prod(t.shape)
+    held = {}  # bits a weight of the token table and the head as the engine holds them, where they are blocks
+    for field, group, short in (("embed_bits", wanted.embed, TABLE), ("head_bits", wanted.head, HEAD)):
+        t = group.get(short)
+        if t is not None and stored[gguf_source(t.name, stored)[0]].tensor_type not in FLOATS:
+            held[field] = round(tensors[t.name][1] * 8 / math.prod(t.shape), 4)
     unread = sorted(set(stored) - read - {"rope_freqs.weight"})  # Llama 3's rope factors are in config.json
     if unread:
         raise _NotInPlace(f"tensor {unread[0]!r} is not read in place ({len(unread)} unread)")
@@ -116,7 +122,7 @@ def _index(reader: GGUFReader, path: Path) -> tuple[dict, dict[str, list]]:
         config["quantization_config"] = {
             "quant_method": QUANT_METHOD, "bits": 4, "group_size": 32, "layout": "gguf",
             "unquantized": sorted(floats), "interleaved_qk": arch in PERMUTED,
-            "stored_bits": round(bits[0] / bits[1], 4) if bits[1] else 0.0,
+            "stored_bits": round(bits[0] / bits[1], 4) if bits[1] else 0.0, **held,
         }  # fmt: skip
     return config, tensors
 

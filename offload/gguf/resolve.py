@@ -23,6 +23,9 @@ from offload.gguf.metadata import check_magic, open_gguf
 from offload.tiers.weights.checkpoint import GGUF_INDEX, indexed_source
 
 IN_PLACE = "gguf"  # the layout name in an in-place folder's name and key
+# the in-place folder's format in its key: a folder of another (an earlier config.json) is made again beside it.
+# 2: quantization_config says at how many bits the token table and head are held
+IN_PLACE_FORMAT = 2
 
 
 def resolve_model(model: str | Path, in_place: bool = True) -> Path:
@@ -38,7 +41,7 @@ def resolve_model(model: str | Path, in_place: bool = True) -> Path:
     if folder.is_dir():
         sweep_staged(folder)
     if in_place:
-        out = folder / f"{path.stem}-{IN_PLACE}-{source_key(path, IN_PLACE)}"
+        out = folder / f"{path.stem}-{IN_PLACE}-{source_key(path, f'{IN_PLACE}.{IN_PLACE_FORMAT}')}"
         if (out / GGUF_INDEX).is_file():
             if indexed_source(out) == path.resolve():
                 return out

@@ -93,7 +93,8 @@ def test_a_gguf_file_is_planned_from_its_header_and_nothing_is_written(
     ]
     assert (plan["stored"]["largest_layer_bytes"], plan["stored"]["largest_layer_name"]) == (layer, "decoder layer")
     assert plan["model"]["quant"] == {  # run in place: the file's own blocks, its q and k rows as llama.cpp wrote them
-        "bits": 4, "group_size": 32, "layout": "gguf", "unquantized": [], "interleaved_qk": True, "stored_bits": 4.5
+        "bits": 4, "group_size": 32, "layout": "gguf", "unquantized": [], "interleaved_qk": True, "stored_bits": 4.5,
+        "embed_bits": 8.5, "head_bits": 0.0,  # the token table held in its Q8_0 blocks; the head is the table
     }  # fmt: skip
     assert plan["stored"]["imported_bytes"] == 0
     assert main(argv) == 0

@@ -172,9 +172,11 @@ def build(
     cold = cold_experts(config.cold_experts, spec, dtype, device, slots.expert_bytes) if slots else None
     routed = layer_experts(expert_cache, spec, gates, dtype, config.expert_prefetch, slots, cold)
 
+    shared = getattr(draft, "shared", {})  # a `self` draft's table and head, which the target holds as its own
+
     def place(layout: ModelLayout) -> Policy:
         """The layers placed in what the device budget leaves after the KV cache, the embedding and the head."""
-        return place_weights(layout, dtype, device_tier, host_tier, config.ring_slots)
+        return place_weights(layout, dtype, device_tier, host_tier, config.ring_slots, table_held="embed" in shared)
 
     spill = None
     if config.offload_dir is not None:
@@ -193,6 +195,7 @@ def build(
         embed_backend=embed_backend,
         fuse=partial(family.fuse, spec),
         packable=family.packable,
+        shared=shared,
     )
     key = kv_key(model_dir, spec, dtype, kv)
     tables, host_tables, kv_tiers = make_kv_pool(config, kv, key, spec)

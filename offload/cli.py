@@ -572,7 +572,9 @@ def _draft_note(drafter: object) -> str:
 
     if not isinstance(drafter, ModelDrafter):
         return ""
-    return f"; draft model {drafter.model_dir}, {format_size(drafter.nbytes)} resident"
+    shared = " and ".join({"embed": "token table", "head": "head"}[g] for g in ("embed", "head") if g in drafter.shared)
+    also = f", its {shared} the target's" if shared else ""
+    return f"; draft model {drafter.model_dir}, {format_size(drafter.nbytes)} resident{also}"
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:

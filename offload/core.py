@@ -201,7 +201,7 @@ class EngineCore:
         deltas, self._aborted = self._aborted, []
         if not self.batcher.has_work:
             return deltas
-        self._draft()
+        drafting = self._draft()  # seconds, in the step's time: a speculating run's rates are what its user waits
         plan = self.batcher.schedule()
         start = time.perf_counter()
         sampled = [self._requests[c.seq_id] for c in plan.chunks if c.wants_logits]
@@ -233,7 +233,7 @@ class EngineCore:
         if self.kv_prices is not None and plan.num_prefill_tokens >= PREFILL_SAMPLE:  # the cost of recomputing KV
             self.kv_prices.observe_prefill(plan.num_prefill_tokens, now - start)
         kind = "prefill_seconds" if plan.num_prefill_tokens else "decode_seconds"
-        self._totals[kind] += now - start
+        self._totals[kind] += now - start + drafting
         emitted = sum(len(t) for t, k in zip(tokens, taken, strict=True) if k)
         if not plan.num_prefill_tokens:
             self._totals["decode_tokens"] += emitted
@@ -250,15 +250,16 @@ class EngineCore:
                 deltas.append(self._final(req, (), "", now, ()))
         return deltas
 
-    def _draft(self) -> None:
+    def _draft(self) -> float:
         """Each decoding request's draft for the next step (none for a request held to a grammar), all of them
-        proposed in one call: a draft model drafts them as one batch."""
+        proposed in one call: a draft model drafts them as one batch. Returns the seconds it took."""
         if self.drafter is None:
-            return
-        reqs = self._requests
+            return 0.0
+        start, reqs = time.perf_counter(), self._requests
         seqs = [s for s in self.batcher.running if s.state is SeqState.DECODING and reqs[s.seq_id].matcher is None]
         for seq, draft in zip(seqs, self.drafter.propose([s.token_ids for s in seqs], self.num_draft), strict=True):
             seq.draft, seq.draft_parents = as_draft(draft, self.engine.family.tree_attention)
+        return time.perf_counter() - start
 
     def _walk(self, req: _Request, tokens: tuple[int, ...], taken: bool) -> tuple[tuple[int, ...], Verdict]:
         """The tokens a request keeps of those a step gave it: up to the first that ends it (fed to its grammar and
@@ -300,8 +301,7 @@ class EngineCore:
         )
 
     def _run(self, plan: StepPlan) -> StepOutput:
-        """The engine's step over `plan`, once the KV tiers carried out what the pools logged (blocks evicted to make
-        room go down before the step overwrites them)."""
+        """The engine's step over `plan`, once the KV tiers did what the pools logged (evicted blocks go down first)."""
         self._settle_kv()
         return self.engine.step(plan)
 

@@ -6,7 +6,10 @@ target's memory budget before the target places its layers.
 
 `self` is the target's own int4 copy (QSpec's idea): the engine's converter (`offload convert --quant int4`, groups of
 32, the cpu layout) writes it once into the cache folder, keyed by the target's weights fingerprint, and later runs
-reuse it; a target already int4 (an imported GGUF's codes, a converted checkpoint) is its own draft.
+reuse it; a target already int4 (an imported GGUF's codes, a converted checkpoint) is its own draft. Its token
+table and head are the target's bytes either way (the converter copies them): on the CPU the target takes the draft's
+tensors instead of loading its own (`shared_groups`), so the process holds them once and the draft costs its layers
+and KV cache alone.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from offload.common.config import SPECULATE, EngineConfig
 from offload.common.errors import OffloadError
 from offload.common.model_config import ModelSpec
@@ -26,10 +31,14 @@ from offload.common.sizes import format_size
 from offload.convert.quantize import MANIFEST, convert
 from offload.gguf.resolve import resolve_model
 from offload.model.loader import load_spec
+from offload.model.registry import model_tensors
 from offload.model.speculation.model_drafter import ModelDrafter
 from offload.planner.autoconfig import on_cpu
 from offload.prompts import has_tokenizer, load_tokenizer
-from offload.tiers.weights.checkpoint import weights_fingerprint
+from offload.tiers.io.buffered import BufferedReader
+from offload.tiers.weights.checkpoint import Checkpoint, weights_fingerprint
+from offload.tiers.weights.layout import Weights
+from offload.tiers.weights.weight_store import WeightStore
 
 SELF_QUANT = WeightQuant(4, 32, "cpu")  # `self`'s draft: int4 in groups of 32, as `offload convert` writes it
 # the draft's KV cache at most (no more than the target's): a sequence longer than it holds gets no draft
@@ -59,13 +68,53 @@ def draft_model(
         block_size=DRAFT_BLOCK_SIZE,
     )
     parts = build(draft_dir, draft_config)
-    nbytes = parts.device_tier.peak  # every weight and the KV cache: the draft streams nothing
-    drafter = ModelDrafter(parts.core, spec.vocab_size, nbytes, draft_dir, parts.close, config.speculative_topk)
+    shared = {}
+    if config.speculate == "self" and on_cpu(config) and parts.dtype == target_dtype(spec, config):
+        shared = shared_groups(model_dir, spec, draft_dir, parts.weights.store)
+    # every weight and the KV cache (the draft streams nothing), less what the target takes as its own
+    nbytes = parts.device_tier.peak - tensor_bytes(shared)
+    drafter = ModelDrafter(parts.core, spec.vocab_size, nbytes, draft_dir, parts.close, config.speculative_topk, shared)
     try:
         return drafter, charged(config, nbytes)
     except OffloadError:
         drafter.close()
         raise
+
+
+def target_dtype(spec: ModelSpec, config: EngineConfig) -> torch.dtype:
+    return getattr(torch, spec.dtype if config.dtype == "auto" else config.dtype)
+
+
+def shared_groups(model_dir: Path, spec: ModelSpec, draft_dir: Path, store: WeightStore) -> dict[str, Weights]:
+    """The draft's resident token table and head groups ("embed", "head") that its target may hold as its own: those
+    whose every tensor both checkpoints store under one name, in one shape and dtype. For `self` these are the same
+    bytes: the very files, or the converter's copy of them in the model's dtype (a table stored in another dtype is
+    converted, so it is not shared). Loaded by one rule into one dtype, they are the tensors the target would load."""
+    _, family = load_spec(model_dir)
+    groups = model_tensors(family, spec)
+    held = {"head": (groups.head, store.head)}
+    if store.table is None:  # the draft holds its table (it has no budget to leave it in storage)
+        held["embed"] = (groups.embed, store.embed)
+    with BufferedReader() as reader:  # headers only
+        mine, theirs = Checkpoint(model_dir, reader), Checkpoint(draft_dir, reader)
+
+    def same(name: str) -> bool:
+        if name not in mine or name not in theirs:
+            return False
+        a, b = mine.extent(name), theirs.extent(name)
+        return (a.dtype, a.shape) == (b.dtype, b.shape)
+
+    return {
+        name: {short: weights[short] for short in group}
+        for name, (group, weights) in held.items()
+        if all(same(t.name) and short in weights for short, t in group.items())
+    }
+
+
+def tensor_bytes(groups: dict[str, Weights]) -> int:
+    """Bytes of the distinct tensors in `groups` (a tied head is the table itself)."""
+    tensors = {id(t): t for weights in groups.values() for t in weights.values()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def self_draft(model_dir: Path, spec: ModelSpec) -> Path:

@@ -140,7 +140,8 @@ def draft_for(
 
         draft_spec, _ = load_spec(Path(method))
     bits = draft_spec.quant.bits if draft_spec.quant is not None else 8 * DTYPE_BYTES[dtype]
-    return Draft(make_context(draft_spec, _on_cpu(hw), dtype, BLOCK_SIZE), bits)
+    shares = method == "self" and hw.device_kind == "cpu"  # the target holds its table and head (draft_core.py)
+    return Draft(make_context(draft_spec, _on_cpu(hw), dtype, BLOCK_SIZE), bits, shares)
 
 
 def _on_cpu(hw: HardwareProfile) -> HardwareProfile:

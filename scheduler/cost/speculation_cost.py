@@ -64,13 +64,15 @@ class Draft:
 
     ctx: Context
     weight_bits: int
+    shares_table: bool = False  # its token table and head are the target's (`self` on a CPU target)
 
     @property
     def nbytes(self) -> float:
-        """Its weights, all resident: every layer at its width, the token table and the head in the compute dtype."""
+        """Its weights, all resident: every layer at its width, the token table and the head in the compute dtype
+        (none where the target holds them)."""
         s = self.ctx.shape
         layers = s.num_layers * self.ctx.weight_bytes(s.params.layer, self.weight_bits)
-        return layers + (s.params.embed + s.params.head) * self.ctx.dtype_bytes
+        return layers + (0 if self.shares_table else (s.params.embed + s.params.head) * self.ctx.dtype_bytes)
 
 
 @dataclass(frozen=True, slots=True)

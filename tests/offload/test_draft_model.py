@@ -16,6 +16,7 @@ from offload.api import LLM
 from offload.common.config import EngineConfig, SamplingParams
 from offload.common.errors import OffloadError
 from offload.common.paths import cache_dir
+from offload.draft_core import tensor_bytes
 from offload.model.speculation.model_drafter import ModelDrafter
 
 
@@ -63,6 +64,23 @@ def test_self_with_the_drafts_runners_up_keeps_the_targets_output_and_takes_more
     assert by_tree.accepted_tokens / by_tree.verify_passes > by_chain.accepted_tokens / by_chain.verify_passes
 
 
+def test_self_shares_the_targets_token_table_and_head(target) -> None:
+    """`self`'s table and head are the target's bytes (the converter copies them): the target holds the draft's
+    tensors, so the process holds them once and the draft is charged its layers and KV cache alone."""
+    plain, _, _ = run(target, PROMPTS, GREEDY)
+    budget = 64 << 20
+    fast, counters, llm = run(target, PROMPTS, GREEDY, speculate="self", device_memory=budget)
+    assert fast == plain
+    drafter, store = llm.core.drafter, llm.parts.weights.store
+    draft = drafter.core.weights  # the draft engine's weight store
+    assert set(drafter.shared) == {"embed", "head"}
+    assert store.embed["embed"] is draft.embed["embed"] and store.head["lm_head"] is draft.head["lm_head"]
+    assert drafter.nbytes == draft.device_tier.peak - tensor_bytes(drafter.shared) > 0
+    assert llm.config.device_memory == budget - drafter.nbytes
+    # a step's time holds its drafting: the run's rates are what its user waits
+    assert counters.prefill_seconds + counters.decode_seconds >= drafter.seconds > 0
+
+
 def test_self_is_converted_once_and_reused(target) -> None:
     run(target, PROMPTS[:1], SamplingParams(max_new_tokens=2), speculate="self")
     (copy,) = (cache_dir() / "draft").glob(f"{target.name}-int4-g32-cpu-*")
@@ -105,7 +123,7 @@ def test_the_draft_is_charged_to_the_budget(target, other) -> None:
     budget = 64 << 20
     _, _, llm = run(target, PROMPTS[:1], SamplingParams(max_new_tokens=2), speculate=str(other), device_memory=budget)
     drafter = llm.core.drafter
-    assert drafter.nbytes > 0
+    assert drafter.nbytes > 0 and not drafter.shared  # another model's table is not the target's
     assert llm.given_config.device_memory == budget
     assert llm.config.device_memory == budget - drafter.nbytes  # the target placed its layers in what is left
     with pytest.raises(OffloadError, match="leaves nothing for the model once its draft"):

@@ -123,6 +123,34 @@ def test_placement_leaves_the_table_in_storage_only_where_it_buys_layers(wide_vo
         place(c["head"] + buffer + RING * c["layer"] - 1)
 
 
+def test_a_table_the_process_holds_anyway_stays_resident(wide_vocab):
+    """A `self` draft's table, shared with the target, is resident whatever the budget: storing it would read rows
+    of a table already in memory."""
+    layout, c = layout_of(wide_vocab), costs(wide_vocab)
+    budget = c["embed"] + c["head"] + (RING + 1) * c["layer"]  # where the table alone would go to storage (above)
+    policy = place_weights(layout, torch.float32, DeviceTier(budget, CPU), host(), RING, table_held=True)
+    assert policy.embed_tier == "device" and policy.counts == (1, 0, LAYERS - 1)
+
+
+def test_a_shared_group_is_taken_as_loaded_or_refused(wide_vocab):
+    from offload.tiers.weights.weight_store import WeightStore
+
+    layout = layout_of(wide_vocab)
+    table = load_file(wide_vocab / "model.safetensors")["model.embed_tokens.weight"]
+    policy = Policy(("device",) * LAYERS)
+    tier = DeviceTier(None, CPU)
+    with PreadBackend(threads=2) as backend:
+        store = WeightStore(layout, backend, policy, tier, host(), torch.float32, shared={"embed": {"embed": table}})
+        others = sum(g.tensor_bytes for g in (layout.head, *layout.layers))
+        assert store.embed["embed"] is table and backend.bytes_read < others + table.numel() * 4 // 2  # not read
+        assert tier.used >= table.numel() * 4 + others  # charged all the same
+        store.close()
+        for wrong in (table.to(torch.bfloat16), table[:-1]):  # another dtype or shape than the store's own
+            with pytest.raises(ValueError, match="shared embed"):
+                WeightStore(layout, backend, policy, DeviceTier(None, CPU), host(), torch.float32,
+                            shared={"embed": {"embed": wrong}})  # fmt: skip
+
+
 def host():
     from offload.tiers.host import HostTier
 

@@ -65,6 +65,7 @@ def place_weights(
     host_tier: HostTier,
     ring_slots: int,
     staged: bool | None = None,
+    table_held: bool = False,
 ) -> Policy:
     """Place the layers in what the tiers have left (the KV cache is already on the device), costed exactly as
     WeightStore will charge them. Host RAM holds layers only under a host budget (see HostTier).
@@ -74,7 +75,8 @@ def place_weights(
     buffer); host RAM holds the ring's staging slots first whenever some layer still streams from disk.
 
     The token embedding is left in storage (tiers/weights/embedding.py) by Policy.choose_embedding's rule, as the cost
-    model places it: its bytes buy resident layers, and a step reads only its tokens' rows."""
+    model places it: its bytes buy resident layers, and a step reads only its tokens' rows. With `table_held` the
+    table is resident whatever the rule: the process holds it anyway (a `self` draft's, shared)."""
     staged = device_tier.device.type != "cpu" if staged is None else staged
     cost = functools.partial(group_cost, dtype=dtype, tier=device_tier, staged=staged)
     free = device_tier.num_free
@@ -82,7 +84,7 @@ def place_weights(
     place = functools.partial(_place, layout, dtype, device_tier, host_tier, ring_slots, staged)
     resident = stored = None
     failure: OffloadError | None = None  # why the embedding cannot stay resident, if it cannot
-    may_store = free is not None and storable(layout.embed, layout.head)
+    may_store = free is not None and storable(layout.embed, layout.head) and not table_held
     try:
         resident = place(None if free is None else free - cost(layout.embed) - cost(layout.head), host_free)
     except OffloadError as exc:

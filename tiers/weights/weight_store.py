@@ -36,7 +36,7 @@ from offload.tiers.device import DeviceTier
 from offload.tiers.host import HostTier
 from offload.tiers.io.base import ReadBackend
 from offload.tiers.memory import MemoryTier
-from offload.tiers.weights.checkpoint import TORCH_DTYPES
+from offload.tiers.weights.checkpoint import TORCH_DTYPES, held_dtype
 from offload.tiers.weights.embedding import HEAD, TABLE, StoredEmbedding
 from offload.tiers.weights.layout import CONVERT_PIECE, GroupLayout, ModelLayout, Weights, load_buffer_bytes
 from offload.tiers.weights.ring import DirectRing, Ring, StagedRing, convert, read, take
@@ -67,6 +67,9 @@ class WeightStore:
     that share an input: new tensors, charged in place of the read buffer); streamed layers keep theirs.
     packable: which float matrices (by short name) `prepack` may pack: those the family multiplies as linear
     weights [out, in] (None: every one).
+    shared: on the direct CPU path, the embedding's and head's groups ("embed", "head": their tensors by short name)
+    as another store of the same weights holds them (a `self` draft's, offload/draft_core.py): taken as they are and
+    charged to the device tier, not read (the table then stays resident: place_weights' `table_held`).
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class WeightStore:
         embed_backend: ReadBackend | None = None,
         fuse: Callable[[Weights], Weights] | None = None,
         packable: Callable[[str], bool] | None = None,
+        shared: dict[str, Weights] | None = None,
     ) -> None:
         if len(policy.layer_tiers) != len(layout.layers):
             raise ValueError(f"policy places {len(policy.layer_tiers)} layers, the model has {len(layout.layers)}")
@@ -117,7 +121,8 @@ class WeightStore:
         groups = [layout.head, *(self.layouts[i] for i in resident)]
         if self.table is None:
             groups.insert(0, layout.embed)
-        progress = Progress("loading", sum(g.slot_bytes for g in groups))  # on a terminal: bytes read, time left
+        given = self._shared(layout, shared or {})  # by group: taken from another store, not read
+        progress = Progress("loading", sum(g.slot_bytes for g in groups if id(g) not in given))
         try:
             if self.staged:
                 loaded = self._load_staged(groups, progress)
@@ -130,6 +135,9 @@ class WeightStore:
                     tiers, packs, fuses = [device_tier, *tiers], [False, *packs], [None, *fuses]
                 loaded = []
                 for group, *how in zip(groups, tiers, packs, fuses, strict=True):
+                    if id(group) in given:
+                        loaded.append(given[id(group)])
+                        continue
                     loaded.append(self._load_direct(group, *how))
                     progress.advance(group.slot_bytes)
         finally:
@@ -145,6 +153,32 @@ class WeightStore:
             self._ring = StagedRing(ring, tiers, backend, self.copier, device_tier, host_tier, dtype, policy.ring_slots)
         else:
             self._ring = DirectRing(ring, backend, device_tier, dtype, policy.ring_slots)
+
+    def _shared(self, layout: ModelLayout, shared: dict[str, Weights]) -> dict[int, Weights]:
+        """The groups of `shared` (by id of the group's layout), each tensor charged to the device tier. Each must be
+        one this store holds resident on the direct path, every tensor given in the shape and dtype it would load
+        (else ValueError: the caller charged its budget for weights this store would not take)."""
+        groups = {"head": layout.head, "embed": layout.embed}
+        taken: dict[int, Weights] = {}
+        for name, given in shared.items():
+            group = groups[name]
+            tensors = {t.short: given.get(t.short) for t in group.tensors}
+            fits = all(
+                (g := tensors[t.short]) is not None
+                and g.dtype == held_dtype(t.dtype, self.dtype)
+                and tuple(g.shape) == tuple(t.shape)
+                for t in group.tensors
+            )
+            if self.staged or (name == "embed" and self.table is not None) or not fits:
+                raise ValueError(f"a shared {name} group is taken resident, on the direct path, as this store loads it")
+            for short, t in tensors.items():
+                if not self.device_tier.adopt(t):
+                    raise OffloadError(
+                        f"--device-memory budget of {self.device_tier.capacity} bytes cannot hold {short} "
+                        f"({t.numel() * t.element_size()} bytes)"
+                    )
+            taken[id(group)] = tensors
+        return taken
 
     def _tier(self, name: str) -> MemoryTier:
         return self.device_tier if name == Tier.DEVICE else self.host_tier

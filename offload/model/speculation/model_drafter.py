@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from offload.common.config import SamplingParams
 from offload.common.outputs import Delta
 from offload.model.speculation.tree import DraftTree
@@ -45,7 +47,8 @@ class DraftCore(Protocol):
 class ModelDrafter:
     """Proposes the draft model's greedy continuation of each sequence. `target_vocab`: token ids the target scores
     (a draft of a larger vocabulary stops before an id outside it); `nbytes`: what the draft holds resident (its
-    weights and KV cache), charged to the target's budget; `close`: releases the draft engine."""
+    weights and KV cache) beyond `shared`, charged to the target's budget; `shared`: the draft's weight groups
+    ("embed", "head") its target holds as its own instead of loading them; `close`: releases the draft engine."""
 
     def __init__(
         self,
@@ -55,9 +58,10 @@ class ModelDrafter:
         model_dir: Path,
         close: Callable[[], None],
         topk: int = 1,
+        shared: dict[str, dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.core, self.target_vocab, self.nbytes, self.model_dir = core, target_vocab, nbytes, model_dir
-        self._close, self.topk = close, topk
+        self._close, self.topk, self.shared = close, topk, shared or {}
         self.seconds = 0.0  # wall time spent drafting, over the drafter's life
         self.calls = 0
 

@@ -68,7 +68,7 @@ if [ "$demo" = 1 ]; then
     run '.venv/bin/offload generate --speculate ngram --num-speculative-tokens 4 --prompt "Repeat exactly: one two three four five, one two three four five" --max-new-tokens 32'
     run '.venv/bin/offload generate --speculate ngram --num-speculative-tokens 8 --speculative-topk 3 --prompt "Repeat exactly: one two three four five, one two three four five" --max-new-tokens 32'
     run ".venv/bin/offload probe --speculate ngram"
-    run '.venv/bin/offload generate --speculate self --num-speculative-tokens 4 --device-memory 300MiB --chat --prompt "What are three good habits for staying healthy?"'
+    run '.venv/bin/offload generate --speculate self --num-speculative-tokens 4 --device-memory 200MiB --chat --prompt "What are three good habits for staying healthy?"'
     # docs/quantization.md (--out must not exist)
     run "rm -rf /tmp/demo-int4"
     run ".venv/bin/offload convert --model ~/.cache/offload/demo-llama-v1 --quant int4 --group-size 64 --out /tmp/demo-int4"

@@ -19,8 +19,9 @@ what a verifying pass costs against a plain one (the ratio is tokens per pass ov
 generated token, and whether the output equals the plain run's token for token. Each engine runs one short request
 first, untimed. Each method drafts --k tokens a step, or without it the chain length its engine planned (said in
 the JSON's k_why); beside each row, the cost model's tokens/s for that engine's placement and K at the measured
-acceptance (`planned`, this machine's saved profile) against the runs' pooled rate (all their tokens over all their
-decode time: `plan/run`, and the plain engine's beside it) and the K it would choose there (`k*`).
+acceptance (`planned`: this machine's profile, its compute measured again before the runs and its disk at the rate
+the plain engine's streamed layers read at alone, `pass_read_rate`) against the runs' pooled rate (all their tokens
+over all their decode time: `plan/run`, and the plain engine's beside it) and the K it would choose there (`k*`).
 
 Goals (ngram): >= 1.5x tokens/s on grounded prompts and >= 0.97x on open chat, output identical. Prints a table and
 writes benchmarks/results/speculative.json with the machine it ran on. --quick runs one prompt of each kind with 16
@@ -48,6 +49,7 @@ runner and one report format.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -378,6 +380,14 @@ def main(argv: list[str] | None = None) -> int:
         engines[name] = LLM(model, EngineConfig(**base | {"device_memory": base["device_memory"] + extra[m]}))
     for llm in engines.values():  # the first steps' one-time costs (kernel choices, buffers) paid before timing
         run_one(llm, llm.encode("Warm up the engine."), 4)
+    # the plans' machine: its compute measured now, its disk priced at the rate the plain engine's streamed layers
+    # read at alone, through its backend (this VM's disk moves between 1.6 and 3.1 GB/s within hours, and a file
+    # written and read back at once may come from the host's cache)
+    from offload.planner.probe import local_profile, remeasure
+
+    hw = remeasure(local_profile())
+    backend = engines[None].parts.weights.io_backend.name
+    hw = dataclasses.replace(hw, disk_read=pass_read_rate(engines[None], backend))
     streamed = {str(m): llm.placement.streamed_bytes_per_pass for m, llm in engines.items()}
     runs = []
     turn = 0  # which engine goes first alternates, so that neither always reads the file the other just read
@@ -410,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:  # the cost model's price of each at the measured acceptance, on the engines' own placements
         prompt_len = int(statistics.median(x["prompt_tokens"] for x in runs if x["kind"] == r["kind"]))
         r |= planned(
+            hw,
             engines[None],
             engines[r["method"]],
             r["method"],
@@ -455,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             "k": {r["method"]: r["k"] for r in rows},
             "streamed_bytes_per_pass": streamed,
             "draft_bytes": extra,
+            "planned_on": {"disk_read_gbps": hw.disk_read / 1e9, "backend": backend, "source": hw.source},
             "config": {k: v for k, v in base.items()},
             "rows": rows,
             "runs": runs,
@@ -463,20 +475,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def pass_read_rate(llm, backend_name: str, passes: int = 5) -> float:
+    """Bytes/s at which `llm`'s streamed layers are read, one after another with the next one's read in flight
+    and no compute, through a fresh `backend_name` backend (the engine's): the median of `passes` passes."""
+    from offload.tiers.io.backends import make_backend
+    from offload.tiers.io.base import aligned_buffer
+    from offload.tiers.weights.ring import read
+
+    store = llm.parts.weights.store
+    layers = [store.layouts[i] for i, t in enumerate(store.policy.layer_tiers) if t == "nvme"]
+    buffers = [aligned_buffer(max(g.slot_bytes for g in layers)) for _ in range(2)]
+    rates = []
+    with make_backend(backend_name) as backend:
+        for _ in range(passes):
+            start, pending = time.perf_counter(), []
+            for i, layer in enumerate(layers):
+                requests = read(backend, layer, buffers[i % 2])
+                for r in pending:
+                    r.wait()
+                pending = requests
+            for r in pending:
+                r.wait()
+            rates.append(sum(g.read_bytes for g in layers) / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
 def planned(
-    plain, speculating, method: str, k: int, per_pass: float, prompt_len: int, new_tokens: int, topk: int = 1
+    hw, plain, speculating, method: str, k: int, per_pass: float, prompt_len: int, new_tokens: int, topk: int = 1
 ) -> dict:
     """The cost model's decode tokens/s for the plain engine and the speculating one (at `k` drafts, or trees of the
     top `topk` k deep, and the acceptance that yields the measured `per_pass` tokens a pass), each at its own
-    placement, by this machine's saved profile; and the chain length (tree depth) it would choose at that
+    placement, on the machine `hw` describes; and the chain length (tree depth) it would choose at that
     acceptance."""
     from offload.common.config import BLOCK_SIZE
-    from offload.planner.probe import local_profile
     from offload.planner.speculation import draft_for
     from offload.scheduler.cost.predict import Candidate, decode_step_seconds, make_context
     from offload.scheduler.cost.speculation_cost import acceptance_for, best_k, speculate
 
-    hw, dtype = local_profile(), "bfloat16"
+    dtype = "bfloat16"
     ctx = make_context(plain.spec, hw, dtype, BLOCK_SIZE)
     context = prompt_len + new_tokens // 2
     rate = acceptance_for(per_pass, k)

@@ -380,8 +380,12 @@ def paged_attention(
         if rows is None:  # every query is a decode token
             return decoded
         out[rows] = decoded
-    out = paged_prefill(q, k_cache, v_cache, batch, scale, window, seqs=split.prefill_seqs, out=out, sinks=sinks)
-    for s in batch.trees:  # a draft tree's queries: its mask through torch's SDPA
+    # a draft tree's queries attend by its mask: in the kernel, or under a sliding window through torch's SDPA
+    starts = batch.query_start
+    trees = [s for s in batch.trees if starts[s + 1] - starts[s] > 1] if window is None else []
+    seqs = tuple(sorted((*split.prefill_seqs, *trees)))
+    out = paged_prefill(q, k_cache, v_cache, batch, scale, window, seqs=seqs, out=out, sinks=sinks)
+    for s in batch.trees if window is not None else ():
         q0, q1 = batch.query_start[s], batch.query_start[s + 1]
         k, v = _context(k_cache, v_cache, batch, s)
         out[q0:q1] = attend_contiguous(q[q0:q1], k, v, scale, tree_slots(batch, s, window, q.device))

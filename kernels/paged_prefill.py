@@ -9,6 +9,11 @@ rows are (query, head in group) pairs, so each K/V value is read once per progra
 visited in tiles of TILE positions, each looked up in the block table, from the first key any of its queries
 sees to the last.
 
+A sequence verifying a draft tree (`batch.trees`: speculative decoding) attends by its mask instead: the keys before
+the first column some row does not see are visible to all its rows, the later ones by the mask's bits, read from a
+[rows, columns] int8 table of the sequence's own (no sliding window: the dispatcher sends a tree under a window to
+torch's SDPA with the mask).
+
 `paged_prefill` launches; `paged_prefill_ref` is the same attention in plain torch.
 """
 
@@ -39,6 +44,9 @@ def _prefill_kernel(
     lens_ptr,  # [S] int32 context lengths
     tables_ptr,  # [S, W] int32 block ids
     sinks_ptr,  # [Hq] attention sink logits, read when HAS_SINKS
+    free_ptr,  # [S] int32 keys every row of the sequence sees (its context where it verifies no tree); HAS_TREES
+    bits_ptr,  # int8 the trees' masks past those keys, each [queries, context - free] row-major; HAS_TREES
+    bits_at_ptr,  # [S] int32 where the sequence's mask begins in bits; HAS_TREES
     scale_log2,  # softmax scale * log2(e)
     window,  # a query at p sees keys in (p - window, p]; read only when HAS_WINDOW
     stride_qt,
@@ -63,6 +71,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr,  # dot operands in float32 (Triton's interpreter gets bfloat16 dots wrong)
     DOT_PRECISION: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_TREES: tl.constexpr,
 ):
     seq = tl.load(seqs_ptr + tl.program_id(0))
     kv_head = tl.program_id(2)
@@ -105,6 +114,10 @@ def _prefill_kernel(
         k_head_ptr = k_ptr + kv_head * stride_kh
         v_head_ptr = v_ptr + kv_head * stride_vh
         table_row = tables_ptr + seq.to(tl.int64) * stride_ts
+        free = ctx
+        if HAS_TREES:
+            free = tl.load(free_ptr + seq)
+            bits_row = bits_ptr + tl.load(bits_at_ptr + seq).to(tl.int64) + query.to(tl.int64) * (ctx - free)
         for tile in range(lo // TILE, tl.cdiv(hi, TILE)):
             pos, _, k, v = load_kv_tile(
                 k_head_ptr, v_head_ptr, table_row, tile, ctx, offs_n, offs_d, d_mask, d_mask,
@@ -114,6 +127,12 @@ def _prefill_kernel(
             visible = pos[None, :] <= q_pos[:, None]  # causal; implies pos < ctx
             if HAS_WINDOW:
                 visible &= pos[None, :] > q_pos[:, None] - window
+            if HAS_TREES:  # past `free`, the tree's own mask
+                past = (pos >= free) & (pos < ctx)
+                bit = tl.load(
+                    bits_row[:, None] + (pos - free)[None, :], mask=row_mask[:, None] & past[None, :], other=0
+                )
+                visible &= (pos < free)[None, :] | (bit != 0)
             scores = tl.where(visible, scores, float("-inf"))
             # a row may see nothing yet (its window starts later, or it is padding): keep exp2 off -inf - -inf
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -157,6 +176,31 @@ def prefill_inputs(batch: PagedBatch, device: torch.device, seqs: tuple[int, ...
     return batch.memo[key]
 
 
+class TreeInputs(NamedTuple):
+    """A batch's draft trees as the kernel reads them (see the module docstring), kept in `batch.memo`."""
+
+    free: torch.Tensor  # [S] int32
+    bits: torch.Tensor  # int8, every tree's mask past its free keys, one after another
+    bits_at: torch.Tensor  # [S] int32
+
+
+def tree_inputs(batch: PagedBatch, device: torch.device) -> TreeInputs:
+    key = ("paged_prefill_trees", device)
+    if key not in batch.memo:
+        free, at, pieces, size = list(batch.context_lens), [0] * batch.num_seqs, [], 0
+        for s, (mask, _, _) in sorted(batch.trees.items()):
+            seen = mask.all(0)  # the keys every row sees
+            free[s] = int(seen.int().cumprod(0).sum())
+            at[s], size = size, size + mask[:, free[s] :].numel()
+            pieces.append(mask[:, free[s] :].reshape(-1))
+        batch.memo[key] = TreeInputs(
+            free=torch.tensor(free, dtype=torch.int32, device=device),
+            bits=torch.cat(pieces).to(device=device, dtype=torch.int8) if pieces else torch.zeros(1, device=device),
+            bits_at=torch.tensor(at, dtype=torch.int32, device=device),
+        )
+    return batch.memo[key]
+
+
 def check_batch(q: torch.Tensor, block_size: int, batch: PagedBatch) -> None:
     """Raise ValueError unless the batch covers q's tokens and each context fits its block-table row."""
     starts = batch.query_start
@@ -188,9 +232,14 @@ def paged_prefill(
     logit per query head joining each softmax over a value of zero (gpt-oss), or None.
 
     seqs: the sequences whose queries are attended (all by default); `out` [T, Hq, D], when given, receives
-    their rows and keeps the others, and is returned."""
+    their rows and keeps the others, and is returned. Those verifying a draft tree (`batch.trees`) attend by its
+    mask, without a window."""
     check_operands(q, k_cache, v_cache)
     check_window(window)
+    attended = range(batch.num_seqs) if seqs is None else seqs
+    trees = any(s in batch.trees for s in attended)
+    if trees and window is not None:
+        raise ValueError("paged_prefill attends draft trees without a sliding window")
     check_sinks(sinks, q)
     check_device(q.device, block_tables=batch.block_tables)
     _, block_size, kv_heads, _ = k_cache.shape
@@ -209,6 +258,7 @@ def paged_prefill(
     block_q = max(1, BLOCK_M // g_pad)
     dot_f32, precision = dot_options(q.dtype)
     grid = (len(inputs.seqs), triton.cdiv(inputs.max_queries, block_q), kv_heads)
+    tree = tree_inputs(batch, q.device) if trees else None
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -219,6 +269,7 @@ def paged_prefill(
         inputs.lens,
         inputs.tables,
         q if sinks is None else sinks,
+        *((inputs.lens, q, inputs.lens) if tree is None else tree),
         scale * LOG2E,
         window or 0,
         q.stride(0),
@@ -239,6 +290,7 @@ def paged_prefill(
         DOT_F32=dot_f32,
         DOT_PRECISION=precision,
         HAS_SINKS=sinks is not None,
+        HAS_TREES=trees,
     )
     return out
 
@@ -252,7 +304,7 @@ def paged_prefill_ref(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """What `paged_prefill` computes, one sequence at a time in float32."""
+    """What `paged_prefill` computes, one sequence at a time in float32 (a draft tree's rows by its mask)."""
     _, q_heads, _ = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
@@ -268,6 +320,8 @@ def paged_prefill_ref(
         visible = k_pos <= q_pos
         if window is not None:
             visible &= k_pos > q_pos - window
+        if s in batch.trees:
+            visible = batch.trees[s][0].to(q.device)
         scores = torch.einsum("thd,nhd->htn", q[q0:q1].float(), k) * scale  # [Hq, q_len, ctx]
         scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is not None:  # one more logit per head, over a value of zero

@@ -94,6 +94,76 @@ def test_chosen_sequences_fill_their_rows_only() -> None:
             assert (out[rows] == 7.0).all()
 
 
+# --- draft trees (speculative decoding) ------------------------------------------------------
+
+# (context_len, query_len) per sequence, and the trees two of them verify: (root position, each node's parent)
+TREE_SEQS = ((70, 70), (18, 8), (1, 1), (30, 12))
+TREES = {1: (10, (-1, 0, 1, -1, 3, 0, 5)), 3: (20, (-1, 0, 0, 1, 2, -1, 5, 6, 3))}  # seq 3: 2 tokens before its root
+
+
+def with_trees(case: Case) -> Case:
+    """`case` with TREES: each one's rows are its root's position, then one slot a node (engine._tree_rows)."""
+    from offload.model.engine import _tree_rows
+    from offload.scheduler.plan import SeqChunk
+
+    b, trees = case.batch, {}
+    for seq, (root, parents) in TREES.items():
+        ctx, q_len = TREE_SEQS[seq]
+        assert root + 1 + len(parents) == ctx
+        chunk = SeqChunk(seq, (0,) * q_len, ctx - q_len, (), scored=(root, ctx - 1), drafted=len(parents),
+                         parents=parents)  # fmt: skip
+        trees[seq], _ = _tree_rows(chunk)
+    batch = PagedBatch(b.query_start, b.context_lens, b.block_tables, b.slot_mapping, trees=trees)
+    return Case(case.q, case.k_cache, case.v_cache, batch, case.keys, case.values)
+
+
+def masked_naive(case: Case, scale: float) -> torch.Tensor:
+    """Attention in float64 over each sequence's contiguous K/V, a tree's rows by its mask, the others causal."""
+    out = torch.zeros(case.q.shape, dtype=torch.float64)
+    starts = case.batch.query_start
+    for s, ctx in enumerate(case.batch.context_lens):
+        q0, q1 = starts[s], starts[s + 1]
+        if q0 == q1:
+            continue
+        k, v = case.keys[s].double(), case.values[s].double()  # [ctx, Hkv, D]
+        group = case.q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - (q1 - q0), ctx)[:, None]
+        if s in case.batch.trees:
+            mask = case.batch.trees[s][0]
+        scores = torch.einsum("thd,nhd->htn", case.q[q0:q1].double(), k) * scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out[q0:q1] = torch.einsum("htn,nhd->thd", probs, v)
+    return out
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_draft_trees_rows_attend_by_its_mask(dtype) -> None:
+    """Each node sees the cached positions and its ancestors only, beside a full prefill and a one-query sequence."""
+    case = with_trees(make_case(TREE_SEQS, 4, 4, 2, 32, dtype, seed=8))
+    out = paged_prefill(case.q, case.k_cache, case.v_cache, case.batch, 0.25)
+    naive = masked_naive(case, 0.25)
+    torch.testing.assert_close(out.double(), naive, atol=ATOL[dtype], rtol=RTOL[dtype])
+    ref = paged_prefill_ref(case.q, case.k_cache, case.v_cache, case.batch, 0.25)
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=RTOL[dtype])
+    causal = paged_prefill(case.q, case.k_cache, case.v_cache, make_case(TREE_SEQS, 4, 4, 2, 32, dtype, 8).batch, 0.25)
+    rows = slice(*case.batch.query_start[1:3])
+    assert not torch.allclose(causal[rows].float(), out[rows].float())  # the masks mattered
+    with pytest.raises(ValueError, match="draft trees without a sliding window"):
+        paged_prefill(case.q, case.k_cache, case.v_cache, case.batch, 0.25, window=8)
+
+
+@interpreted
+def test_the_dispatcher_sends_trees_through_the_kernel_unless_a_window_needs_sdpa(triton_dispatch) -> None:
+    case = with_trees(make_case(TREE_SEQS, 4, 4, 2, 32, torch.float32, seed=9))
+    out = paged_attention(case.q, case.k_cache, case.v_cache, case.batch, 0.25)
+    torch.testing.assert_close(out.double(), masked_naive(case, 0.25), atol=2e-5, rtol=1e-5)
+    assert triton_dispatch == ["decode", "prefill"]
+    windowed = paged_attention(case.q, case.k_cache, case.v_cache, case.batch, 0.25, window=128)  # wider than all
+    torch.testing.assert_close(windowed, out, atol=2e-5, rtol=1e-5)  # the trees through SDPA, the same attention
+
+
 # --- the dispatcher's Triton path --------------------------------------------------------------
 
 
@@ -256,3 +326,15 @@ def test_dispatcher_gives_the_kernels_the_sinks(triton_dispatch) -> None:
     assert triton_dispatch == ["decode", "prefill"]
     want = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.batch, 0.2, 30, sinks)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_draft_tree_on_gpu(dtype) -> None:
+    cpu = with_trees(make_case(TREE_SEQS, 16, 8, 2, 128, dtype, seed=10))
+    gpu = to_cuda(cpu)
+    b = gpu.batch
+    batch = PagedBatch(b.query_start, b.context_lens, b.block_tables, b.slot_mapping, trees=cpu.batch.trees)
+    out = paged_prefill(gpu.q, gpu.k_cache, gpu.v_cache, batch, 128**-0.5)
+    torch.testing.assert_close(out.cpu().double(), masked_naive(cpu, 128**-0.5), atol=ATOL[dtype], rtol=RTOL[dtype])

@@ -167,7 +167,7 @@ class Context:
         its tokens' rows: Policy.embed_tier NVME). A GGUF file's table in blocks stays resident (the engine reads
         float rows alone, tiers/weights/embedding.py's `storable`)."""
         s = self.shape
-        blocks = s.quant is not None and s.quant.embed_bits > 0
+        blocks = self.held_bits("embed_bits") > 0
         return not s.tie_word_embeddings and s.params.embed == s.vocab_size * s.hidden_size and not blocks
 
     @property

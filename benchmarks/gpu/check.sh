@@ -7,9 +7,11 @@
 #   offload  benchmarks/gpu/offload_vs_accelerate.py at BUDGET (default 4GB): a few minutes
 #   moe      benchmarks/moe.py on CUDA, one round: expert streaming (cold experts by the cost model, all copied, all
 #            on the CPU) against whole layers
+#   speculate  benchmarks/speculative.py --methods self on CUDA: SmolLM2 streamed from pinned host RAM (140 MiB on the
+#            device), its int4 copy drafting 8 tokens on the CPU: tokens a pass and tokens/s against plain streaming
 # Results land in $OUT (when the device tool sets it) or benchmarks/results/.
 # Usage: bash benchmarks/gpu/check.sh [STEP ...]   (in the environment: BUDGET=4GB, TEST_ARGS="tests/tiers", and
-# TEST_LIMIT, KERNEL_LIMIT, MOE_LIMIT in seconds, MOE_BATCHES=1,8)
+# TEST_LIMIT, KERNEL_LIMIT, MOE_LIMIT, SPEC_LIMIT in seconds, MOE_BATCHES=1,8)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-benchmarks/results}"
@@ -46,6 +48,8 @@ for s in "${steps[@]}"; do
         moe) step moe "${MOE_LIMIT:-300}" python3 benchmarks/moe.py --repeats 1 --batches "${MOE_BATCHES:-1,8}" \
             --new-tokens 16 --work-dir /tmp/offload-bench \
             --engines experts,experts-cold-device,experts-cold-cpu,layers --out "$out/gpu_moe.json" ;;
-        *) echo "unknown step $s (tests, kernels, offload, moe)"; exit 2 ;;
+        speculate) step speculate "${SPEC_LIMIT:-300}" python3 benchmarks/speculative.py --methods self --k 8 \
+            --host-memory 1GiB --quick --work-dir /tmp/offload-bench --out "$out/gpu_speculative.json" ;;
+        *) echo "unknown step $s (tests, kernels, offload, moe, speculate)"; exit 2 ;;
     esac
 done

@@ -264,7 +264,7 @@ def synthetic(args) -> int:
             f"{r['speedup']:6.2f}x {r['identical']}"
         )
     write_report(
-        args.out.with_name(args.out.stem + "-synthetic.json"),
+        args.out or RESULTS.with_name(RESULTS.stem + "-synthetic.json"),
         {
             "benchmark": "speculative --synthetic",
             "when": timestamp(),
@@ -322,7 +322,7 @@ def synthetic_self(args) -> int:
             f"{r['draft_seconds'] / r['decode_seconds']:6.0%} {r['tokens'] == plain['tokens']}"
         )
     write_report(
-        args.out.with_name(args.out.stem + "-self-1.1b.json"),
+        args.out or RESULTS.with_name(RESULTS.stem + "-self-1.1b.json"),
         {
             "benchmark": "speculative --synthetic-self",
             "when": timestamp(),
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "offload" / "bench")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help="the results JSON (default: by the measurement, under results/)")
     parser.add_argument(
         "--synthetic", action="store_true", help="the 1.1B checkpoint with drafters of known acceptance"
     )
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'met' if r['met'] else 'NOT met'}"
         )
     write_report(
-        args.out,
+        args.out or RESULTS,
         {
             "benchmark": "speculative",
             "when": timestamp(),

@@ -48,6 +48,10 @@ PRODUCTS = ("int4", "bf16", "logits")  # timed again at each model's own matrix 
 # kernels whose rows are tokens, each computed alone, whose paths may round a row apart (the native silu within 2
 # float32 ulps of e^x where torch's is within 1): a verify step's rows take their one-row path (`one_row_path_up_to`)
 ROW_WISE = (*PRODUCTS, "rms_norm", "rotary", "silu_mul", "argmax")
+# row-wise kernels that are not products take one path at every row count (the one of least cost over the counts
+# timed): a prompt's rows then round alike however it is cut into steps (a prefix-cache hit leaves a chunk of a few
+# rows where a fresh prefill computes them all; the native silu and torch's round a row apart)
+ONE_PATH = tuple(k for k in ROW_WISE if k not in PRODUCTS)
 # row counts a product is timed at for one matrix shape
 SHAPE_ROWS = {"int4": (1, 4, 8, 16, 32, 64, 128, 256), "bf16": (1, 4, 8, 16, 32, 64, 256), "logits": (1, 16, 64, 256)}
 # what OFFLOAD_KERNELS=native takes: kernel -> ((from rows, path), ...), the fixed thresholds native.py measured on
@@ -89,12 +93,12 @@ class Choices:
         are some, else by the kernel's own."""
         name = key(kernel, shape) if shape is not None else kernel
         name = name if name in self.timings else kernel
-        (few, many), switch = split(self.timings[name])
+        (few, many), switch = split(self.timings[name], name in ONE_PATH)
         return few if rows < switch else many
 
     def describe(self, name: str) -> str:
         """e.g. "native 1-127, dense from 128": the row ranges each path takes."""
-        (few, many), switch = split(self.timings[name])
+        (few, many), switch = split(self.timings[name], name in ONE_PATH)
         return few if few == many else f"{few} 1-{switch - 1}, {many} from {switch}"
 
     def shown(self, name: str) -> bool:
@@ -105,18 +109,19 @@ class Choices:
         return name not in PRODUCTS or not _shaped
 
 
-def split(timings: tuple[Timing, ...]) -> tuple[tuple[str, str], int]:
-    """((the path up to the switch, the path from it), the switch's rows): at most one switch, where the two paths
-    together cost the least, each row count timed weighing alike (its time over the best there). One switch, not
-    one a timing: a near-tie that flips from count to count would make a sequence's tokens depend on how many
-    others share its step (greedy answers are batch-invariant only where every batch size takes the same path)."""
+def split(timings: tuple[Timing, ...], one: bool = False) -> tuple[tuple[str, str], int]:
+    """((the path up to the switch, the path from it), the switch's rows): at most one switch (none with `one`),
+    where the two paths together cost the least, each row count timed weighing alike (its time over the best there).
+    One switch, not one a timing: a near-tie that flips from count to count would make a sequence's tokens depend on
+    how many others share its step (greedy answers are batch-invariant only where every batch size takes the same
+    path)."""
 
     def cost(t: Timing, p: str) -> float:
         return t.us[p] / min(t.us.values()) if p in t.us else float("inf")
 
     best, chosen = float("inf"), ((timings[0].path, timings[0].path), timings[0].rows)
     paths = list(dict.fromkeys(p for t in timings for p in t.us))
-    for i in range(len(timings)):  # the switch at timing i (i = 0: one path throughout)
+    for i in range(1 if one else len(timings)):  # the switch at timing i (i = 0: one path throughout)
         for few in paths:
             for many in paths:
                 if (i == 0) != (few == many):
@@ -275,7 +280,7 @@ def timing_table(timed: Choices) -> list[dict]:
     benchmarks)."""
     rows = []
     for name, ts in timed.timings.items():
-        (few, many), switch = split(ts)
+        (few, many), switch = split(ts, name in ONE_PATH)
         for t in ts:
             rows.append({"kernel": name, "rows": t.rows, "us": dict(t.us), "taken": few if t.rows < switch else many})
     return rows

@@ -52,6 +52,8 @@ ROW_WISE = (*PRODUCTS, "rms_norm", "rotary", "silu_mul", "argmax")
 # timed): a prompt's rows then round alike however it is cut into steps (a prefix-cache hit leaves a chunk of a few
 # rows where a fresh prefill computes them all; the native silu and torch's round a row apart)
 ONE_PATH = tuple(k for k in ROW_WISE if k not in PRODUCTS)
+# the relative cost (each count timed weighs 1 at its best path) within which a split counts as tied with the best
+NEAR_TIE = 0.05
 # row counts a product is timed at for one matrix shape
 SHAPE_ROWS = {"int4": (1, 4, 8, 16, 32, 64, 128, 256), "bf16": (1, 4, 8, 16, 32, 64, 256), "logits": (1, 16, 64, 256)}
 # what OFFLOAD_KERNELS=native takes: kernel -> ((from rows, path), ...), the fixed thresholds native.py measured on
@@ -119,7 +121,7 @@ def split(timings: tuple[Timing, ...], one: bool = False) -> tuple[tuple[str, st
     def cost(t: Timing, p: str) -> float:
         return t.us[p] / min(t.us.values()) if p in t.us else float("inf")
 
-    best, chosen = float("inf"), ((timings[0].path, timings[0].path), timings[0].rows)
+    options = []  # (total, switch index, (few, many))
     paths = list(dict.fromkeys(p for t in timings for p in t.us))
     for i in range(1 if one else len(timings)):  # the switch at timing i (i = 0: one path throughout)
         for few in paths:
@@ -127,9 +129,13 @@ def split(timings: tuple[Timing, ...], one: bool = False) -> tuple[tuple[str, st
                 if (i == 0) != (few == many):
                     continue
                 total = sum(cost(t, few) for t in timings[:i]) + sum(cost(t, many) for t in timings[i:])
-                if total < best - 1e-12:
-                    best, chosen = total, ((few, many), timings[i].rows if i else 1)
-    return chosen
+                options.append((total, i, (few, many)))
+    best = min(total for total, _, _ in options)
+    # of those within a near-tie of the least cost: one path throughout, else the latest switch (a path change
+    # costs exactness, across batch sizes and however a prompt is cut, so a tie must not move it to fewer rows)
+    near = [o for o in options if o[0] <= best + NEAR_TIE]
+    total, i, pair = min(near, key=lambda o: (o[1] != 0, -o[1], o[0]))
+    return pair, timings[i].rows if i else 1
 
 
 _forced: list[str] = []  # a path every kernel takes while timing (innermost last)

@@ -194,3 +194,15 @@ def test_a_models_own_shapes_are_timed_once_and_decide_its_products(measured, mo
     choice.forget()
     timing.ensure([("int4", 128, 64)])
     assert made == ["int4"]  # read back
+
+
+def test_a_near_tie_does_not_move_a_switch_to_fewer_rows():
+    """Paths tied at 64 rows (within NEAR_TIE): the switch stays at 256, where the other path clearly wins, so that a
+    timing's noise does not put a path change inside a short prompt's rows."""
+    ts = tuple(
+        choice.Timing(r, {"native": n, "torch": t})
+        for r, n, t in ((1, 1.0, 3.0), (32, 1.0, 1.4), (64, 1.001, 1.0), (256, 1.3, 1.0))
+    )
+    assert choice.split(ts) == (("native", "torch"), 256)
+    clear = (*ts[:2], choice.Timing(64, {"native": 1.3, "torch": 1.0}), ts[3])
+    assert choice.split(clear) == (("native", "torch"), 64)

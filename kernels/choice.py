@@ -134,7 +134,7 @@ def split(timings: tuple[Timing, ...], one: bool = False) -> tuple[tuple[str, st
     # of those within a near-tie of the least cost: one path throughout, else the latest switch (a path change
     # costs exactness, across batch sizes and however a prompt is cut, so a tie must not move it to fewer rows)
     near = [o for o in options if o[0] <= best + NEAR_TIE]
-    total, i, pair = min(near, key=lambda o: (o[1] != 0, -o[1], o[0]))
+    _, i, pair = min(near, key=lambda o: (o[1] != 0, -o[1], o[0]))
     return pair, timings[i].rows if i else 1
 
 

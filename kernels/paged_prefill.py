@@ -185,17 +185,17 @@ class TreeInputs(NamedTuple):
 
 
 def tree_inputs(batch: PagedBatch, device: torch.device) -> TreeInputs:
+    """`batch.trees` (at least one) as the kernel reads them."""
     key = ("paged_prefill_trees", device)
     if key not in batch.memo:
-        free, at, pieces, size = list(batch.context_lens), [0] * batch.num_seqs, [], 0
+        free, at, pieces = list(batch.context_lens), [0] * batch.num_seqs, []
         for s, (mask, _, _) in sorted(batch.trees.items()):
-            seen = mask.all(0)  # the keys every row sees
-            free[s] = int(seen.int().cumprod(0).sum())
-            at[s], size = size, size + mask[:, free[s] :].numel()
+            free[s] = int(mask.all(0).int().cumprod(0).sum())  # the leading keys every row sees
+            at[s] = sum(p.numel() for p in pieces)
             pieces.append(mask[:, free[s] :].reshape(-1))
         batch.memo[key] = TreeInputs(
             free=torch.tensor(free, dtype=torch.int32, device=device),
-            bits=torch.cat(pieces).to(device=device, dtype=torch.int8) if pieces else torch.zeros(1, device=device),
+            bits=torch.cat(pieces).to(device=device, dtype=torch.int8),
             bits_at=torch.tensor(at, dtype=torch.int32, device=device),
         )
     return batch.memo[key]

@@ -82,6 +82,7 @@ def draft_model(
 
 
 def target_dtype(spec: ModelSpec, config: EngineConfig) -> torch.dtype:
+    """The dtype the target computes in, as build() resolves it."""
     return getattr(torch, spec.dtype if config.dtype == "auto" else config.dtype)
 
 

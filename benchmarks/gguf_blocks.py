@@ -6,7 +6,9 @@ engine's int4 (torch's CPU packing, bfloat16 scale and zero a group: kernels/nat
 kernels/quant_linear.py's path at that row count), the path an imported GGUF took (Q8_0 has none). Shapes: a Mixtral
 expert's 14336 x 4096 and 4096 x 14336, a 4096 x 4096 attention matrix, SmolLM2's 3072 x 576. Weights come from
 memory, not cache: each product cycles through copies of its weight, at least COLD_BYTES in all. Also each matrix's
-bytes and the rate its block product reads them at (GB/s). The "blocks", "tiles" (AMX, where the CPU has it) and
+bytes and the rate its block product reads them at (GB/s), beside the rate these threads read plain memory at
+(`memory_read_rate`: torch's sum over 1 GiB of random floats; a product that reads near it is bound by memory, not by
+its arithmetic). The "blocks", "tiles" (AMX, where the CPU has it) and
 "dense" columns time kernels/csrc/gguf_blocks.c, kernels/csrc/gguf_tiles.c and the dequantize-then-GEMM path at
 every row count, which is how TILES_FROM_ROWS and DENSE_FROM_ROWS are chosen; "gguf" is the path gguf_linear takes
 there for a decode step's rows (a prompt's stay on the block kernel below DENSE_FROM_ROWS). Prints a table and
@@ -48,6 +50,8 @@ def main() -> None:
     shapes = dict(list(SHAPES.items())[1:3]) if args.quick else SHAPES
     rows = (1, 8, 64) if args.quick else ROWS
     fmt = WeightQuant(4, 32, "cpu")
+    memory = memory_read_rate(torch)
+    print(f"memory read by {torch.get_num_threads()} threads: {memory / 1e9:.1f} GB/s (a sum over 1 GiB)", flush=True)
     out = []
     for kind in ("Q4_0", "Q4_1", "Q8_0"):
         for name, (n, k) in shapes.items():
@@ -97,7 +101,7 @@ def main() -> None:
                     "tiles_us": forced["tiles"] * 1e6 if "tiles" in forced else None, "dense_us": dense * 1e6,
                     "imported_int4_us": theirs * 1e6 if theirs else None, "taken": taken,
                     "vs_imported": theirs / ours if theirs else None,
-                    "read_gb_s": nbytes / ours / 1e9,
+                    "read_gb_s": nbytes / ours / 1e9, "of_memory_rate": nbytes / ours / memory,
                 }  # fmt: skip
                 out.append(row)
                 tiles = f"{forced['tiles'] * 1e6:9.1f}" if "tiles" in forced else "        -"
@@ -105,13 +109,34 @@ def main() -> None:
                 print(
                     f"{kind} {name:16s} rows {m:4d}  gguf {ours * 1e6:9.1f} us ({taken:6s})  blocks"
                     f" {forced['blocks'] * 1e6:9.1f}  tiles {tiles}  dense {dense * 1e6:9.1f}"
-                    f"  imported int4 {imported}  {nbytes / ours / 1e9:6.2f} GB/s",
+                    f"  imported int4 {imported}  {nbytes / ours / 1e9:6.2f} GB/s"
+                    f" ({nbytes / ours / memory:4.0%} of memory's)",
                     flush=True,
                 )
     write_report(
         args.out,
-        {"machine": machine(Path("/tmp")), "time": timestamp(), "threads": torch.get_num_threads(), "rows": out},
+        {
+            "machine": machine(Path("/tmp")),
+            "time": timestamp(),
+            "threads": torch.get_num_threads(),
+            "memory_read_gb_s": memory / 1e9,
+            "rows": out,
+        },  # fmt: skip
     )
+
+
+def memory_read_rate(torch, seconds: float = 2.0) -> float:
+    """Bytes/s at which torch's threads read memory: sums over 1 GiB of random float32 (random, so that no page is
+    shared with another: a hypervisor may merge pages of equal bytes, and a read of merged pages comes from cache)."""
+    import time
+
+    data = torch.randn(1 << 28)
+    data.sum()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        data.sum()
+        calls += 1
+    return data.numel() * 4 * calls / (time.perf_counter() - start)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def test_native_dequantization_is_the_reference_in_bfloat16(kind: str):
 
 @needs_native
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (130, 576), (64, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (9, 96), (130, 576), (64, 1536)])  # 96: a pair and a block
 def test_block_products_are_exact_products_summed_and_row_invariant(kind: str, n: int, k: int):
     w, _ = blocks(kind, n, k, seed=n + k)
     exact_w = gguf_linear.dequantize_ref(w).double()

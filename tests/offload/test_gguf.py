@@ -532,3 +532,23 @@ def test_the_imported_codes_score_transformers_perplexity_of_the_same_weights(
         got = llm.perplexity(text, 256)
     assert got.predicted >= (600 if dtype == "auto" else 150)
     assert got.perplexity == pytest.approx(want, rel=5e-3 if dtype == "auto" else 1e-4)
+
+
+def test_the_readers_fast_slicing_gives_gguf_s_own_fields_and_tensors(smollm2_gguf: Path):
+    """open_gguf slices a plain view of the map (offload/gguf/metadata.py `_Reader`): every field and tensor as gguf's
+    own reader gives them, on the real file's 49,152 tokens and merges."""
+    from gguf import GGUFReader
+
+    ours, theirs = open_gguf(smollm2_gguf), GGUFReader(smollm2_gguf)
+    assert list(ours.fields) == list(theirs.fields) and len(ours.fields) > 20
+    for key, want in theirs.fields.items():
+        got = ours.fields[key]
+        assert (got.offset, got.types, got.data) == (want.offset, want.types, want.data), key
+        assert [p.tobytes() for p in got.parts] == [p.tobytes() for p in want.parts], key
+    assert len(ours.fields["tokenizer.ggml.tokens"].contents()) == 49152
+    assert ours.data_offset == theirs.data_offset
+    for got, want in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (got.name, got.tensor_type, list(got.shape), got.data_offset, got.n_bytes) == (
+            want.name, want.tensor_type, list(want.shape), want.data_offset, want.n_bytes,
+        )  # fmt: skip
+        assert got.data.dtype == want.data.dtype and np.array_equal(got.data[:2], want.data[:2])

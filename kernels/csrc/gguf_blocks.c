@@ -4,9 +4,10 @@
  * gguf_mm: a block's 32 codes become one vector of bfloat16 (q - 8, q or the int8 code: exact in bfloat16), multiplied
  * with a row's 32 inputs by AVX-512 BF16's dot product into 16 float32 lanes (exact products), scaled by d and added
  * to the row's 16 sums; Q4_1's m multiplies the block's sum of inputs. A row's output is its lanes' sum, float32 or
- * rounded once to bfloat16. Q4_0's blocks go two at a time (`Q4_0 pairs` below). Every row takes the same operations in the same order whatever rows are beside it, so an
- * output does not depend on the batch around it. Four output features are computed together (each block's inputs
- * loaded once for them, sixteen independent sums in registers), each by one thread: the same bits on any team.
+ * rounded once to bfloat16. Q4_0's blocks go two at a time (`Q4_0 pairs` below). Every row takes the same
+ * operations in the same order whatever rows are beside it, so an output does not depend on the batch around it.
+ * Four output features are computed together (each block's inputs loaded once for them, sixteen independent sums in
+ * registers), each by one thread: the same bits on any team.
  */
 #include <stdlib.h>
 
@@ -23,12 +24,18 @@
  * cores read memory at, on the 2-core AMD EPYC). The dot product adds a pair of inputs into a float32 lane, so
  * lanes 0-7 of both halves' products are the first block's and 8-15 the second's, the inputs arranged to match once
  * a call (`pair_inputs`); the products stay exact, summed in float32. A block left over (an odd count a row) goes
- * alone. Q4_1 stays a block at a time: its m, a vector of its own, spilled the registers at several rows (0.8x). */
+ * alone. Q4_1 stays a block at a time: as pairs it won at one and two rows (1.05-1.29x) and lost from three (0.86-0.96x
+ * with m as scalars, 0.8x with m a vector of its own, which spilled the registers), and a prompt's rows take it. */
 #define PAIR_BYTES 36 /* two Q4_0 blocks */
 
 /* the pair's code bytes, one to a 16-bit lane's low byte (vpermb), and the words holding each block's d (vpermw) */
-static const uint8_t PAIR_CODES[64] = {2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 16, 0, 17, 0, 20, 0, 21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0, 32, 0, 33, 0, 34, 0, 35, 0};
-static const uint16_t PAIR_SCALES[32] = {0, 0, 0, 0, 0, 0, 0, 0, 9, 9, 9, 9, 9, 9, 9, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const uint8_t PAIR_CODES[64] = {
+    2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 16, 0, 17, 0, 20, 0,
+    21, 0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0, 32, 0, 33, 0, 34, 0, 35, 0
+};
+static const uint16_t PAIR_SCALES[32] = {
+    0, 0, 0, 0, 0, 0, 0, 0, 9, 9, 9, 9, 9, 9, 9, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+};
 
 /* x's rows with inputs 0-15, 32-47, 16-31, 48-63 of each 64 (two blocks), as the pairs' products take them */
 static void pair_inputs(const uint16_t *x, int64_t m, int64_t k, uint16_t *xp) {

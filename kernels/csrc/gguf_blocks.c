@@ -9,8 +9,6 @@
  * Four output features are computed together (each block's inputs loaded once for them, sixteen independent sums in
  * registers), each by one thread: the same bits on any team.
  */
-#include <stdlib.h>
-
 #include "gguf_block.h"
 #include "team.h"
 
@@ -133,22 +131,17 @@ static inline __attribute__((always_inline)) void features(const uint16_t *x, co
 }
 
 /* x: [m, k] bf16; w: [n, k / 32] blocks of `type`; y: [m, n] float32 (f32out) or bf16; xsum: scratch [m, k / 32]
- * float32 (Q4_1's sums of each block's inputs; no other type reads it); threads: OpenMP threads (torch's count).
- * k % 32 == 0. */
+ * float32 (Q4_1's sums of each block's inputs; no other type reads it); xp: scratch [m, k] bf16 (Q4_0's rows as its
+ * pairs take them; no other type reads it); threads: OpenMP threads (torch's count). k % 32 == 0. */
 void gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out, int64_t m, int64_t n, int64_t k,
-             float *xsum, int threads) {
+             float *xsum, uint16_t *xp, int threads) {
     const int64_t nb = k / QK, row = nb * BLOCK_BYTES[type];
     if (type == Q4_1)
         for (int64_t i = 0; i < m * nb; i++) {
             const uint16_t *xp = x + (i / nb) * k + (i % nb) * QK;
             xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_load(xp, 0xFFFF), bf16x16_load(xp + 16, 0xFFFF)));
         }
-    uint16_t *xp = NULL; /* Q4_0's rows as its pairs take them */
-    if (type == Q4_0) {
-        xp = aligned_alloc(64, (size_t)(m * k * 2 + 63) / 64 * 64);
-        if (xp == NULL) return; /* y untouched: torch.empty's; cannot happen short of a machine out of memory */
-        pair_inputs(x, m, k, xp), x = xp;
-    }
+    if (type == Q4_0) pair_inputs(x, m, k, xp), x = xp;
     const __m512i lut = nibble_table(type);
     team t = team_begin(threads); /* one thread while another process holds a core (team.h) */
 #pragma omp parallel num_threads(t.threads)
@@ -165,7 +158,6 @@ void gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out,
         team_share_done(&t);
     }
     team_end(&t);
-    free(xp);
 }
 
 /* W [n, k] in bfloat16 from blocks of `type`: each value in float32 (Q4_0: d (q - 8), Q8_0: d q, both exact; Q4_1:

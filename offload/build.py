@@ -163,7 +163,9 @@ def build(
         guess = experts is not None and config.expert_prefetch == "router"
         gates = read_gates(checkpoint, family, spec) if guess else {}  # the routers, copied to guess
     # what reads the checkpoint, and why: "auto" by the rates `offload probe` saved here, if it ran
-    io_backend = choose_backend(config.io_backend, saved_read_rates() if config.io_backend == "auto" else None)
+    measured = saved_read_rates() if config.io_backend == "auto" else None
+    locked_cache = config.expert_cache_memory if experts is not None and device.type == "cpu" else 0
+    io_backend = choose_backend(config.io_backend, measured, locked_cache)
     backend = make_backend(io_backend.name)
     # routed experts stream through a cache of their own, taken from the device budget before layers are placed
     # (on CUDA: device slots, filled from a cache in pinned host RAM, where cold experts may run instead)

@@ -104,6 +104,22 @@ def test_frequency_prefetch_keeps_no_router_copies_and_the_tokens(checkpoint):
         assert llm.last_run.experts.prefetches > 0
 
 
+def test_auto_reads_a_cpu_expert_cache_through_the_pool_where_the_probe_rated_aio_faster(checkpoint, monkeypatch):
+    """aio reads directly only into memory its op page-locked: it would lock every slot of the cache at load."""
+    from offload import build
+    from offload.tiers.io import backends
+
+    path, resident = checkpoint
+    slot, *_ = _sizes(path)
+    monkeypatch.setattr(build, "saved_read_rates", lambda: {"pread": 1.0e9, "aio": 2.0e9})
+    monkeypatch.setattr(backends, "aio_ready", lambda: True)
+    config = EngineConfig(dtype="float32", kv_cache_bytes=KV_BYTES, device="cpu", expert_cache_memory=6 * slot)
+    with LLM(path, config) as llm:  # io_backend "auto": the default
+        assert llm.placement.io_backend == ("pread", "probe: aio 2.00 vs pread 1.00 GB/s, but aio would lock the "
+                                            "expert cache's slots at load")  # fmt: skip
+        assert [c.token_ids for c in llm.generate_ids(_prompts(), PARAMS)] == resident
+
+
 def test_a_gate_guesses_each_tokens_first_choice_of_the_normalized_residual():
     g = torch.Generator().manual_seed(3)
     norm, router = torch.rand(16, generator=g) + 0.5, torch.randn(5, 16, generator=g)

@@ -302,6 +302,11 @@ def test_auto_takes_the_faster_backend_the_probe_measured(aio_runs):
         "pread", "probe: 1.02 vs aio 0.88 GB/s"
     )
     assert choose_backend("auto", {"pread": 1e9, "aio": 1e9}).name == "pread"  # a tie keeps the simpler path
+    # an expert cache in memory torch does not pin: the op would page-lock every slot at load
+    assert choose_backend("auto", {"pread": 1.02e9, "aio": 1.5e9}, locked_cache=20 << 30) == BackendChoice(
+        "pread", "probe: aio 1.50 vs pread 1.02 GB/s, but aio would lock the expert cache's slots at load"
+    )
+    assert choose_backend("aio", locked_cache=20 << 30) == BackendChoice("aio", "asked")  # an ask stands
     aio_runs(False)  # measured faster once, unavailable now
     assert choose_backend("auto", {"pread": 1.02e9, "aio": 1.5e9}) == BackendChoice(
         "pread", "probe measured aio, but its op is not built or loadable now"

@@ -70,6 +70,20 @@ def test_expert_streaming_reads_the_misses_of_the_touched_experts_and_waits_for_
     assert whole.resources["disk"] == 0.0  # every expert resident with its layer
 
 
+def test_the_first_token_waits_for_every_expert_its_prompts_touch_from_an_empty_cache():
+    hw = cpu_machine(disk_read=1e6)  # slow reads: they dominate
+    work = Workload(prompt_len=8, gen_len=4)
+    p = predict(MIXTRAL, hw, work, _streaming(1, 24))
+    touched = 4 * distinct_experts(MIXTRAL, 8) * EXPERT_BYTES / 1e6  # seconds to read what the prompt touches
+    # the cache of 24 starts empty: the first prompt reads every expert it touches, a later one the quarter of them
+    # the cache misses (24 of the 32 held)
+    assert touched <= p.first_prefill_seconds == p.ttft_seconds < 1.1 * touched
+    assert touched / 4 <= p.prefill_seconds < 1.1 * touched / 4
+    assert p.round_seconds == p.prefill_seconds + p.decode_seconds  # rounds are priced warm
+    resident = predict(MIXTRAL, hw, work, Candidate(1, 1, Policy.from_counts(4, 0, 0)))
+    assert resident.first_prefill_seconds is None and resident.ttft_seconds == resident.prefill_seconds
+
+
 def test_a_large_decode_step_reads_every_experts_weights_from_memory():
     hw = cpu_machine(flops=1e18)  # memory-bound GEMMs
     work = Workload(prompt_len=1, gen_len=2)

@@ -3,7 +3,7 @@
     python benchmarks/bigger_than_ram.py [--gguf FILE | --layers N [--dense] [--keep]] [--ram-limit SIZE]
                                          [--engines ours,llama.cpp] [--batches 1,8] [--prompt-tokens 32]
                                          [--new-tokens 32] [--seed 0] [--work-dir DIR] [--machine-cache DIR]
-                                         [--keep-free 10GB] [--out PATH]
+                                         [--keep-free 10GB] [--rest SECONDS] [--out PATH]
 
 The model: `--gguf FILE`, or a random-weight GGUF file written here (one at a time, tensor by tensor, so the file never
 sits in RAM) of Mixtral-8x7B's shape: 32 layers (`--layers`), hidden 4096, 8 experts of 14336 (2 per token), 32
@@ -52,7 +52,11 @@ decode token over the same span. Peak RSS is the process's VmHWM (llama.cpp's co
 in); with --ram-limit, the cgroup's peak charge (page cache included) too. Disk used beside the file: bytes under the
 scratch cache's import folder after the process (llama.cpp writes none). A process that dies (the OOM killer, a
 signal) or fails is a row with its status, its output kept in the work dir. Each row records the machine's load
-average as it starts (other work on a shared machine slows every engine). Prints a table and writes
+average as it starts (other work on a shared machine slows every engine). `--rest SECONDS` idles the machine that
+long before every process, the same for each engine: on a virtual machine whose free memory goes back to its host
+within seconds, the first touch of memory costs a process more after a rest than right after another process freed
+its own, so back to back the engine that runs second gets the cheaper memory (on the 2-core AMD EPYC VM, batch 1:
+llama.cpp's first token 26.2-26.6 s right after ours, 43.9-44.5 s after 60 s of rest). Prints a table and writes
 benchmarks/results/bigger_than_ram.json.
 """
 
@@ -549,6 +553,7 @@ class Setup:
     work_dir: Path
     cache: Path  # OFFLOAD_CACHE_DIR of ours' processes
     ram_limit: int | None  # bytes; None: the machine as it is
+    rest: float = 0.0  # seconds the machine idles before each process (--rest)
 
     @property
     def imports(self) -> Path:
@@ -594,6 +599,7 @@ def run_row(job: Job, setup: Setup) -> Row:
     in the cache first; a process that wrote no result is a row with how it ended, its output kept in the work dir."""
     shutil.rmtree(setup.imports, ignore_errors=True)
     evict([setup.gguf])
+    time.sleep(setup.rest)
     stem = f"bigger_than_ram-{job.engine}-{job.batch}"
     job_file = setup.work_dir / f"{stem}.json"
     out = job_file.with_suffix(".result.json")
@@ -841,6 +847,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     p.add_argument("--work-dir", type=Path, default=Path("~/.cache/offload/bench/bigger_than_ram"))
     p.add_argument("--machine-cache", type=Path, help="where the hardware profile and native kernels are copied from")
     p.add_argument("--keep-free", default="10GB", help="refuse to leave less free disk than this (default 10GB)")
+    p.add_argument("--rest", type=float, default=0.0, help="seconds of idle before every process (default 0)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -862,7 +869,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     work_dir = args.work_dir.expanduser().resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     with model_file(args, work_dir) as (gguf, written):
-        setup = Setup(gguf, work_dir, work_dir / "cache", ram_limit)
+        setup = Setup(gguf, work_dir, work_dir / "cache", ram_limit, args.rest)
         if "ours" in engines:
             config, imported = import_shape(gguf)
             check_room(work_dir, imported, args.keep_free, "ours' import of the file")
@@ -898,6 +905,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "new_tokens": args.new_tokens,
             "sampling": "temperature 1, whole distribution, end of sequence ignored",
             "seed": args.seed,
+            "rest_seconds": args.rest,
         },
         "clock": "CLOCK_MONOTONIC; TTFT from the harness starting the process to every sequence's first token; "
         "decode tokens/s over the rest; each process its own, the file's pages evicted first, no import cached",

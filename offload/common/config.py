@@ -349,7 +349,8 @@ class EngineConfig:
         "auto",
         "io",
         "NVMe reads: pread (O_DIRECT thread pool), aio (DeepSpeed AsyncIO)",
-        doc="auto: the faster of the two as `offload probe` measured them here, else aio only on CUDA.",
+        doc="auto: the faster of the two as `offload probe` measured them here (pread where a CPU device holds an "
+        "expert cache, which aio would page-lock at load), else aio only on CUDA.",
         choices=IO_BACKENDS,
     )
     ring_slots: int = knob(

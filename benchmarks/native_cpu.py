@@ -18,9 +18,11 @@ dense GEMM (kernels/quant_linear.py's prefill path), and the LM head as the engi
 Each row also says which path the engine takes on this machine ("taken": kernels/choice.py's timings, made once
 per machine, the products' at these shapes as a model of them has them timed as it loads) and how the taken path's
 time compares with the best other one measured here ("vs other", 1.00x or more where the engine chose right).
-Prints a table and writes benchmarks/results/native_cpu.json with the machine.
+Prints a table and writes benchmarks/results/native_cpu.json with the machine. `--rechoose FILE` measures nothing:
+it takes the paths that FILE's recorded timings (another machine's run) give under this checkout's rule for
+choosing, and prints that run's table with them.
 
-    python benchmarks/native_cpu.py [--repeats 5] [--quick]
+    python benchmarks/native_cpu.py [--repeats 5] [--quick] [--rechoose RESULTS.json]
 """
 
 from __future__ import annotations
@@ -180,12 +182,59 @@ def row_ops(rows: int, repeats: int, gen) -> list[dict]:
     return out
 
 
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'kind':<9} {'shape':<19} {'rows':>5} {'native us':>10} {'torch us':>10} {'dense us':>9} {'speedup':>8} "
+        f"{'GB/s':>6}  {'taken':<6} {'vs other':>8}"
+    )
+    for r in rows:
+        dense = f"{r['dense_us']:>9.1f}" if "dense_us" in r else f"{'':>9}"
+        print(
+            f"{r['kind']:<9} {r['shape']:<19} {r['rows']:>5} {r['native_us']:>10.1f} {r['torch_us']:>10.1f} {dense} "
+            f"{r['speedup']:>7.2f}x {r['native_gb_per_s']:>6.1f}  {r['taken']:<6} {r['taken_vs_other']:>7.2f}x"
+        )
+    worst = min(rows, key=lambda r: r["taken_vs_other"])
+    below = sum(r["taken_vs_other"] < 0.97 for r in rows)
+    print(f"worst taken path: {worst['kernel']} at {worst['rows']} rows, {worst['taken_vs_other']:.2f}x the best other")
+    print(f"rows whose taken path is below 0.97x the best other: {below} of {len(rows)}")
+
+
+def rechoose(file: Path) -> None:
+    """FILE's rows with the paths its recorded timings give under this checkout's kernels/choice.py."""
+    import json
+
+    from offload.kernels import choice
+
+    try:
+        report = json.loads(file.read_text())
+        timings: dict[str, list] = {}
+        for t in report["choices"]["timings"]:
+            timings.setdefault(t["kernel"], []).append(choice.Timing(t["rows"], t["us"]))
+        rows = report["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{file}: not a native_cpu.py results file with its choices' timings ({e})") from None
+    chosen = choice.Choices({k: tuple(v) for k, v in timings.items()}, file)
+    print(f"{file}: {report['machine'].get('cpu', '?')}, {report['date']}; paths under this checkout's rule:")
+    for name in timings:
+        print(f"  {name}: {chosen.describe(name)}")
+    print_table([r | taken(r, chosen) for r in rows])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="one shape of each kind, small: a check that it runs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "native_cpu.json")
+    parser.add_argument(
+        "--rechoose",
+        type=Path,
+        metavar="RESULTS",
+        help="measure nothing: RESULTS' table again, "
+        "its paths taken by its recorded timings under this checkout's rule",
+    )
     args = parser.parse_args()
+    if args.rechoose is not None:
+        return rechoose(args.rechoose)
 
     import torch
     import torch.nn.functional as F
@@ -253,18 +302,7 @@ def main() -> None:
         rows_out.extend(row_ops(rows, args.repeats, gen))
 
     rows_out = [r | taken(r, choices) for r in rows_out]
-    print(
-        f"{'kind':<9} {'shape':<19} {'rows':>5} {'native us':>10} {'torch us':>10} {'dense us':>9} {'speedup':>8} "
-        f"{'GB/s':>6}  {'taken':<6} {'vs other':>8}"
-    )
-    for r in rows_out:
-        dense = f"{r['dense_us']:>9.1f}" if "dense_us" in r else f"{'':>9}"
-        print(
-            f"{r['kind']:<9} {r['shape']:<19} {r['rows']:>5} {r['native_us']:>10.1f} {r['torch_us']:>10.1f} {dense} "
-            f"{r['speedup']:>7.2f}x {r['native_gb_per_s']:>6.1f}  {r['taken']:<6} {r['taken_vs_other']:>7.2f}x"
-        )
-    worst = min(rows_out, key=lambda r: r["taken_vs_other"])
-    print(f"worst taken path: {worst['kernel']} at {worst['rows']} rows, {worst['taken_vs_other']:.2f}x the best other")
+    print_table(rows_out)
     report = {
         "benchmark": "native_cpu",
         "date": timestamp(),

@@ -3,8 +3,9 @@
 The native kernels were tuned on one CPU; on another torch's path can be the faster one (oneDNN's bfloat16 GEMM and
 SDPA run on AMX tiles where the CPU has them). So nothing is assumed: every kernel that has both paths is timed once
 per machine (kernels/timing.py, through the engine's own entry points with the path forced), and each takes the
-faster. Products (int4, bf16, logits) and attention are timed at several row counts, and each range of rows takes
-the path that won at its lowest count: a `Timing` says which rows it decides for and what it measured.
+faster. Products (int4, bf16, logits) and attention are timed at several row counts, and each path takes one range
+of rows, the ranges (at most MAX_SWITCHES switches) where the paths together cost the least (`split`): a `Timing`
+says which rows it decides for and what it measured.
 
 The timings are kept as JSON in cache_dir()/native beside the built libraries, named by a digest of those
 libraries, torch's version, the CPU, the threads and the plan below, so that a new build, a new torch or another
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -54,6 +56,9 @@ ROW_WISE = (*PRODUCTS, "rms_norm", "rotary", "silu_mul", "argmax")
 ONE_PATH = tuple(k for k in ROW_WISE if k not in PRODUCTS)
 # the relative cost (each count timed weighs 1 at its best path) within which a split counts as tied with the best
 NEAR_TIE = 0.05
+# switches between paths a kernel's rows may make: on an Intel Xeon with AMX torch's int4 kernel wins at 1-4 rows,
+# the native one from 8 and the dense GEMM from 256 (benchmarks/results/native_cpu-xeon-amx-quiet.json)
+MAX_SWITCHES = 2
 # row counts a product is timed at for one matrix shape
 SHAPE_ROWS = {"int4": (1, 4, 8, 16, 32, 64, 128, 256), "bf16": (1, 4, 8, 16, 32, 64, 256), "logits": (1, 16, 64, 256)}
 # what OFFLOAD_KERNELS=native takes: kernel -> ((from rows, path), ...), the fixed thresholds native.py measured on
@@ -95,13 +100,14 @@ class Choices:
         are some, else by the kernel's own."""
         name = key(kernel, shape) if shape is not None else kernel
         name = name if name in self.timings else kernel
-        (few, many), switch = split(self.timings[name], name in ONE_PATH)
-        return few if rows < switch else many
+        return taken(split(self.timings[name], name in ONE_PATH), rows)
 
     def describe(self, name: str) -> str:
-        """e.g. "native 1-127, dense from 128": the row ranges each path takes."""
-        (few, many), switch = split(self.timings[name], name in ONE_PATH)
-        return few if few == many else f"{few} 1-{switch - 1}, {many} from {switch}"
+        """e.g. "torch 1-7, native 8-127, dense from 128": the row ranges each path takes."""
+        ranges = split(self.timings[name], name in ONE_PATH)
+        ends = [start - 1 for start, _ in ranges[1:]]
+        parts = [f"{p} {start}-{end}" for (start, p), end in zip(ranges, ends, strict=False)]
+        return ranges[0][1] if len(ranges) == 1 else ", ".join([*parts, f"{ranges[-1][1]} from {ranges[-1][0]}"])
 
     def shown(self, name: str) -> bool:
         """Whether the summary names `name`'s timings: every kernel's own, but the products' only where this
@@ -111,31 +117,35 @@ class Choices:
         return name not in PRODUCTS or not _shaped
 
 
-def split(timings: tuple[Timing, ...], one: bool = False) -> tuple[tuple[str, str], int]:
-    """((the path up to the switch, the path from it), the switch's rows): at most one switch (none with `one`),
-    where the two paths together cost the least, each row count timed weighing alike (its time over the best there).
-    One switch, not one a timing: a near-tie that flips from count to count would make a sequence's tokens depend on
-    how many others share its step (greedy answers are batch-invariant only where every batch size takes the same
-    path)."""
+def split(timings: tuple[Timing, ...], one: bool = False) -> tuple[tuple[int, str], ...]:
+    """The row ranges each path takes: ((first row, path), ...) from row 1, each path one range of rows, at most
+    MAX_SWITCHES switches (none with `one`), where the paths together cost the least, each row count timed weighing
+    alike (its time over the best there). A few switches, not one a timing: a near-tie that flips from count to count
+    would make a sequence's tokens depend on how many others share its step (greedy answers are batch-invariant only
+    where every batch size takes the same path), so a switch is made only where it pays (NEAR_TIE)."""
 
     def cost(t: Timing, p: str) -> float:
         return t.us[p] / min(t.us.values()) if p in t.us else float("inf")
 
-    options = []  # (total, switch index, (few, many))
     paths = list(dict.fromkeys(p for t in timings for p in t.us))
-    for i in range(1 if one else len(timings)):  # the switch at timing i (i = 0: one path throughout)
-        for few in paths:
-            for many in paths:
-                if (i == 0) != (few == many):
-                    continue
-                total = sum(cost(t, few) for t in timings[:i]) + sum(cost(t, many) for t in timings[i:])
-                options.append((total, i, (few, many)))
+    options = []  # (total, the switches' timing indices, the paths of the ranges)
+    for switches in range(1 if one else min(MAX_SWITCHES, len(timings) - 1) + 1):
+        for at in itertools.combinations(range(1, len(timings)), switches):
+            for ways in itertools.permutations(paths, switches + 1):  # each path one range: no path twice
+                bounds = (0, *at, len(timings))
+                total = sum(cost(t, w) for w, a, b in zip(ways, bounds, bounds[1:], strict=False) for t in timings[a:b])
+                options.append((total, at, ways))
     best = min(total for total, _, _ in options)
-    # of those within a near-tie of the least cost: one path throughout, else the latest switch (a path change
-    # costs exactness, across batch sizes and however a prompt is cut, so a tie must not move it to fewer rows)
+    # of those within a near-tie of the least cost: the fewest switches, then the latest (a path change costs
+    # exactness, across batch sizes and however a prompt is cut, so a tie must not move it to fewer rows)
     near = [o for o in options if o[0] <= best + NEAR_TIE]
-    _, i, pair = min(near, key=lambda o: (o[1] != 0, -o[1], o[0]))
-    return pair, timings[i].rows if i else 1
+    _, at, ways = min(near, key=lambda o: (len(o[1]), [-i for i in o[1]], o[0]))
+    return tuple(zip((1, *(timings[i].rows for i in at)), ways, strict=True))
+
+
+def taken(ranges: tuple[tuple[int, str], ...], rows: int) -> str:
+    """The path `split`'s ranges give `rows` rows."""
+    return next(p for start, p in reversed(ranges) if rows >= start)
 
 
 _forced: list[str] = []  # a path every kernel takes while timing (innermost last)
@@ -286,7 +296,7 @@ def timing_table(timed: Choices) -> list[dict]:
     benchmarks)."""
     rows = []
     for name, ts in timed.timings.items():
-        (few, many), switch = split(ts, name in ONE_PATH)
+        ranges = split(ts, name in ONE_PATH)
         for t in ts:
-            rows.append({"kernel": name, "rows": t.rows, "us": dict(t.us), "taken": few if t.rows < switch else many})
+            rows.append({"kernel": name, "rows": t.rows, "us": dict(t.us), "taken": taken(ranges, t.rows)})
     return rows

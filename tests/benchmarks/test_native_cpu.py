@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,21 @@ def test_a_quick_run_measures_each_kernel_against_torch(tmp_path, monkeypatch, c
     taken = next(r["taken"] for r in report["rows"] if r["kind"] == "int4" and r["rows"] == 1)
     assert choice.Choices({"int4 576x576": tuple(timed)}).path("int4", 1, (576, 576)) == taken
     assert "worst taken path" in capsys.readouterr().out
+
+
+def test_rechoose_takes_a_recorded_runs_paths_again_under_this_rule(monkeypatch, capsys, tmp_path):
+    """The Xeon's recorded run (AMX, 2 cores): under the rule of at most two switches its int4 products take torch's
+    kernel for a decode step's few rows, where one switch had left eight of them on the native kernel at 0.74-0.93x;
+    nothing is measured or written. A file that is not such a run is one line and a non-zero exit."""
+    results = Path(__file__).parents[2] / "benchmarks" / "results" / "native_cpu-xeon-amx-quiet.json"
+    with benchmark_module("native_cpu") as bench:
+        monkeypatch.setattr(sys, "argv", ["native_cpu.py", "--rechoose", str(results)])
+        bench.main()
+        out = capsys.readouterr().out
+        assert "int4 14336x4096: torch 1-15, native 16-127, dense from 128" in out
+        assert "below 0.97x the best other: 1 of 59" in out
+        bad = tmp_path / "other.json"
+        bad.write_text("{}")
+        monkeypatch.setattr(sys, "argv", ["native_cpu.py", "--rechoose", str(bad)])
+        with pytest.raises(SystemExit, match="other.json: not a native_cpu.py results file"):
+            bench.main()

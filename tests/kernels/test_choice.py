@@ -23,13 +23,13 @@ INT4 = (
 
 
 def test_rows_take_one_path_up_to_a_switch_and_another_from_it():
-    """At most one switch, where the two paths cost the least over the timed counts: the near-tie at 4 rows (torch's
-    12 against 13) does not make 4 to 15 rows take another path than 1 to 3 and 16 to 63 (a batch's size would then
-    change a sequence's tokens)."""
+    """Each path one range of rows, where the paths cost the least over the timed counts: the near-tie at 4 rows
+    (torch's 12 against 13) does not make 4 to 15 rows take another path than 1 to 3 and 16 to 63 (a batch's size
+    would then change a sequence's tokens)."""
     c = choice.Choices({"int4": INT4})
     assert [c.path("int4", r) for r in (1, 3, 4, 15, 16, 63, 64, 5000)] == ["native"] * 6 + ["dense"] * 2
     assert c.describe("int4") == "native 1-63, dense from 64"
-    assert choice.split(INT4[:3]) == (("native", "native"), 1)
+    assert choice.split(INT4[:3]) == ((1, "native"),)
     assert INT4[3].path == "dense" and INT4[3].speedup == pytest.approx(90 / 50)
     assert choice.Choices({"argmax": (choice.Timing(1, {"native": 1.0, "torch": 2.0}),)}).describe("argmax") == "native"
 
@@ -203,6 +203,24 @@ def test_a_near_tie_does_not_move_a_switch_to_fewer_rows():
         choice.Timing(r, {"native": n, "torch": t})
         for r, n, t in ((1, 1.0, 3.0), (32, 1.0, 1.4), (64, 1.001, 1.0), (256, 1.3, 1.0))
     )
-    assert choice.split(ts) == (("native", "torch"), 256)
+    assert choice.split(ts) == ((1, "native"), (256, "torch"))
     clear = (*ts[:2], choice.Timing(64, {"native": 1.3, "torch": 1.0}), ts[3])
-    assert choice.split(clear) == (("native", "torch"), 64)
+    assert choice.split(clear) == ((1, "native"), (64, "torch"))
+
+
+def test_three_paths_take_three_ranges_where_each_switch_pays():
+    """An Intel Xeon with AMX (benchmarks/results/native_cpu-xeon-amx-quiet.json, int4 14336 x 4096, microseconds a
+    pass): torch's int4 kernel wins at 1-4 rows, the native one from 16 (tied at 8), the dense GEMM from 128. One
+    switch cost 4-18% at 1-4 rows, a decode step's; two switches take each path where it wins, the tie at 8 staying
+    with the fewer rows' path. A second switch that gains less than NEAR_TIE is not made."""
+    us = ((1, 3133, 3016, None), (4, 6292, 5344, None), (8, 10499, 10494, None), (16, 18938, 20798, None))
+    us += ((64, 70673, 83997, 107583), (128, 140118, 166350, 118740), (256, 298182, 334235, 131361))
+    ts = tuple(choice.Timing(r, {"native": n, "torch": t} | ({"dense": d} if d else {})) for r, n, t, d in us)
+    assert choice.split(ts) == ((1, "torch"), (16, "native"), (128, "dense"))
+    c = choice.Choices({"int4": ts})
+    assert c.describe("int4") == "torch 1-15, native 16-127, dense from 128"
+    assert [c.path("int4", r) for r in (1, 15, 16, 127, 128, 4096)] == ["torch"] * 2 + ["native"] * 2 + ["dense"] * 2
+    assert {row["taken"] for row in choice.timing_table(c)} == {"torch", "native", "dense"}
+    slight = (choice.Timing(1, {"native": 1.02, "torch": 1.0}), *ts[2:])  # torch 2% ahead at one row only
+    assert choice.split(slight) == ((1, "native"), (128, "dense"))
+    assert choice.split(ts, one=True) == ((1, "native"),)

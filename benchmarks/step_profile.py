@@ -135,6 +135,21 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def summaries(runs: dict[str, dict], batch: int) -> dict[str, dict]:
+    """Each step kind's mean step per run, its table printed; a kind no run has (a prompt that fills the
+    checkpoint's positions, 2047 tokens of 2048, leaves no decode step) is said and left out."""
+    out = {}
+    for kind in ("prefill", "decode"):
+        if not all(any(s["kind"] == kind for s in r["steps"]) for r in runs.values()):
+            print(f"\nno {kind} step: the prompts filled the checkpoint's positions or asked no new token")
+            continue
+        results = out[kind] = {label: summarize(r["steps"], kind) for label, r in runs.items()}
+        n = results[next(iter(results))]["steps"]
+        print(f"\n{kind} step (mean of {n}), batch {batch}:")
+        print(table(results))
+    return out
+
+
 def main() -> None:
     from offload.common.sizes import parse_size
 
@@ -157,13 +172,7 @@ def main() -> None:
         runs[label] = profile(model_dir, budget, workload, args.decode_steps, clock)
     report = {"benchmark": "step_profile", "date": timestamp(), "machine": machine(args.work_dir)}
     report |= {"checkpoint": str(model_dir), "batch": args.batch, "prompt_tokens": args.prompt_tokens}
-    report |= {"runs": runs, "summary": {}}
-    for kind in ("prefill", "decode"):
-        results = {label: summarize(r["steps"], kind) for label, r in runs.items()}
-        report["summary"][kind] = results
-        n = results[next(iter(results))]["steps"]
-        print(f"\n{kind} step (mean of {n}), batch {args.batch}:")
-        print(table(results))
+    report |= {"runs": runs, "summary": summaries(runs, args.batch)}
     for label, r in runs.items():
         where = r["placement"]
         print(f"{label}: layers resident/host/streamed {where['layers']}, embedding {where['embedding']}")

@@ -52,3 +52,17 @@ def test_a_small_run_breaks_each_step_into_the_engines_calls(bench, tiny_llama, 
     assert summary["steps"] == 2
     assert sum(summary["parts"].values()) == pytest.approx(summary["wall_seconds"])
     assert all(v >= 0 for k, v in summary["parts"].items() if not k.startswith("rest"))
+
+
+def test_a_run_with_no_decode_step_summarizes_its_prefill_alone(bench, tiny_llama, monkeypatch, capsys):
+    """A prompt that fills the checkpoint's positions (2047 tokens of 2048) gets its one token from the prefill: the
+    report holds the prefill and says there was no decode step."""
+    from peer_engines import Workload
+
+    clock = bench.KindClock()
+    bench.instrument(clock, monkeypatch.setattr)
+    run = bench.profile(tiny_llama, None, Workload(prompts=1, prompt_tokens=8, new_tokens=1), 0, clock)
+    assert [s["kind"] for s in run["steps"]] == ["prefill"]
+    summary = bench.summaries({"every weight in RAM": run}, 1)
+    assert list(summary) == ["prefill"] and summary["prefill"]["every weight in RAM"]["steps"] == 1
+    assert "no decode step" in capsys.readouterr().out

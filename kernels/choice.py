@@ -62,11 +62,11 @@ MAX_SWITCHES = 2
 # row counts a product is timed at for one matrix shape
 SHAPE_ROWS = {"int4": (1, 4, 8, 16, 32, 64, 128, 256), "bf16": (1, 4, 8, 16, 32, 64, 256), "logits": (1, 16, 64, 256)}
 # what OFFLOAD_KERNELS=native takes: kernel -> ((from rows, path), ...), the fixed thresholds native.py measured on
-# 2 threads of a Zen 4 EPYC (benchmarks/results/native_cpu.json there)
+# 2 threads of a Zen 4 EPYC (benchmarks/results/native_cpu.json there; prompts' attention native at every length since
+# a group's query heads share each key row: native_cpu-epyc.json)
 UNMEASURED: dict[str, tuple[tuple[int, str], ...]] = {
     "int4": ((1, NATIVE), (256, DENSE)),
     "bf16": ((1, NATIVE), (17, TORCH)),
-    "prompt_attention": ((1, NATIVE), (1025, TORCH)),
 }
 
 

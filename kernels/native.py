@@ -218,6 +218,9 @@ def bf16_mm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.bfl
     return y
 
 
+ATTENTION_MAX_GROUP = 128  # kernels/csrc/decode_attention.c's MAX_GROUP
+
+
 @functools.cache
 def _decode_attention() -> ctypes._CFuncPtr | None:
     return bind(
@@ -229,7 +232,7 @@ def _decode_attention() -> ctypes._CFuncPtr | None:
 
 def decode_attention_fits(q: torch.Tensor, k_cache: object, v_cache: object) -> bool:
     """Whether `decode_attention` attends these: bfloat16 queries and plain bfloat16 caches on the CPU, heads of a
-    multiple of 32 up to 256."""
+    multiple of 32 up to 256, at most ATTENTION_MAX_GROUP query heads a KV head."""
     if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
         return False  # a quantized cache (kv_quant.QuantizedKV) dequantizes its blocks elsewhere
     d, hq, hkv = q.shape[-1], q.shape[1], k_cache.shape[2]
@@ -242,6 +245,7 @@ def decode_attention_fits(q: torch.Tensor, k_cache: object, v_cache: object) -> 
         and d % 32 == 0
         and d <= 256
         and hq % hkv == 0
+        and hq // hkv <= ATTENTION_MAX_GROUP
         and _decode_attention() is not None
     )
 
@@ -267,7 +271,8 @@ def decode_attention(
     block_size, hkv = k_cache.shape[1:3]
     out = torch.empty_like(q)
     threads = torch.get_num_threads()
-    scores = torch.empty(threads * max(max_len, 1), dtype=torch.float32)  # a query head's scores per thread
+    # each query head's scores of a KV head's group, per thread
+    scores = torch.empty(threads * (hq // hkv) * max(max_len, 1), dtype=torch.float32)
     tables = tables.to(torch.int32).contiguous()
     if picks is not None:
         picks, npicks = picks.to(torch.int32).contiguous(), npicks.to(torch.int32).contiguous()

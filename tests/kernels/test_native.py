@@ -215,7 +215,7 @@ def _dense_attention(q, k, v, batch, scale: float, window: int | None) -> torch.
 
 @needs_native
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize(("heads", "d"), [(9, 64), (8, 128), (2, 32)])
+@pytest.mark.parametrize(("heads", "d"), [(9, 64), (8, 128), (2, 32), (12, 64), (4, 256)])
 @pytest.mark.parametrize("block_size", [16, 7])
 def test_decode_attention_reads_the_paged_cache_as_dense_attention_would(window, heads: int, d: int, block_size: int):
     """Lengths around block edges, shorter and longer than the window, shuffled blocks (of a size that is not a
@@ -224,7 +224,7 @@ def test_decode_attention_reads_the_paged_cache_as_dense_attention_would(window,
     from offload.kernels.paged_attention import _attend_single_queries, paged_attention_ref
 
     gen = torch.Generator().manual_seed(heads + d)
-    hkv = 1 if heads == 2 else heads // 3 if heads == 9 else 2
+    hkv = 1 if heads == 2 else heads // 3 if heads == 9 else 2  # groups of 2, 3, 4, 6, 2
     k, v, batch = _paged([37, 160, 5, 16, 17, 1], block_size, gen, hkv, d)
     q = torch.randn(len(batch.context_lens), heads, d, generator=gen).to(torch.bfloat16)
     exact = _dense_attention(q, k, v, batch, d**-0.5, window)
@@ -234,6 +234,26 @@ def test_decode_attention_reads_the_paged_cache_as_dense_attention_would(window,
     _attend_single_queries(q, k, v, batch, list(range(len(batch.context_lens))), d**-0.5, window, torch_path)
     worst = (torch_path.double() - exact).abs().max()
     assert (got.double() - exact).abs().max() <= max(worst, exact.abs().max() * 2.0**-8)
+
+
+@needs_native
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 4, 64), (6, 1, 64), (9, 3, 64), (8, 2, 128), (4, 2, 256)])
+def test_decode_attention_gives_a_query_head_the_bits_it_gets_alone(hq: int, hkv: int, d: int):
+    """The query heads sharing a KV head read each key and value row together (a few heads' sums at a time): every
+    head's output is bit for bit the one it gets as the only head of its KV head, whatever the group's size."""
+    gen = torch.Generator().manual_seed(hq * d)
+    k, v, batch = _paged([37, 160, 5, 16, 17, 1], 16, gen, hkv, d)
+    q = torch.randn(len(batch.context_lens), hq, d, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor(batch.context_lens, dtype=torch.int32)
+    args = (batch.block_tables, lens, torch.zeros_like(lens), d**-0.5, 160)
+    grouped = native.decode_attention(q, k, v, *args)
+    group = hq // hkv
+    for h in range(hq):
+        kv = h // group
+        alone = native.decode_attention(
+            q[:, h : h + 1], k[:, :, kv : kv + 1].contiguous(), v[:, :, kv : kv + 1].contiguous(), *args
+        )
+        assert torch.equal(grouped[:, h : h + 1], alone), h
 
 
 @needs_native

@@ -254,6 +254,9 @@ def test_decode_attention_gives_a_query_head_the_bits_it_gets_alone(hq: int, hkv
             q[:, h : h + 1], k[:, :, kv : kv + 1].contiguous(), v[:, :, kv : kv + 1].contiguous(), *args
         )
         assert torch.equal(grouped[:, h : h + 1], alone), h
+    one = k[:, :, :1].contiguous()
+    many = torch.zeros(1, native.ATTENTION_MAX_GROUP + 1, d, dtype=torch.bfloat16)
+    assert native.decode_attention_fits(many[:, :-1], one, one) and not native.decode_attention_fits(many, one, one)
 
 
 @needs_native

@@ -105,9 +105,10 @@ class Choices:
     def describe(self, name: str) -> str:
         """e.g. "torch 1-7, native 8-127, dense from 128": the row ranges each path takes."""
         ranges = split(self.timings[name], name in ONE_PATH)
-        ends = [start - 1 for start, _ in ranges[1:]]
-        parts = [f"{p} {start}-{end}" for (start, p), end in zip(ranges, ends, strict=False)]
-        return ranges[0][1] if len(ranges) == 1 else ", ".join([*parts, f"{ranges[-1][1]} from {ranges[-1][0]}"])
+        if len(ranges) == 1:
+            return ranges[0][1]
+        parts = [f"{p} {start}-{end - 1}" for (start, p), (end, _) in itertools.pairwise(ranges)]
+        return ", ".join([*parts, f"{ranges[-1][1]} from {ranges[-1][0]}"])
 
     def shown(self, name: str) -> bool:
         """Whether the summary names `name`'s timings: every kernel's own, but the products' only where this
@@ -132,8 +133,8 @@ def split(timings: tuple[Timing, ...], one: bool = False) -> tuple[tuple[int, st
     for switches in range(1 if one else min(MAX_SWITCHES, len(timings) - 1) + 1):
         for at in itertools.combinations(range(1, len(timings)), switches):
             for ways in itertools.permutations(paths, switches + 1):  # each path one range: no path twice
-                bounds = (0, *at, len(timings))
-                total = sum(cost(t, w) for w, a, b in zip(ways, bounds, bounds[1:], strict=False) for t in timings[a:b])
+                spans = itertools.pairwise((0, *at, len(timings)))
+                total = sum(cost(t, w) for w, (a, b) in zip(ways, spans, strict=True) for t in timings[a:b])
                 options.append((total, at, ways))
     best = min(total for total, _, _ in options)
     # of those within a near-tie of the least cost: the fewest switches, then the latest (a path change costs

@@ -127,12 +127,9 @@ def _product(x: torch.Tensor, w: torch.Tensor, float32: bool, dense_from: int = 
             return y
         if (fn := _mm()) is not None:
             record("gguf_linear", "native")
-            xsum = torch.empty(m * (k // BLOCK) if kind == "Q4_1" else 0)  # Q4_1's block sums, read by no other
-            xp = torch.empty(m * k if kind == "Q4_0" else 0, dtype=torch.bfloat16)  # Q4_0's rows as its pairs take them
-            fn(
-                x.data_ptr(), w.data_ptr(), TYPE_CODES[kind], y.data_ptr(), int(float32), m, n, k, xsum.data_ptr(),
-                xp.data_ptr(), torch.get_num_threads(),
-            )  # fmt: skip
+            threads = torch.get_num_threads()
+            if fn(x.data_ptr(), w.data_ptr(), TYPE_CODES[kind], y.data_ptr(), int(float32), m, n, k, threads):
+                raise MemoryError(f"gguf_mm: no memory for the scratch of {m} rows of {k} inputs")
             return y
     record("gguf_linear", "torch")
     n, k = w.shape[0], w.shape[1] * BLOCK
@@ -154,7 +151,7 @@ def _native_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 @functools.cache
 def _mm() -> ctypes._CFuncPtr | None:
-    return bind("gguf_blocks", "gguf_mm", [PTR, PTR, INT, PTR, INT, I64, I64, I64, PTR, PTR, INT])
+    return bind("gguf_blocks", "gguf_mm", [PTR, PTR, INT, PTR, INT, I64, I64, I64, INT], INT)
 
 
 @functools.cache

@@ -287,7 +287,7 @@ def decode_attention(
 
 @functools.cache
 def _int4_mm() -> ctypes._CFuncPtr | None:
-    return bind("int4_mm", "int4_mm_bf16", [PTR] * 4 + [I64] * 4 + [PTR, INT])
+    return bind("int4_mm", "int4_mm_bf16", [PTR] * 4 + [I64] * 4 + [INT], INT)
 
 
 @functools.cache
@@ -345,17 +345,7 @@ def int4_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: i
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if not m:
         return y
-    xsum = torch.empty(m * (k // group), dtype=torch.float32)
-    _int4_mm()(
-        x.data_ptr(),
-        codes.data_ptr(),
-        scales.data_ptr(),
-        y.data_ptr(),
-        m,
-        n,
-        k,
-        group,
-        xsum.data_ptr(),
-        torch.get_num_threads(),
-    )
+    threads = torch.get_num_threads()
+    if _int4_mm()(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k, group, threads):
+        raise MemoryError(f"int4_mm: no memory for the sums of {m} rows' inputs")
     return y

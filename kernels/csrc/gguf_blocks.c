@@ -10,6 +10,7 @@
  * registers), each by one thread: the same bits on any team.
  */
 #include "gguf_block.h"
+#include "scratch.h"
 #include "team.h"
 
 #define RB 4 /* rows whose sums stay in registers together */
@@ -130,12 +131,19 @@ static inline __attribute__((always_inline)) void features(const uint16_t *x, co
     }
 }
 
-/* x: [m, k] bf16; w: [n, k / 32] blocks of `type`; y: [m, n] float32 (f32out) or bf16; xsum: scratch [m, k / 32]
- * float32 (Q4_1's sums of each block's inputs; no other type reads it); xp: scratch [m, k] bf16 (Q4_0's rows as its
- * pairs take them; no other type reads it); threads: OpenMP threads (torch's count). k % 32 == 0. */
-void gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out, int64_t m, int64_t n, int64_t k,
-             float *xsum, uint16_t *xp, int threads) {
+/* x: [m, k] bf16; w: [n, k / 32] blocks of `type`; y: [m, n] float32 (f32out) or bf16; threads: OpenMP threads
+ * (torch's count). k % 32 == 0. Returns 0, or -1 where the heap had no room for the scratch (scratch.h). */
+int gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out, int64_t m, int64_t n, int64_t k,
+             int threads) {
     const int64_t nb = k / QK, row = nb * BLOCK_BYTES[type];
+    /* Q4_1: [m, k / 32] float32, the sums of each block's inputs; Q4_0: [m, k] bf16, its rows as its pairs take
+     * them; Q8_0: none */
+    const size_t bytes = type == Q4_1 ? sizeof(float) * m * nb : type == Q4_0 ? sizeof(uint16_t) * m * k : 0;
+    _Alignas(64) unsigned char stack[STACK_SCRATCH];
+    void *heap = NULL, *rows = scratch(stack, bytes, &heap);
+    if (rows == NULL && bytes > 0) return -1;
+    float *xsum = rows;
+    uint16_t *xp = rows;
     if (type == Q4_1)
         for (int64_t i = 0; i < m * nb; i++) {
             const uint16_t *xp = x + (i / nb) * k + (i % nb) * QK;
@@ -158,6 +166,8 @@ void gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out,
         team_share_done(&t);
     }
     team_end(&t);
+    free(heap);
+    return 0;
 }
 
 /* W [n, k] in bfloat16 from blocks of `type`: each value in float32 (Q4_0: d (q - 8), Q8_0: d q, both exact; Q4_1:

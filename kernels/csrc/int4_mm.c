@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "scratch.h"
 #include "team.h"
 
 #define UNIT 16 /* output features of one nibble of a unit's 16 bytes */
@@ -63,11 +64,15 @@ static inline __attribute__((always_inline)) void chunk_rows(const __m512i *lo, 
 }
 
 /* x: [m, k] bf16; codes: [n / 64, k, 32] bytes; sz: [k / group, n, 2] bf16 (scale, zero); y: [m, n] bf16;
- * xsum: scratch [m, k / group] float32; threads: OpenMP threads (torch's count). n % 64 == 0, group % 32 == 0,
- * k % group == 0. */
-void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, uint16_t *y, int64_t m, int64_t n,
-                  int64_t k, int64_t group, float *xsum, int threads) {
+ * threads: OpenMP threads (torch's count). n % 64 == 0, group % 32 == 0, k % group == 0. Returns 0, or -1 where
+ * the heap had no room for the scratch (scratch.h). */
+int int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, uint16_t *y, int64_t m, int64_t n,
+                  int64_t k, int64_t group, int threads) {
     const int64_t groups = k / group;
+    _Alignas(64) unsigned char stack[STACK_SCRATCH];
+    void *heap = NULL;
+    float *xsum = scratch(stack, sizeof(float) * m * groups, &heap); /* [m, groups]: each group's sum of inputs */
+    if (xsum == NULL) return -1;
     /* serial: a few thousand values, where a second parallel region would cost another barrier; 16 at a time, their
      * lanes summed in a tree */
     for (int64_t i = 0; i < m * groups; i++) {
@@ -145,6 +150,8 @@ void int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, u
         team_share_done(&t);
     }
     team_end(&t);
+    free(heap);
+    return 0;
 }
 
 /* W [n, k] in bfloat16 from int4 codes in torch's CPU packing: w = (q - 8) * scale + zero in float32 (one fused

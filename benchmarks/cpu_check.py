@@ -13,8 +13,9 @@ and, on a CPU with AMX tiles, the prompt at 60% or more of the GEMM rate, int4 a
 and at batch 1 at 1x or more. On a CPU without AMX the last three are measured and shown, not judged.
 
 Results: RESULTS/cpu_check-TAG-STEP.json and the verdicts in RESULTS/cpu_check-TAG.json, TAG naming the CPU
-("epyc", "xeon-amx"); each step's output in RESULTS/cpu_check-TAG-STEP.log. The suite runs the last commit, as CI
-does. Exit status 1 where a goal judged here is not met.
+("epyc", "xeon-amx"); each step's output in RESULTS/cpu_check-TAG-STEP.log. The verdicts are of the steps that
+ran: a run of some steps replaces a whole run's file unless --tag names it apart. The suite runs the last commit, as
+CI does. Exit status 1 where a goal judged here is not met.
 """
 
 from __future__ import annotations

@@ -171,10 +171,16 @@ def verdicts(results: Path, tag: str, amx: bool, runs: dict[str, dict]) -> list[
         path = results / f"cpu_check-{tag}-{step}.json"
         if ran["exit"] != 0 or not path.is_file():
             ended = "timed out" if ran["exit"] == 124 else f"exit {ran['exit']}"
-            found.append(Verdict(f"{step} runs", f"{ended}; see the log", False, ran["log"]))
+            found.append(Verdict(f"{step} runs", f"{ended}: {last_line(Path(ran['log']))}", False, ran["log"]))
         else:
             found.extend(judge(json.loads(path.read_text()), str(path), amx))
     return found
+
+
+def last_line(log: Path) -> str:
+    """A step's last words (its error, where it failed), or "no output"."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.is_file() else []
+    return lines[-1] if lines else "no output"
 
 
 def table(found: list[Verdict]) -> str:

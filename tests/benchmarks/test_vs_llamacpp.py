@@ -62,3 +62,13 @@ def test_a_quick_run_times_every_engine_on_the_same_prompts(bench, smollm2_gguf:
         (p["engine"], p["batch"]): [t[0] for t in p["token_ids"]] for p in report["processes"] if p["setting"] == "ram"
     }
     assert firsts["ours int4", 4] == firsts["llama.cpp", 4] and firsts["ours int4", 1] == firsts["llama.cpp", 1]
+
+
+def test_without_llama_cpp_python_it_says_how_to_install_it(bench, smollm2_gguf: Path, monkeypatch, tmp_path: Path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(SystemExit, match="llama-cpp-python is not installed: .*pip install llama-cpp-python"):
+        bench.main(["--quick", "--work-dir", str(tmp_path), "--out", str(tmp_path / "out.json")])
+    assert not (tmp_path / "out.json").exists()

@@ -134,7 +134,7 @@ static inline __attribute__((always_inline)) void features(const uint16_t *x, co
 /* x: [m, k] bf16; w: [n, k / 32] blocks of `type`; y: [m, n] float32 (f32out) or bf16; threads: OpenMP threads
  * (torch's count). k % 32 == 0. Returns 0, or -1 where the heap had no room for the scratch (scratch.h). */
 int gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out, int64_t m, int64_t n, int64_t k,
-             int threads) {
+            int threads) {
     const int64_t nb = k / QK, row = nb * BLOCK_BYTES[type];
     /* Q4_1: [m, k / 32] float32, the sums of each block's inputs; Q4_0: [m, k] bf16, its rows as its pairs take
      * them; Q8_0: none */
@@ -146,8 +146,8 @@ int gguf_mm(const uint16_t *x, const uint8_t *w, int type, void *y, int f32out, 
     uint16_t *xp = rows;
     if (type == Q4_1)
         for (int64_t i = 0; i < m * nb; i++) {
-            const uint16_t *xp = x + (i / nb) * k + (i % nb) * QK;
-            xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_load(xp, 0xFFFF), bf16x16_load(xp + 16, 0xFFFF)));
+            const uint16_t *xb = x + (i / nb) * k + (i % nb) * QK;
+            xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16_load(xb, 0xFFFF), bf16x16_load(xb + 16, 0xFFFF)));
         }
     if (type == Q4_0) pair_inputs(x, m, k, xp), x = xp;
     const __m512i lut = nibble_table(type);

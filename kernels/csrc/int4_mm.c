@@ -67,7 +67,7 @@ static inline __attribute__((always_inline)) void chunk_rows(const __m512i *lo, 
  * threads: OpenMP threads (torch's count). n % 64 == 0, group % 32 == 0, k % group == 0. Returns 0, or -1 where
  * the heap had no room for the scratch (scratch.h). */
 int int4_mm_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *sz, uint16_t *y, int64_t m, int64_t n,
-                  int64_t k, int64_t group, int threads) {
+                 int64_t k, int64_t group, int threads) {
     const int64_t groups = k / group;
     _Alignas(64) unsigned char stack[STACK_SCRATCH];
     void *heap = NULL;

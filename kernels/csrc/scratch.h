@@ -7,7 +7,7 @@
 
 #include <stdlib.h>
 
-#define STACK_SCRATCH 16384 /* bytes: four rows' block sums of a 4096-wide input, one Q4_0 row of 8192 */
+#define STACK_SCRATCH 16384 /* bytes: the block sums of 32 rows of 4096 inputs; Q4_0's pairs' inputs of 2 such rows */
 
 /* `bytes` of scratch: `stack` (STACK_SCRATCH bytes of the caller's frame) where they fit, else memory the caller
  * gives back with free(*heap) (NULL where nothing was allocated, which free ignores); NULL where the heap has none,

@@ -226,7 +226,8 @@ def _decode_attention() -> ctypes._CFuncPtr | None:
     return bind(
         "decode_attention",
         "decode_attention_bf16",
-        [PTR] * 4 + [I64] + [PTR] * 3 + [I64] * 5 + [F32, PTR, I64, INT, PTR, PTR, I64],
+        [PTR] * 4 + [I64] + [PTR] * 3 + [I64] * 5 + [F32, I64, INT, PTR, PTR, I64],
+        INT,
     )
 
 
@@ -270,18 +271,17 @@ def decode_attention(
     n, hq, d = q.shape
     block_size, hkv = k_cache.shape[1:3]
     out = torch.empty_like(q)
-    threads = torch.get_num_threads()
-    # each query head's scores of a KV head's group, per thread
-    scores = torch.empty(threads * (hq // hkv) * max(max_len, 1), dtype=torch.float32)
     tables = tables.to(torch.int32).contiguous()
     if picks is not None:
         picks, npicks = picks.to(torch.int32).contiguous(), npicks.to(torch.int32).contiguous()
-    _decode_attention()(
+    failed = _decode_attention()(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-        lens.data_ptr(), starts.data_ptr(), out.data_ptr(), n, hq, hkv, d, block_size, scale, scores.data_ptr(),
-        max(max_len, 1), threads, None if picks is None else picks.data_ptr(),
+        lens.data_ptr(), starts.data_ptr(), out.data_ptr(), n, hq, hkv, d, block_size, scale, max(max_len, 1),
+        torch.get_num_threads(), None if picks is None else picks.data_ptr(),
         None if picks is None else npicks.data_ptr(), 0 if picks is None else picks.shape[1],
     )  # fmt: skip
+    if failed:
+        raise MemoryError(f"decode_attention: no memory for the scores of {hq // hkv} heads over {max_len} positions")
     return out
 
 

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "scratch.h"
 #include "simd.h"
 #include "team.h"
 
@@ -161,13 +162,17 @@ static inline __attribute__((always_inline)) void attend(const job *j, int64_t t
 /* q: [n, hq, d] bf16, the queries in their sequences' order; k, v: [blocks, block_size, hkv, d] bf16; tables:
  * [n, width] int32 block ids; lens: [n] int32 context lengths (the query at lens - 1); starts: [n] int32 first
  * position attended (a window's start, else 0); picks: NULL or [n, pick_width] int32 positions a row attends after
- * its range, npicks: [n] int32 how many; out: [n, hq, d] bf16; scores: scratch of threads * hq / hkv * max_len floats, max_len
- * the most positions a row attends, per query head of a group. d % 32 == 0, d <= MAX_DIM, hq / hkv <= MAX_GROUP. */
-void decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,
-                           int64_t width, const int32_t *lens, const int32_t *starts, uint16_t *out, int64_t n,
-                           int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale, float *scores,
-                           int64_t max_len, int threads, const int32_t *picks, const int32_t *npicks,
-                           int64_t pick_width) {
+ * its range, npicks: [n] int32 how many; out: [n, hq, d] bf16; max_len: the most positions a row attends (at least
+ * 1). d % 32 == 0, d <= MAX_DIM, hq / hkv <= MAX_GROUP. Returns 0, or -1 where the heap had no room for the scores
+ * (scratch.h). */
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,
+                          int64_t width, const int32_t *lens, const int32_t *starts, uint16_t *out, int64_t n,
+                          int64_t hq, int64_t hkv, int64_t d, int64_t block_size, float scale, int64_t max_len,
+                          int threads, const int32_t *picks, const int32_t *npicks, int64_t pick_width) {
+    _Alignas(64) unsigned char stack[STACK_SCRATCH];
+    void *heap = NULL; /* each thread's scores of every query head of a group */
+    float *scores = scratch(stack, sizeof(float) * threads * (hq / hkv) * max_len, &heap);
+    if (scores == NULL) return -1;
     const job j = {q,  k,   v, tables,     lens,    starts,     picks, npicks, out,
                    scores, width, hq, hkv, d, block_size, max_len, pick_width, scale};
     team t = team_begin(threads);
@@ -185,4 +190,6 @@ void decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
         team_share_done(&t);
     }
     team_end(&t);
+    free(heap);
+    return 0;
 }

@@ -1,7 +1,7 @@
-/* Memory a kernel needs only during its call (sums of a row's inputs, inputs rearranged): on the calling thread's
- * stack where it fits, which a decode step's few rows do, else from the heap. Allocating it in Python as a tensor
- * cost about 1 us a buffer, of a one-row product of 10-20 us on the small matrices of a 135M model (2-core AMD EPYC).
- * A kernel's OpenMP threads share the caller's frame, so they read it there. */
+/* Memory a kernel needs only during its call (sums of a row's inputs, inputs rearranged, attention scores): on the
+ * calling thread's stack where it fits, which a decode step's few rows do, else from the heap. Allocating it in
+ * Python as a tensor cost about 1 us a buffer, of a one-row product of 10-20 us on the small matrices of a 135M model
+ * (2-core AMD EPYC). A kernel's OpenMP threads share the caller's frame, so they read it there. */
 #ifndef OFFLOAD_SCRATCH_H
 #define OFFLOAD_SCRATCH_H
 

@@ -32,12 +32,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench_common import cpuinfo, host, timestamp, write_report
+from native_cpu import TAKEN_AT_LEAST
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = ("suite", "kernels", "prompt", "llamacpp")
 LIMIT_S = {"suite": 5400, "kernels": 1800, "prompt": 1800, "llamacpp": 2700}  # each step's bound, seconds
-TAKEN_AT_LEAST = 0.97  # every path taken against the other's time at the same rows
 PROMPT_OF_GEMM = 0.60  # on AMX
 LLAMACPP_AT_LEAST = {16: 3.0, 1: 1.0}  # batch -> this engine's int4 over llama.cpp's tokens/s, on AMX
 
@@ -136,22 +136,25 @@ def judge_prompt(report: dict, source: str, amx: bool) -> list[Verdict]:
 
 
 def judge_llamacpp(report: dict, source: str, amx: bool) -> list[Verdict]:
+    def in_ram(engine: str, batch: int) -> dict | None:
+        rows = (r for r in report["rows"] if (r["engine"], r["setting"], r["batch"]) == (engine, "ram", batch))
+        return next(rows, None)
+
     verdicts = []
     for batch, at_least in LLAMACPP_AT_LEAST.items():
-        row = next(
-            (r for r in report["rows"] if (r["engine"], r["setting"], r["batch"]) == ("ours int4", "ram", batch)), None
-        )
+        row, peer = in_ram("ours int4", batch), in_ram("llama.cpp", batch)
         goal = f"int4 at batch {batch} >= {at_least:g}x llama.cpp (AMX)"
-        if row is None or row["status"] != "ok" or row.get("vs_llama_cpp") is None:
-            got = "not run" if row is None else f"{row['status']}"
-            verdicts.append(Verdict(goal, got, False if amx and row is not None else None, source))
-            continue
-        peer = next(r for r in report["rows"] if (r["engine"], r["setting"], r["batch"]) == ("llama.cpp", "ram", batch))
-        measured = (
-            f"{row['vs_llama_cpp']:.2f}x ({row['tokens_per_second']:.1f} against {peer['tokens_per_second']:.1f} "
-            f"tokens/s; llama.cpp repacking: {report.get('llama_cpp_repack') or 'default'})"
-        )
-        verdicts.append(Verdict(goal, measured, row["vs_llama_cpp"] >= at_least if amx else None, source))
+        if row is None or peer is None:
+            verdicts.append(Verdict(goal, "not run", None, source))
+        elif row["status"] != "ok" or peer["status"] != "ok":
+            failed = f"ours: {row['status']}; llama.cpp: {peer['status']}"
+            verdicts.append(Verdict(goal, failed, False if amx else None, source))
+        else:
+            measured = (
+                f"{row['vs_llama_cpp']:.2f}x ({row['tokens_per_second']:.1f} against {peer['tokens_per_second']:.1f} "
+                f"tokens/s; llama.cpp repacking: {report.get('llama_cpp_repack') or 'default'})"
+            )
+            verdicts.append(Verdict(goal, measured, row["vs_llama_cpp"] >= at_least if amx else None, source))
     return verdicts
 
 

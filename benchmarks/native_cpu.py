@@ -49,6 +49,7 @@ BF16_ROWS = (1, 2, 4, 8, 16)
 ATTENTION = ((1, 160), (16, 160), (1, 1024), (16, 1024))  # (sequences, context)
 PROMPTS = ((16, 128), (4, 512), (1, 2048))  # (sequences, prompt tokens)
 ROW_OPS_ROWS = (16, 2048)
+TAKEN_AT_LEAST = 0.97  # the bound every taken path must meet against the best other (benchmarks/cpu_check.py)
 
 
 def cold_copies(make, nbytes: int, cold_bytes: int) -> list:
@@ -194,9 +195,9 @@ def print_table(rows: list[dict]) -> None:
             f"{r['speedup']:>7.2f}x {r['native_gb_per_s']:>6.1f}  {r['taken']:<6} {r['taken_vs_other']:>7.2f}x"
         )
     worst = min(rows, key=lambda r: r["taken_vs_other"])
-    below = sum(r["taken_vs_other"] < 0.97 for r in rows)
+    below = sum(r["taken_vs_other"] < TAKEN_AT_LEAST for r in rows)
     print(f"worst taken path: {worst['kernel']} at {worst['rows']} rows, {worst['taken_vs_other']:.2f}x the best other")
-    print(f"rows whose taken path is below 0.97x the best other: {below} of {len(rows)}")
+    print(f"rows whose taken path is below {TAKEN_AT_LEAST}x the best other: {below} of {len(rows)}")
 
 
 def rechoose(file: Path) -> None:

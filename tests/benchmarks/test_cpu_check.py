@@ -51,6 +51,9 @@ def test_the_amx_goals_are_judged_only_on_amx(check):
     report, source = recorded("vs_llamacpp-xeon-amx.json")  # batch 1 at 0.85x there
     assert [v.met for v in check.judge_llamacpp(report, source, amx=True)] == [True, False]
     assert [v.met for v in check.judge_llamacpp(report, source, amx=False)] == [None, None]
+    died = [r | {"status": "failed: signal 11"} if r["engine"] == "llama.cpp" else r for r in report["rows"]]
+    batch16, _ = check.judge_llamacpp(report | {"rows": died}, source, amx=True)
+    assert batch16.met is False and batch16.measured == "ours: ok; llama.cpp: failed: signal 11"
 
 
 def test_a_step_that_fails_or_runs_past_its_bound_fails_its_goal_and_the_exit_status(check, tmp_path, monkeypatch):
